@@ -1,0 +1,1 @@
+"""Command implementations for the ``rootopt`` CLI (top layer: may import any component)."""
