@@ -89,3 +89,59 @@ def check_stability(
                     f"local max {pc:.4f} at x={xc:.3f} exceeds upper fixed point {fp:.4f}",
                 )
     return StabilityReport(True, peak, lo, "ok")
+
+
+def verify_schedule(
+    schedule: Sequence[Coeff],
+    *,
+    delta: float = DEFAULT_DELTA,
+    prefix_bound: float | None = None,
+    grid: int = 20001,
+) -> StabilityReport:
+    """:func:`check_stability` plus a refined search for the extrema, and (optionally) a
+    bound on every partial composition.
+
+    The uniform grid can step over a narrow peak of a steep composition (slopes of
+    thousands near 0), so the extrema are also searched on a geometric grid of
+    ``[1e-8, 1]`` and refined around every grid-local maximum near the bound (and minimum
+    near 0) by a fine local grid. With ``prefix_bound`` each partial composition
+    ``p_k ∘ … ∘ p_1`` (k < K) must also stay in ``[0, prefix_bound]``: every intermediate
+    iterate is then bounded too (Polar Express and CANS overshoot to ≈1.99 after their
+    first step by design).
+    """
+    base = check_stability(schedule, delta=delta, grid=grid)
+    if not base.stable:
+        return base
+    x = np.unique(np.concatenate([np.linspace(0.0, 1.0, grid), np.geomspace(1e-8, 1.0, grid)]))
+    K = len(schedule)
+    which = range(K) if prefix_bound is not None else [K - 1]
+    peak, lo = base.peak, base.minimum
+    t = np.linspace(0.0, 1.0, 201)
+    for k in which:
+        y = apply_schedule(schedule[: k + 1], x)
+        bound = 1 + delta if k == K - 1 else float(prefix_bound or 0.0)
+        # Grid-local maxima near the bound and minima near 0: refine each on a 201-point
+        # grid between its neighbours (one vectorised evaluation).
+        mid, left, right = y[1:-1], y[:-2], y[2:]
+        near = ((mid >= left) & (mid >= right) & (mid > bound - 0.1)) | (
+            (mid <= left) & (mid <= right) & (mid < 0.05)
+        )
+        idx = np.flatnonzero(near) + 1
+        allv = y
+        if idx.size:
+            xf = x[idx - 1, None] + (x[idx + 1] - x[idx - 1])[:, None] * t[None, :]
+            allv = np.concatenate([y, apply_schedule(schedule[: k + 1], xf).ravel()])
+        if not np.all(np.isfinite(allv)):
+            return StabilityReport(False, float("inf"), lo, f"partial composition {k + 1} is not finite")
+        pk, mk = float(allv.max()), float(allv.min())
+        if k == K - 1:
+            peak, lo = max(peak, pk), min(lo, mk)
+        if pk > bound:
+            return StabilityReport(
+                False, max(peak, pk), lo, f"composition of {k + 1} steps peaks at {pk:.4f} > {bound:.4g}"
+            )
+        if mk < 0:
+            return StabilityReport(
+                False, peak, min(lo, mk), f"composition of {k + 1} steps goes negative ({mk:.4g})"
+            )
+    return StabilityReport(True, peak, lo, "ok")
