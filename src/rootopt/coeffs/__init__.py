@@ -89,8 +89,10 @@ def resolve(spec: CoefficientSpec, rows: int, cols: int, steps: int) -> Schedule
         sched = _PROVIDERS[spec](rows, cols, steps)
     elif callable(spec):
         sched = tuple(_as_coeff(t) for t in spec(rows, cols, steps))
-    elif isinstance(spec, Sequence) and len(spec) > 0 and all(
-        isinstance(v, (int, float)) for v in spec
+    elif (
+        isinstance(spec, Sequence)
+        and len(spec) > 0
+        and all(isinstance(v, (int, float)) for v in spec)
     ):
         sched = (_as_coeff(spec),) * steps
     else:
