@@ -93,7 +93,7 @@ def abs_quantile(M: Tensor, q: float) -> Tensor:
     if n == 0:
         raise ValueError("abs_quantile of an empty matrix")
     pos = q * (n - 1)
-    lo = min(int(math.floor(pos)), n - 1)
+    lo = min(math.floor(pos), n - 1)
     frac = pos - lo
     v_lo = torch.kthvalue(x, lo + 1, dim=-1, keepdim=True).values
     if frac == 0.0 or lo + 1 >= n:
@@ -172,7 +172,8 @@ def robust_scale(
     S = U * sigma.reshape(U.shape)
     dims = (-2, -1)
     ratio = U.norm(dim=dims, keepdim=True) / S.norm(dim=dims, keepdim=True).clamp_min(1e-30)
-    return S * ratio
+    scaled: Tensor = S * ratio
+    return scaled
 
 
 # ---------------------------------------------------------------------------------------
