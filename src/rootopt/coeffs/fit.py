@@ -252,7 +252,7 @@ def _lbfgs(problem: _Problem, x0: np.ndarray, *, single: bool, max_iter: int) ->
             tolerance_grad=1e-10, tolerance_change=1e-12,
         )
 
-        def closure(lam: float = lam) -> torch.Tensor:
+        def closure(lam: float = lam, opt: torch.optim.LBFGS = opt) -> torch.Tensor:
             opt.zero_grad()
             s = expand(p)
             loss = problem.objective(s) + lam * problem.penalty(s, extra)
@@ -393,23 +393,22 @@ def fit_coefficients(
             x = _lbfgs(problem, np.array(s0).reshape(-1), single=False, max_iter=cfg.max_iter)
             rep = _repair(_as_schedule(x, K, False), s0, cfg, False)
             consider(rep, "schedule", name)
-        if cfg.mode == "auto" and single_best is not None and best is not None:
-            # The paper's form is kept when the schedule does not win.
-            if single_best[0] <= best[0]:
-                best = (single_best[0], single_best[1], "single", "fit")
+        # The paper's form (a single tuple) is kept when the schedule does not win.
+        if cfg.mode == "auto" and single_best is not None and best is not None and single_best[0] <= best[0]:
+            best = (single_best[0], single_best[1], "single", "fit")
     if best is None:
         raise RuntimeError(f"no stable schedule found for {rows}x{cols}")
-    v, sched, kind, start = best
+    v, sched, _kind, start = best
     if best_published is not None and best is best_published:
         start = f"{start} (published set kept: no fitted candidate beat it)"
-    rep = verify_schedule(sched, delta=cfg.delta, prefix_bound=cfg.prefix_bound)
+    final = verify_schedule(sched, delta=cfg.delta, prefix_bound=cfg.prefix_bound)
     return FitResult(
         rows=rows,
         cols=cols,
         schedule=sched,
         kind="single" if len(set(sched)) == 1 else "schedule",
         objective=v,
-        peak=rep.peak,
+        peak=final.peak,
         family_error=problem.family_errors(sched),
         config=cfg,
         warm_start=start,
