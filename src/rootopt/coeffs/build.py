@@ -30,7 +30,7 @@ from rootopt.coeffs.spectra import load_recorded
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / TABLE_FILE
 
 # The budget of the shipped table (a run-time fit uses a smaller one).
-TABLE_FIT: dict[str, Any] = {"per_family": 12, "max_dim": 256, "max_iter": 150}
+TABLE_FIT: dict[str, Any] = {"per_family": 10, "max_dim": 256, "max_iter": 100}
 
 
 def _package_version() -> str:

@@ -18,7 +18,9 @@ Constraints (hard). On a dense grid of ``σ ∈ [0, 1]`` (linear and geometric p
 K-fold composition must stay in ``[0, 1 + δ]``; every partial composition must stay in
 ``[0, prefix_bound]`` (default 2, which the published Polar Express and CANS schedules
 meet: their first step overshoots to ≈1.99 by design), so no intermediate iterate can
-blow up in low precision. A single repeated tuple must also have no local maximum above its
+blow up in low precision. Besides, the composition must map ``[0.3, 1]`` into ``[0.6, ∞)``
+(``plateau``): one dominant singular value barely moves a Frobenius average over
+thousands of values, but it must never be suppressed. A single repeated tuple must also have no local maximum above its
 upper fixed point. The optimiser sees the constraints as a quadratic penalty with a
 small margin; every candidate is then verified by
 :func:`rootopt.coeffs.stability.verify_schedule` and rejected or repaired (pulled back
@@ -50,7 +52,7 @@ from rootopt.coeffs.spectra import (
     quantiles,
     sample_spectra,
 )
-from rootopt.coeffs.stability import DEFAULT_DELTA, verify_schedule
+from rootopt.coeffs.stability import DEFAULT_DELTA, apply_schedule, verify_schedule
 
 # Bump when the objective, the spectra or the optimiser change what a fit returns.
 FITTER_VERSION = "1"
@@ -86,6 +88,10 @@ class FitConfig:
     prefix_bound: float | None = 2.0
     max_iter: int = 150
     margin: float = 0.01  # penalty aims at 1 + delta - margin; verification uses 1 + delta
+    # Plateau (lo, floor): the composition maps [lo, 1] into [floor, 1 + delta], so a
+    # dominant direction (one large singular value, invisible in a Frobenius average over
+    # thousands of values) is never suppressed. None disables it.
+    plateau: tuple[float, float] | None = (0.3, 0.6)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -107,6 +113,8 @@ class FitConfig:
         d = dict(d)
         mix = d.get("mix", DEFAULT_MIX)
         d["mix"] = tuple((str(k), float(v)) for k, v in dict(mix).items())
+        if d.get("plateau") is not None:
+            d["plateau"] = tuple(float(v) for v in d["plateau"])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -187,6 +195,9 @@ class _Problem:
         self.w = torch.from_numpy(w)
         self.famidx = torch.from_numpy(famidx)
         self.grid = torch.from_numpy(constraint_grid())
+        self.plateau_mask = (
+            self.grid >= cfg.plateau[0] if cfg.plateau is not None else torch.zeros_like(self.grid, dtype=torch.bool)
+        )
         self.cfg = cfg
         u = UNIT_ROUNDOFF[cfg.dtype]
         if u > 0:
@@ -233,6 +244,9 @@ class _Problem:
             y = torch.clamp(y, -10.0, 10.0)
             if k >= K - 1:
                 pen = pen + (torch.relu(y - hi) ** 2).sum() + (torch.relu(-y) ** 2).sum()
+                if cfg.plateau is not None:
+                    floor = cfg.plateau[1] + cfg.margin
+                    pen = pen + (torch.relu(floor - y[self.plateau_mask]) ** 2).sum()
             elif cfg.prefix_bound is not None:
                 pen = pen + (torch.relu(y - hi_pre) ** 2).sum() + (torch.relu(-y) ** 2).sum()
         return pen
@@ -286,10 +300,24 @@ def _warm_starts(K: int) -> dict[str, Schedule]:
     }
 
 
+def plateau_ok(schedule: Schedule, plateau: tuple[float, float] | None) -> bool:
+    """The composition maps ``[plateau[0], 1]`` into ``[plateau[1], inf)``."""
+    if plateau is None:
+        return True
+    x = np.linspace(plateau[0], 1.0, 4001)
+    return bool(apply_schedule(schedule, x).min() >= plateau[1])
+
+
+def _ok(s: Schedule, cfg: FitConfig) -> bool:
+    return verify_schedule(s, delta=cfg.delta, prefix_bound=cfg.prefix_bound).stable and plateau_ok(
+        s, cfg.plateau
+    )
+
+
 def _repair(candidate: Schedule, start: Schedule, cfg: FitConfig, single: bool) -> Schedule | None:
     """The candidate if it verifies, else the stable point closest to it on the way back."""
     def ok(s: Schedule) -> bool:
-        return verify_schedule(s, delta=cfg.delta, prefix_bound=cfg.prefix_bound).stable
+        return _ok(s, cfg)
 
     if ok(candidate):
         return candidate
@@ -344,9 +372,7 @@ def fit_coefficients(
     warm = _warm_starts(K)
     if starts is not None:
         warm = {k: v for k, v in warm.items() if k in starts}
-    stable_warm = {
-        k: s for k, s in warm.items() if verify_schedule(s, delta=cfg.delta, prefix_bound=cfg.prefix_bound).stable
-    }
+    stable_warm = {k: s for k, s in warm.items() if _ok(s, cfg)}
     best: tuple[float, Schedule, str, str] | None = None  # value, schedule, kind, start
     cands: dict[str, float] = {}
 
@@ -355,7 +381,7 @@ def fit_coefficients(
         if s is None:
             return
         s = _round_schedule(s)
-        if not verify_schedule(s, delta=cfg.delta, prefix_bound=cfg.prefix_bound).stable:
+        if not _ok(s, cfg):
             return
         v = value(s)
         cands[f"{kind}<-{start}"] = v
@@ -376,7 +402,7 @@ def fit_coefficients(
             rep = _repair(_as_schedule(x, K, True), start_s, cfg, True)
             if rep is not None:
                 rep = _round_schedule(rep)
-                if verify_schedule(rep, delta=cfg.delta, prefix_bound=cfg.prefix_bound).stable:
+                if _ok(rep, cfg):
                     v = value(rep)
                     cands[f"single<-{name}"] = v
                     if single_best is None or v < single_best[0]:
