@@ -123,6 +123,7 @@ def build_table(
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump(table, fh, indent=1)
         fh.write("\n")
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; the table is package data
     os.replace(tmp, out)
     return table
 

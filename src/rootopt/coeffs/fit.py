@@ -67,9 +67,9 @@ UNIT_ROUNDOFF: dict[str, float] = {
 }
 
 OBJECTIVE = (
-    "mix-weighted mean over sampled spectra of the relative Frobenius error "
-    "sqrt(mean_i (p_K(sigma_i) - 1)^2) of the K-fold scalar map on Frobenius-normalised "
-    "singular values"
+    "expected relative Frobenius error over the spectrum mix: mix-weighted mean over "
+    "families of the family's mean of sqrt(mean_i (p_K(sigma_i) - 1)^2), p_K the K-fold "
+    "scalar map on Frobenius-normalised singular values (options: balance, aggregate)"
 )
 
 
@@ -92,6 +92,16 @@ class FitConfig:
     # dominant direction (one large singular value, invisible in a Frobenius average over
     # thousands of values) is never suppressed. None disables it.
     plateau: tuple[float, float] | None = (0.3, 0.6)
+    # Balance the families (off by default): each family's mean error is divided by the
+    # best error a stable published schedule reaches on it (floor 1e-4), so the objective
+    # becomes the mix-weighted mean of "error relative to the best published schedule".
+    balance: bool = False
+    # How the families' (balanced) errors are combined: "mean" (mix-weighted mean: the
+    # expected error over the mix) or "softmax" (tau·log Σ_f w_f exp(r_f / tau), a soft
+    # maximum: the fit improves the family where it is furthest behind instead of trading
+    # it for a family where it is far ahead).
+    aggregate: Literal["mean", "softmax"] = "mean"
+    tau: float = 0.05
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -194,6 +204,13 @@ class _Problem:
         self.count = self.mask.sum(dim=1)
         self.w = torch.from_numpy(w)
         self.famidx = torch.from_numpy(famidx)
+        nf = len(self.famnames)
+        self.fam_count = torch.zeros(nf, dtype=torch.float64).index_add(
+            0, self.famidx, torch.ones(len(famidx), dtype=torch.float64)
+        )
+        fw = mix_weights(samples, dict(cfg.mix))
+        self.fam_w = torch.tensor([fw[f] for f in self.famnames], dtype=torch.float64)
+        self.ref = torch.ones(nf, dtype=torch.float64)
         self.grid = torch.from_numpy(constraint_grid())
         self.plateau_mask = (
             self.grid >= cfg.plateau[0] if cfg.plateau is not None else torch.zeros_like(self.grid, dtype=torch.bool)
@@ -215,12 +232,26 @@ class _Problem:
                 y = y * self.noise[k]
             a, b, c = sched[k, 0], sched[k, 1], sched[k, 2]
             y2 = y * y
-            y = y * (a + y2 * (b + c * y2))
+            # Clamped so a wild line-search trial gives a large finite loss, not inf/NaN.
+            y = torch.clamp(y * (a + y2 * (b + c * y2)), -10.0, 10.0)
         se = ((y - 1.0) ** 2 * self.mask).sum(dim=1) / self.count
         return torch.sqrt(se + 1e-30)
 
+    def balance(self, ref: Mapping[str, float]) -> None:
+        """Divide each family's error by its reference error (see ``FitConfig.balance``)."""
+        self.ref = torch.tensor([ref[f] for f in self.famnames], dtype=torch.float64)
+
+    def family_means(self, sched: torch.Tensor) -> torch.Tensor:
+        e = self.per_spectrum(sched)
+        tot = torch.zeros(len(self.famnames), dtype=torch.float64).index_add(0, self.famidx, e)
+        return tot / self.fam_count
+
     def objective(self, sched: torch.Tensor) -> torch.Tensor:
-        return (self.per_spectrum(sched) * self.w).sum()
+        r = self.family_means(sched) / self.ref
+        if self.cfg.aggregate == "mean":
+            return (self.fam_w * r).sum()
+        tau = self.cfg.tau
+        return tau * torch.logsumexp(torch.log(self.fam_w) + r / tau, dim=0)
 
     def family_errors(self, sched: Schedule) -> dict[str, float]:
         with torch.no_grad():
@@ -260,6 +291,7 @@ def _lbfgs(problem: _Problem, x0: np.ndarray, *, single: bool, max_iter: int) ->
     def expand(p: torch.Tensor) -> torch.Tensor:
         return p.reshape(1, 3).expand(K, 3) if single else p.reshape(K, 3)
 
+    last_good = np.asarray(x0, dtype=np.float64)
     for lam in (1e2, 1e4, 1e6):
         opt = torch.optim.LBFGS(
             [p], lr=1.0, max_iter=max_iter, history_size=20, line_search_fn="strong_wolfe",
@@ -275,8 +307,9 @@ def _lbfgs(problem: _Problem, x0: np.ndarray, *, single: bool, max_iter: int) ->
 
         opt.step(closure)  # type: ignore[no-untyped-call]
         if not torch.isfinite(p).all():
-            return np.asarray(x0, dtype=np.float64)
-    return p.detach().numpy().copy()
+            break  # keep the last stage that stayed finite
+        last_good = p.detach().numpy().copy()
+    return last_good
 
 
 def _as_schedule(x: np.ndarray, K: int, single: bool) -> Schedule:
@@ -373,6 +406,9 @@ def fit_coefficients(
     if starts is not None:
         warm = {k: v for k, v in warm.items() if k in starts}
     stable_warm = {k: s for k, s in warm.items() if _ok(s, cfg)}
+    if cfg.balance and stable_warm:
+        fe = [problem.family_errors(s) for s in stable_warm.values()]
+        problem.balance({f: max(min(e[f] for e in fe), 1e-4) for f in problem.famnames})
     best: tuple[float, Schedule, str, str] | None = None  # value, schedule, kind, start
     cands: dict[str, float] = {}
 

@@ -244,14 +244,14 @@ def load_recorded(path: str | None = None, *, split: str = "fit") -> RecordedSet
 def recorded_for_shape(
     rows: int, cols: int, recorded: RecordedSet, *, count: int, rng: np.random.Generator
 ) -> list[SpectrumSample]:
-    """``count`` recorded spectra carried to ``rows x cols``, preferring the nearest aspect."""
+    """``count`` recorded spectra (drawn from all of them) carried to ``rows x cols``."""
     if not recorded.spectra or count <= 0:
         return []
-    m, n = min(rows, cols), max(rows, cols)
-    aspect = n / m
-    dist = np.array([abs(np.log(r.aspect / aspect)) for r in recorded.spectra])
-    # Nearest aspect ratios first (within a factor 1.5 of the best match), then random.
-    pool = np.flatnonzero(dist <= dist.min() + np.log(1.5))
+    m = min(rows, cols)
+    # Drawn from every recorded matrix, not only those of a similar aspect ratio: the
+    # spectra differ more by layer type (attention projection, QKV, MLP) than by aspect,
+    # and a fit must hold for whichever layer type has the shape.
+    pool = np.arange(len(recorded.spectra))
     picks = rng.choice(pool, size=count, replace=pool.size < count)
     out = []
     for i in picks:
@@ -286,7 +286,9 @@ def sample_spectra(
             continue
         if fam == "momentum":
             rec = load_recorded() if recorded is None else recorded
-            out[fam] = recorded_for_shape(rows, cols, rec, count=per_family, rng=rng)
+            # Recorded spectra vary more than the synthetic families (layer type, training
+            # step): draw three times as many.
+            out[fam] = recorded_for_shape(rows, cols, rec, count=3 * per_family, rng=rng)
             continue
         if fam == "gaussian":
             out[fam] = [gaussian(rows, cols, rng, max_dim=max_dim) for _ in range(per_family)]
