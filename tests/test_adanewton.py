@@ -81,6 +81,8 @@ def test_every_shipped_entry_is_stable(key):
     assert strict.stable, strict.reason
     assert strict.peak <= 1.25
     assert strict.peak == pytest.approx(e.raw["peak"], abs=1e-3)
+    # plateau: a dominant direction (sigma in [0.3, 1]) is never suppressed below 0.6
+    assert apply_schedule(e.schedule, np.linspace(0.3, 1.0, 4001)).min() >= 0.6
 
 
 @settings(max_examples=300, deadline=None)

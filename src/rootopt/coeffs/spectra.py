@@ -15,8 +15,11 @@ Families (all deterministic given a seed):
 - ``heavytail``: Student-t entries (ν = 2.5 or 4) with log-normal row and column scales,
   clipped at the 0.90 quantile of ``|entries|`` as ROOT's soft threshold does.
 - ``momentum``: singular values recorded from real training runs (the optimizer's
-  telemetry dumps the Frobenius-normalised spectrum of the clipped momentum); a recorded
-  spectrum is carried to another shape by quantiles (see :func:`transport`).
+  telemetry dumps the Frobenius-normalised spectrum of the clipped momentum; see
+  ``rootopt coeffs record``); a recorded spectrum is carried to another shape by
+  quantiles (see :func:`transport`), drawn from every recorded layer type, three times
+  as many as for the synthetic families. Recorded models in :data:`HOLDOUT_MODELS` are
+  never used by a fit, only by the bench.
 
 Large shapes. A sample of a huge shape (8192×28672) would need an SVD per draw; instead
 a smaller matrix with the same aspect ratio is drawn (small dimension ``max_dim``,
