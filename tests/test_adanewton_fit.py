@@ -84,9 +84,12 @@ def test_fit_respects_constraints_and_beats_published(delta):
     rep = verify_schedule(res.schedule, delta=delta, prefix_bound=cfg.prefix_bound)
     assert rep.stable and rep.peak <= 1 + delta
     assert check_stability(res.schedule, delta=delta).stable
-    # never worse than a stable published schedule on its own objective
+    # never worse than a stable published schedule on its own objective (with delta=0.1
+    # no published schedule is admissible: their peaks are 1.12-1.20)
     pub = {k: v for k, v in res.candidates.items() if k.startswith("published")}
-    assert pub and res.objective <= min(pub.values()) + 1e-12
+    assert bool(pub) == (delta == 0.25)
+    if pub:
+        assert res.objective <= min(pub.values()) + 1e-12
 
 
 def test_single_mode_is_a_repeated_stable_tuple():
