@@ -69,8 +69,9 @@ def test_recorded_spectra_shipped_and_split():
     assert not names_fit & names_hold
     for r in fit.spectra + hold.spectra:
         assert np.sum(r.sigma**2) == pytest.approx(1.0)
-    moved = sp.recorded_for_shape(2048, 8192, fit, count=4, rng=np.random.default_rng(0))
-    for x in moved:
+    moved = sp.recorded_for_shape(2048, 8192, fit)
+    assert len(moved) == len(fit.spectra)
+    for x in moved + sp.recorded_for_shape(60, 90, fit, count=3):
         assert np.sum(x.sigma**2) * 2048 / x.sigma.size == pytest.approx(1.0)
 
 

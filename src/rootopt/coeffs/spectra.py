@@ -17,8 +17,8 @@ Families (all deterministic given a seed):
 - ``momentum``: singular values recorded from real training runs (the optimizer's
   telemetry dumps the Frobenius-normalised spectrum of the clipped momentum; see
   ``rootopt coeffs record``); a recorded spectrum is carried to another shape by
-  quantiles (see :func:`transport`), drawn from every recorded layer type, three times
-  as many as for the synthetic families. Recorded models in :data:`HOLDOUT_MODELS` are
+  quantiles (see :func:`transport`); a fit uses every recorded spectrum (all layer types
+  and training steps), whatever ``per_family`` says. Recorded models in :data:`HOLDOUT_MODELS` are
   never used by a fit, only by the bench.
 
 Large shapes. A sample of a huge shape (8192×28672) would need an SVD per draw; instead
@@ -188,16 +188,16 @@ def quantiles(sigma: np.ndarray, k: int) -> np.ndarray:
     return r * np.sqrt(np.sum(s * s) * k / s.size / tot) if tot > 0 else r
 
 
-def transport(sigma: np.ndarray, dst_min_dim: int) -> np.ndarray:
+def transport(sigma: np.ndarray, dst_min_dim: int, max_points: int = 512) -> np.ndarray:
     """Carry a spectrum (any length, any scale) to a matrix with ``dst_min_dim`` values.
 
-    The sorted values are resampled at ``k = min(dst, 512)`` equally spaced quantile
+    The sorted values are resampled at ``k = min(dst, max_points)`` equally spaced quantile
     positions and scaled so that ``Σ σ² = k/dst``: each of the ``k`` values stands for
     ``dst/k`` values of the target, whose normalised spectrum then has ``Σ σ² = 1``.
     Spikes keep their *fraction* of the spectrum (a top-1 of 64 becomes a top-32 of 2048).
     """
     s = np.sort(np.asarray(sigma, dtype=np.float64))[::-1]
-    k = min(dst_min_dim, 512)
+    k = min(dst_min_dim, max_points)
     if s.size != k:
         pos = (np.arange(k) + 0.5) / k * s.size - 0.5
         s = np.interp(pos, np.arange(s.size), s)
@@ -245,21 +245,31 @@ def load_recorded(path: str | None = None, *, split: str = "fit") -> RecordedSet
 
 
 def recorded_for_shape(
-    rows: int, cols: int, recorded: RecordedSet, *, count: int, rng: np.random.Generator
+    rows: int,
+    cols: int,
+    recorded: RecordedSet,
+    *,
+    count: int | None = None,
+    rng: np.random.Generator | None = None,
 ) -> list[SpectrumSample]:
-    """``count`` recorded spectra (drawn from all of them) carried to ``rows x cols``."""
-    if not recorded.spectra or count <= 0:
+    """Recorded spectra carried to ``rows x cols`` (all of them, or ``count`` drawn by ``rng``).
+
+    Every recorded matrix is used, not only those of a similar aspect ratio: the spectra
+    differ more by layer type (attention projection, QKV, MLP) and training step than by
+    aspect, and a fit must hold for whichever layer type has the shape. A stored spectrum
+    has a few dozen quantiles, so it is carried with at most 64 points.
+    """
+    if not recorded.spectra or (count is not None and count <= 0):
         return []
     m = min(rows, cols)
-    # Drawn from every recorded matrix, not only those of a similar aspect ratio: the
-    # spectra differ more by layer type (attention projection, QKV, MLP) than by aspect,
-    # and a fit must hold for whichever layer type has the shape.
-    pool = np.arange(len(recorded.spectra))
-    picks = rng.choice(pool, size=count, replace=pool.size < count)
+    idx = np.arange(len(recorded.spectra))
+    if count is not None:
+        gen = np.random.default_rng(0) if rng is None else rng
+        idx = gen.choice(idx, size=count, replace=idx.size < count)
     out = []
-    for i in picks:
+    for i in idx:
         r = recorded.spectra[int(i)]
-        sig = transport(r.sigma, m)
+        sig = transport(r.sigma, m, max_points=64)
         out.append(SpectrumSample("momentum", sig, f"{r.name}@{r.step} ({r.rows}x{r.cols})"))
     return out
 
@@ -289,9 +299,8 @@ def sample_spectra(
             continue
         if fam == "momentum":
             rec = load_recorded() if recorded is None else recorded
-            # Recorded spectra vary more than the synthetic families (layer type, training
-            # step): draw three times as many.
-            out[fam] = recorded_for_shape(rows, cols, rec, count=3 * per_family, rng=rng)
+            # All recorded spectra: they vary more than the synthetic families.
+            out[fam] = recorded_for_shape(rows, cols, rec)
             continue
         if fam == "gaussian":
             out[fam] = [gaussian(rows, cols, rng, max_dim=max_dim) for _ in range(per_family)]
