@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(f"rootopt.commands.{name}")
     except ModuleNotFoundError as exc:
-        print(f"rootopt {name}: unavailable ({exc}); install with: pip install 'rootopt[train]'", file=sys.stderr)
+        print(
+            f"rootopt {name}: unavailable ({exc}); install with: pip install 'rootopt[train]'",
+            file=sys.stderr,
+        )
         return 2
     result: int = module.main(rest)
     return result

@@ -6,7 +6,6 @@ Leaf layer: imports nothing else from rootopt.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Union
 
 from rootopt.coeffs.presets import (
     CANS,
@@ -26,7 +25,7 @@ from rootopt.coeffs.stability import StabilityReport, apply_schedule, check_stab
 
 # A provider maps (rows, cols, steps) to one tuple per iteration.
 CoefficientProvider = Callable[[int, int, int], Schedule]
-CoefficientSpec = Union[str, Coeff, Sequence[Coeff], CoefficientProvider]
+CoefficientSpec = str | Coeff | Sequence[Coeff] | CoefficientProvider
 
 _PROVIDERS: dict[str, CoefficientProvider] = {}
 
@@ -45,8 +44,19 @@ def _adanewton(rows: int, cols: int, steps: int) -> Schedule:
 
 register_provider("official", official_schedule)
 register_provider("adanewton", _adanewton)
+
+
+def _shape_free(cset: CoefficientSet) -> CoefficientProvider:
+    """A provider that ignores the shape: the same schedule for every matrix."""
+
+    def provider(rows: int, cols: int, steps: int) -> Schedule:
+        return cset.schedule(steps)
+
+    return provider
+
+
 for _set in NAMED_SETS.values():
-    register_provider(_set.name, _set.schedule)
+    register_provider(_set.name, _shape_free(_set))
 
 
 def available() -> list[str]:
@@ -89,8 +99,10 @@ def resolve(spec: CoefficientSpec, rows: int, cols: int, steps: int) -> Schedule
         sched = _PROVIDERS[spec](rows, cols, steps)
     elif callable(spec):
         sched = tuple(_as_coeff(t) for t in spec(rows, cols, steps))
-    elif isinstance(spec, Sequence) and len(spec) > 0 and all(
-        isinstance(v, (int, float)) for v in spec
+    elif (
+        isinstance(spec, Sequence)
+        and len(spec) > 0
+        and all(isinstance(v, (int, float)) for v in spec)
     ):
         sched = (_as_coeff(spec),) * steps
     else:

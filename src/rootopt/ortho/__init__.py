@@ -47,4 +47,12 @@ def orthogonalize(
     raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
 
 
-__all__ = ["METHODS", "NORM_EPS", "Method", "newton_schulz", "orthogonalize", "qr_direction", "svd_polar"]
+__all__ = [
+    "METHODS",
+    "NORM_EPS",
+    "Method",
+    "newton_schulz",
+    "orthogonalize",
+    "qr_direction",
+    "svd_polar",
+]

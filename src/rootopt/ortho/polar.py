@@ -21,7 +21,8 @@ def svd_polar(G: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
     tol = S.amax(dim=-1, keepdim=True) * max(X.shape[-2:]) * torch.finfo(X.dtype).eps
     keep = (tol > 0) & (tol < S)
     out = (U * keep.unsqueeze(-2).to(U.dtype)) @ Vh
-    return out.to(dtype)
+    result: Tensor = out.to(dtype)
+    return result
 
 
 def qr_direction(G: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -38,4 +39,5 @@ def qr_direction(G: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
     Q = Q * sign.unsqueeze(-2)
     if transpose:
         Q = Q.mT
-    return Q.contiguous().to(dtype)
+    result: Tensor = Q.contiguous().to(dtype)
+    return result

@@ -1,0 +1,498 @@
+"""The ROOT optimizer as a ``torch.optim.Optimizer``.
+
+The class validates options, creates state lazily and calls the pure functions of
+:mod:`rootopt.optim.functional`. Two step implementations exist:
+
+* ``_root_reference``: one parameter and one matrix at a time, mirroring the math; the
+  ground truth.
+* ``_root_batched`` (default, ``batched=True``): matrices of one shape across all the
+  group's parameters are stacked and clipped/orthogonalized together; tested equal to the
+  reference on parameters and state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, cast
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from rootopt.coeffs import CoefficientSpec, Schedule, resolve, validate_spec
+from rootopt.optim.functional import (
+    LrScale,
+    MatrixView,
+    NDView,
+    OrthoMethod,
+    adamw_update_,
+    clip_outliers,
+    lr_scale_factor,
+    matrix_telemetry,
+    matrix_view,
+    orthogonal_direction,
+    robust_scale,
+)
+from rootopt.ortho import METHODS
+
+Algorithm = Literal["root", "adamw"]
+NonFinite = Literal["error", "skip"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class NonFiniteGradientError(ValueError):
+    """A gradient holds NaN or Inf; nothing was updated."""
+
+
+def _dtype_name(value: object) -> str:
+    if isinstance(value, torch.dtype):
+        for name, dt in _DTYPES.items():
+            if dt == value:
+                return name
+    if isinstance(value, str) and value in _DTYPES:
+        return value
+    raise ValueError(f"Invalid ns_dtype: {value!r} (choose one of {sorted(_DTYPES)})")
+
+
+def _check_options(g: dict[str, Any]) -> None:
+    """Validate one group's (or the defaults') hyperparameters; raise naming the bad one."""
+
+    def bad(key: str, rule: str) -> ValueError:
+        return ValueError(f"Invalid {key}: {g[key]!r} ({rule})")
+
+    def number(key: str) -> float:
+        v = g[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(key, "must be a finite number")
+        return float(v)
+
+    if number("lr") < 0:
+        raise bad("lr", "must be >= 0")
+    if not 0.0 <= number("momentum") < 1.0:
+        raise bad("momentum", "must be in [0, 1)")
+    if number("weight_decay") < 0:
+        raise bad("weight_decay", "must be >= 0")
+    if not isinstance(g["nesterov"], bool):
+        raise bad("nesterov", "must be True or False")
+    steps = g["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+        raise bad("ns_steps", "must be an integer in [1, 100]")
+    validate_spec(g["ns_coefficients"])
+    g["ns_dtype"] = _dtype_name(g["ns_dtype"])
+    if g["ortho_method"] not in METHODS:
+        raise bad("ortho_method", f"choose one of {METHODS}")
+    q = g["outlier_quantile"]
+    if q is not None and (
+        isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 1.0
+    ):
+        raise bad("outlier_quantile", "must be in (0, 1], or None to disable")
+    if g["lr_scale"] not in ("moonlight", "muon", "none"):
+        raise bad("lr_scale", "choose 'moonlight', 'muon' or 'none'")
+    if g["nd_view"] not in ("auto", "flatten", "batch"):
+        raise bad("nd_view", "choose 'auto', 'flatten' or 'batch'")
+    if not isinstance(g["robust_scaling"], bool):
+        raise bad("robust_scaling", "must be True or False")
+    if number("robust_window") < 1:
+        raise bad("robust_window", "must be >= 1")
+    if number("robust_lambda") < 0:
+        raise bad("robust_lambda", "must be >= 0")
+    betas = g["adamw_betas"]
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise bad("adamw_betas", "must be two numbers in [0, 1)")
+    if number("adamw_eps") < 0:
+        raise bad("adamw_eps", "must be >= 0")
+    if not isinstance(g["batched"], bool):
+        raise bad("batched", "must be True or False")
+    if g.get("algorithm") not in (None, "root", "adamw"):
+        raise bad("algorithm", "choose 'root' or 'adamw'")
+
+
+class ROOT(Optimizer):
+    r"""ROOT: Robust Orthogonalized OpTimizer (He et al., arXiv 2511.20626).
+
+    For every weight matrix (``algorithm="root"``), per step::
+
+        buf = momentum * buf + g;   v = g + momentum * buf  (nesterov)  else buf
+        eps = quantile(|v|, outlier_quantile) + 1e-9           # per matrix
+        B   = clamp(v, -eps, eps)                               # outliers removed
+        U   = NewtonSchulz_K(B; shape-specific coefficients)    # ≈ polar factor of B
+        p   = p * (1 - lr * weight_decay) - lr * s(rows, cols) * U
+
+    with ``s = 0.2 * sqrt(max(rows, cols))`` (``lr_scale="moonlight"``). Every other
+    tensor (``algorithm="adamw"``: embeddings, heads, norms, biases) gets bias-corrected
+    AdamW with ``adamw_betas``/``adamw_eps`` and the group's ``lr``/``weight_decay``.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs, or param-group dicts. A group without
+            ``"algorithm"`` is split: tensors with ``ndim >= 2`` get ROOT, the rest AdamW.
+            :func:`rootopt.param_groups` builds safe groups from a model.
+        lr, momentum, nesterov, weight_decay: as in the update above.
+        ns_steps: Newton–Schulz iterations K.
+        ns_coefficients: ``"adanewton"`` (shape-specific, stable), ``"official"`` (the
+            paper's 4-shape table + Muon fallback), ``"muon"``, ``"polar_express"``,
+            ``"you"``, ``"cans"``, ``"cubic"``, ``"quintic"``, an ``(a, b, c)`` tuple, a
+            list of K tuples, or a callable ``(rows, cols, K) -> tuples``.
+        ns_dtype: iteration dtype, ``"float32"`` (default) or ``"bfloat16"`` etc.
+        ortho_method: ``"newton_schulz"``, ``"svd"`` (exact UVᵀ) or ``"qr"``.
+        outlier_quantile: quantile q of the soft threshold; ``None`` disables it.
+        lr_scale: ``"moonlight"``, ``"muon"`` or ``"none"``.
+        nd_view: how N-D weights become matrices: ``"auto"`` (3-D = stack of matrices,
+            4-D+ = flattened to ``(out, rest)``), ``"flatten"`` or ``"batch"``.
+        robust_scaling, robust_window, robust_lambda: seed 002's per-element scaling
+            (off by default), see :func:`rootopt.optim.functional.robust_scale`.
+        adamw_betas, adamw_eps: the internal AdamW's constants.
+        batched: stack same-shape matrices (fast path) instead of the reference loop.
+        telemetry: record per-matrix diagnostics in ``self.telemetry`` after each step.
+        record_spectra: with telemetry, also the normalised singular values of ``B``.
+        nonfinite: ``"error"`` raises :class:`NonFiniteGradientError` before anything is
+            updated; ``"skip"`` leaves parameters with NaN/Inf gradients (and their
+            state) untouched and lists them in ``self.skipped``. One host sync per step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        ns_steps: int = 5,
+        ns_coefficients: CoefficientSpec = "adanewton",
+        ns_dtype: str | torch.dtype = "float32",
+        ortho_method: OrthoMethod = "newton_schulz",
+        outlier_quantile: float | None = 0.9,
+        lr_scale: LrScale = "moonlight",
+        nd_view: NDView = "auto",
+        robust_scaling: bool = False,
+        robust_window: int = 100,
+        robust_lambda: float = 0.1,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        batched: bool = True,
+        telemetry: bool = False,
+        record_spectra: bool = False,
+        nonfinite: NonFinite = "error",
+    ) -> None:
+        defaults: dict[str, Any] = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_dtype=ns_dtype,
+            ortho_method=ortho_method,
+            outlier_quantile=outlier_quantile,
+            lr_scale=lr_scale,
+            nd_view=nd_view,
+            robust_scaling=robust_scaling,
+            robust_window=robust_window,
+            robust_lambda=robust_lambda,
+            adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, list) else adamw_betas,
+            adamw_eps=adamw_eps,
+            batched=batched,
+        )
+        _check_options(defaults)
+        if nonfinite not in ("error", "skip"):
+            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (choose 'error' or 'skip')")
+        if not isinstance(telemetry, bool) or not isinstance(record_spectra, bool):
+            raise ValueError("Invalid telemetry/record_spectra: must be True or False")
+        self.nonfinite: NonFinite = nonfinite
+        self.telemetry_enabled = telemetry
+        self.record_spectra = record_spectra
+        self.telemetry: dict[str, dict[str, Any]] = {}
+        self.skipped: list[str] = []
+        self._schedules: dict[tuple[Any, ...], Schedule] = {}
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------------
+    # groups
+    # ----------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        items = param_group["params"]
+        items = [items] if isinstance(items, Tensor) else list(items)
+        param_group = dict(param_group, params=items)
+
+        def tensor_of(item: Any) -> Tensor:
+            return cast(Tensor, item[1] if isinstance(item, tuple) else item)
+
+        for item in items:
+            t = tensor_of(item)
+            if isinstance(t, Tensor) and t.is_complex():
+                raise RuntimeError(
+                    f"ROOT does not support complex parameters (shape {tuple(t.shape)})"
+                )
+        if param_group.get("algorithm") is None:
+            # A group without an explicit algorithm: matrices get ROOT, the rest AdamW.
+            mats = [i for i in items if isinstance(tensor_of(i), Tensor) and tensor_of(i).ndim >= 2]
+            rest = [
+                i
+                for i in items
+                if not (isinstance(tensor_of(i), Tensor) and tensor_of(i).ndim >= 2)
+            ]
+            split = [("root", mats), ("adamw", rest)]
+            parts = [dict(param_group, params=p, algorithm=a) for a, p in split if p]
+            if not parts:
+                parts = [dict(param_group, algorithm="root")]
+        else:
+            parts = [param_group]
+        for part in parts:
+            merged = {**self.defaults, **part}
+            if isinstance(merged.get("adamw_betas"), list):
+                part["adamw_betas"] = merged["adamw_betas"] = tuple(merged["adamw_betas"])
+            _check_options(merged)
+            if "ns_dtype" in part:
+                part["ns_dtype"] = merged["ns_dtype"]
+            if part["algorithm"] == "root":
+                for item in part["params"]:
+                    t = tensor_of(item)
+                    if isinstance(t, Tensor) and t.ndim < 2:
+                        name = item[0] if isinstance(item, tuple) else f"shape {tuple(t.shape)}"
+                        raise ValueError(
+                            f"ROOT group got a {t.ndim}-D parameter ({name}); "
+                            "route it to algorithm='adamw'"
+                        )
+            super().add_param_group(part)
+
+    # ----------------------------------------------------------------------------------
+    # state_dict: keep float32 state for low-precision parameters
+    # ----------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim casts floating state to the parameter's dtype on load; ROOT keeps
+        # its state in float32 (bf16 momentum would lose the small updates), so restore
+        # the saved dtypes after the base class has mapped everything to parameters.
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        super().load_state_dict(state_dict)
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not saved:
+                continue
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
+                    self.state[p][key] = value.to(device=p.device, dtype=value.dtype).clone()
+
+    # ----------------------------------------------------------------------------------
+    # step
+    # ----------------------------------------------------------------------------------
+    def _name(self, gi: int, group: dict[str, Any], pi: int) -> str:
+        names = group.get("param_names")
+        if names is not None:
+            return str(names[pi])
+        return f"group{gi}.param{pi}"
+
+    def _schedule(self, group: dict[str, Any], rows: int, cols: int) -> Schedule:
+        spec = group["ns_coefficients"]
+        key_spec = id(spec) if callable(spec) else repr(spec)
+        key = (key_spec, rows, cols, group["ns_steps"])
+        sched = self._schedules.get(key)
+        if sched is None:
+            sched = resolve(spec, rows, cols, group["ns_steps"])
+            self._schedules[key] = sched
+        return sched
+
+    def _collect(self) -> list[list[tuple[int, Tensor, str]]]:
+        """Per group: (index, param, name) of the parameters that will be updated.
+
+        Checks gradient kinds and finiteness with one host synchronisation."""
+        entries: list[tuple[int, int, Tensor, str]] = []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None or p.numel() == 0:
+                    continue
+                name = self._name(gi, group, pi)
+                if g.is_sparse:
+                    raise RuntimeError(f"ROOT does not support sparse gradients ({name})")
+                if g.is_complex():
+                    raise RuntimeError(f"ROOT does not support complex gradients ({name})")
+                entries.append((gi, pi, p, name))
+        self.skipped = []
+        finite: list[bool] = [True] * len(entries)
+        if entries:
+            dev = entries[0][2].grad.device  # type: ignore[union-attr]
+            flags = torch.stack(
+                [torch.isfinite(e[2].grad).all().to(dev) for e in entries]  # type: ignore[arg-type]
+            )
+            finite = [bool(f) for f in flags.tolist()]  # the one host sync of the step
+        bad = [e[3] for e, ok in zip(entries, finite) if not ok]
+        if bad and self.nonfinite == "error":
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise NonFiniteGradientError(
+                f"non-finite gradient (NaN/Inf) in parameter {bad[0]}{more}; nothing was updated"
+            )
+        self.skipped = bad
+        per_group: list[list[tuple[int, Tensor, str]]] = [[] for _ in self.param_groups]
+        for (gi, pi, p, name), ok in zip(entries, finite):
+            if ok:
+                per_group[gi].append((pi, p, name))
+        return per_group
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step (``closure`` re-evaluates the loss)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        per_group = self._collect()
+        if self.telemetry_enabled:
+            self.telemetry = {}
+        for group, entries in zip(self.param_groups, per_group):
+            if not entries:
+                continue
+            if group["algorithm"] == "adamw":
+                self._adamw(group, entries)
+            elif group["batched"]:
+                self._root_batched(group, entries)
+            else:
+                self._root_reference(group, entries)
+        return loss
+
+    # ----------------------------------------------------------------------------------
+    # AdamW part
+    # ----------------------------------------------------------------------------------
+    def _adamw(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
+        for _, p, _name in entries:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            adamw_update_(
+                p,
+                cast(Tensor, p.grad),
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                step=state["step"],
+                lr=float(group["lr"]),
+                betas=group["adamw_betas"],
+                eps=group["adamw_eps"],
+                weight_decay=group["weight_decay"],
+            )
+
+    # ----------------------------------------------------------------------------------
+    # ROOT part
+    # ----------------------------------------------------------------------------------
+    def _momentum(self, group: dict[str, Any], p: Tensor) -> Tensor:
+        """Update the momentum state of ``p``; return the vector to orthogonalize."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            if group["robust_scaling"]:
+                state["robust_mean"] = torch.zeros_like(p, dtype=torch.float32)
+                state["robust_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        state["step"] += 1
+        g = cast(Tensor, p.grad).float()
+        mu = group["momentum"]
+        buf = state["momentum_buffer"]
+        buf.mul_(mu).add_(g)
+        if group["robust_scaling"]:
+            beta = 1.0 - 1.0 / group["robust_window"]
+            state["robust_mean"].lerp_(g, 1 - beta)
+            state["robust_sq"].mul_(beta).addcmul_(g, g, value=1 - beta)
+        return g.add(buf, alpha=mu) if group["nesterov"] else buf
+
+    def _apply(self, group: dict[str, Any], p: Tensor, view: MatrixView, U: Tensor) -> Tensor:
+        """Robust scaling (optional), decoupled decay, scaled step. Returns the applied
+        orthogonal step (``lr * s * U``) shaped like ``p``."""
+        state = self.state[p]
+        if group["robust_scaling"]:
+            beta = 1.0 - 1.0 / group["robust_window"]
+            U = robust_scale(
+                U,
+                state["robust_mean"].reshape(U.shape),
+                state["robust_sq"].reshape(U.shape),
+                bias_correction=1.0 - beta ** state["step"],
+                lam=group["robust_lambda"],
+            )
+        lr = float(group["lr"])
+        step = U.reshape(p.shape).mul(lr * lr_scale_factor(view.rows, view.cols, group["lr_scale"]))
+        p32 = p if p.dtype == torch.float32 else p.float()
+        p32.mul_(1 - lr * group["weight_decay"])
+        p32.sub_(step)
+        if p32 is not p:
+            p.copy_(p32)
+        return step
+
+    def _record(
+        self,
+        name: str,
+        M: Tensor,
+        B: Tensor,
+        eps: Tensor | None,
+        U: Tensor,
+        step: Tensor,
+        p: Tensor,
+    ) -> None:
+        if self.telemetry_enabled:
+            self.telemetry[name] = matrix_telemetry(
+                M, B, eps, U, step, p, spectra=self.record_spectra
+            )
+
+    def _root_reference(
+        self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]
+    ) -> None:
+        """One parameter, one matrix at a time: the readable ground truth."""
+        q = group["outlier_quantile"]
+        dtype = _DTYPES[group["ns_dtype"]]
+        for _, p, name in entries:
+            v = self._momentum(group, p)
+            view = matrix_view(p.shape, group["nd_view"])
+            sched = self._schedule(group, view.rows, view.cols)
+            M = v.reshape(view.batch, view.rows, view.cols)
+            Bs, Us, epss = [], [], []
+            for i in range(view.batch):
+                B_i, eps_i = clip_outliers(M[i], q)
+                U_i = orthogonal_direction(B_i, sched, method=group["ortho_method"], dtype=dtype)
+                Bs.append(B_i)
+                Us.append(U_i)
+                epss.append(eps_i)
+            U = torch.stack(Us)
+            step = self._apply(group, p, view, U)
+            if self.telemetry_enabled:
+                eps = None if q is None else torch.stack(cast(list[Tensor], epss))
+                self._record(name, M, torch.stack(Bs), eps, U, step, p)
+
+    def _root_batched(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
+        """Stack all matrices of one shape (across parameters and stacks) and clip +
+        orthogonalize them in one batched call per shape."""
+        q = group["outlier_quantile"]
+        dtype = _DTYPES[group["ns_dtype"]]
+        buckets: dict[
+            tuple[int, int, torch.device], list[tuple[Tensor, str, MatrixView, Tensor]]
+        ] = {}
+        for _, p, name in entries:
+            v = self._momentum(group, p)
+            view = matrix_view(p.shape, group["nd_view"])
+            M = v.reshape(view.batch, view.rows, view.cols)
+            buckets.setdefault((view.rows, view.cols, p.device), []).append((p, name, view, M))
+        for (rows, cols, _), items in buckets.items():
+            sched = self._schedule(group, rows, cols)
+            M_all = items[0][3] if len(items) == 1 else torch.cat([it[3] for it in items])
+            B_all, eps_all = clip_outliers(M_all, q)
+            U_all = orthogonal_direction(B_all, sched, method=group["ortho_method"], dtype=dtype)
+            start = 0
+            for p, name, view, M in items:
+                sl = slice(start, start + view.batch)
+                start += view.batch
+                step = self._apply(group, p, view, U_all[sl])
+                if self.telemetry_enabled:
+                    eps = None if eps_all is None else eps_all[sl]
+                    self._record(name, M, B_all[sl], eps, U_all[sl], step, p)

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rootopt import abs_quantile, soft_threshold_split
+from rootopt.optim.functional import clip_outliers
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 9), (9, 1), (7, 13), (64, 33), (256, 256)])
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.9, 0.97, 1.0])
+def test_matches_torch_quantile_float64(shape: tuple[int, int], q: float) -> None:
+    M = torch.randn(*shape, dtype=torch.float64)
+    # the library works in float32; compare on float32-representable data
+    M = M.float().double()
+    expected = torch.quantile(M.abs().flatten(), q)
+    got = abs_quantile(M, q)
+    assert got.shape == (1, 1)
+    torch.testing.assert_close(got.double().squeeze(), expected, rtol=1e-6, atol=0)
+
+
+def test_ties_and_batches() -> None:
+    M = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 2.0, 3.0]]).reshape(2, 2, 2)
+    got = abs_quantile(M, 0.9).flatten()
+    for i in range(2):
+        assert got[i].item() == pytest.approx(torch.quantile(M[i].flatten(), 0.9).item())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 12),
+    q=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+    ties=st.booleans(),
+)
+def test_property_equals_numpy_linear(
+    rows: int, cols: int, q: float, seed: int, ties: bool
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    M = torch.randn(rows, cols, generator=g)
+    if ties:
+        M = M.round()
+    expected = np.quantile(M.abs().double().numpy().ravel(), q, method="linear")
+    assert abs_quantile(M, q).item() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_beyond_torch_quantile_limit() -> None:
+    n = 2**24 + 4097  # torch.quantile refuses more than 2**24 elements
+    x = torch.randn(n)
+    with pytest.raises(RuntimeError):
+        torch.quantile(x.abs(), 0.9)
+    got = abs_quantile(x.reshape(1, n), 0.9).item()
+    expected = np.quantile(np.abs(x.numpy()).astype(np.float64), 0.9, method="linear")
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_soft_threshold_split_is_clamp_plus_outliers() -> None:
+    M = torch.randn(30, 40)
+    B, eps = clip_outliers(M, 0.9)
+    assert eps is not None
+    B2, O = soft_threshold_split(M, eps)
+    torch.testing.assert_close(B, B2)
+    torch.testing.assert_close(B + O, M)
+    torch.testing.assert_close(O, torch.sign(M) * torch.relu(M.abs() - eps))
+    assert B.abs().max() <= eps.item()
+    # about 10% of entries are clipped at q = 0.9
+    assert abs((M.abs() > eps).float().mean().item() - 0.1) < 0.01
+
+
+def test_no_suppression_when_q_is_none() -> None:
+    M = torch.randn(5, 5)
+    B, eps = clip_outliers(M, None)
+    assert eps is None and B is M
