@@ -25,10 +25,10 @@ def _f(default: Any, help: str, **rules: Any) -> Any:
 class RunConfig:
     name: str = _f("rootopt", "run name (used in metric labels)")
     seed: int = _f(0, "global random seed", min=0)
-    max_steps: int = _f(600, "optimizer steps to train", min=1)
+    max_steps: int = _f(400, "optimizer steps to train", min=1)
     max_time: float = _f(0.0, "wall-clock limit in seconds; 0 = none (checkpoint and stop when hit)", min=0)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "device; auto = cuda when available")
-    threads: int = _f(0, "torch intra-op threads; 0 = torch default", min=0)
+    threads: int = _f(1, "torch intra-op threads; 0 = torch default. 1 stays fast on a shared CPU; keep it fixed across a resume for bit-identical results", min=0)
     log_every: int = _f(10, "steps between metric records", min=1)
     eval_every: int = _f(100, "steps between validation passes; 0 = only at the end", min=0)
     eval_batches: int = _f(8, "validation batches per pass", min=1)
@@ -87,7 +87,7 @@ class ClipConfig:
 class OptimizationConfig:
     optimizer: str = _f("ROOT", "ROOT | AdamW | Adam | SGD | Muon | LAMB | Shampoo (case-insensitive)")
     base_lr: float = _f(3e-3, "peak learning rate", gt=0)
-    warmup_steps: int = _f(50, "linear warmup steps", min=0)
+    warmup_steps: int = _f(40, "linear warmup steps", min=0)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "decay after warmup")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of base_lr (cosine/linear)", min=0, max=1)
     beta1: float = _f(0.9, "AdamW β1 (ROOT's internal AdamW and Adam-family optimizers)", min=0, max=0.99999)
@@ -99,7 +99,10 @@ class OptimizationConfig:
     ns_steps: int = _f(5, "Newton–Schulz iterations (ROOT)", min=1, max=20)
     ns_coefficients: str = _f("adanewton", "Newton–Schulz coefficient preset (ROOT)")
     outlier_quantile: float = _f(0.9, "soft-threshold quantile (ROOT; seed 000's coefficient 0.1 ⇔ 0.9)", gt=0, max=1)
-    lr_scale: str = _f("moonlight", "ROOT lr scaling rule")
+    lr_scale: Literal["moonlight", "muon", "none"] = _f("moonlight", "ROOT lr scaling rule")
+    ortho_method: Literal["newton_schulz", "svd", "qr"] = _f(
+        "newton_schulz", "ROOT orthogonalization (svd = seed 000's exact UVᵀ, slower)"
+    )
     telemetry: bool = _f(True, "collect ROOT's per-matrix telemetry (ε, clip fraction, update ratio)")
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step", min=1)
     clip: ClipConfig = field(default_factory=ClipConfig)
