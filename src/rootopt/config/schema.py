@@ -25,7 +25,7 @@ def _f(default: Any, help: str, **rules: Any) -> Any:
 class RunConfig:
     name: str = _f("rootopt", "run name (used in metric labels)")
     seed: int = _f(0, "global random seed", min=0)
-    max_steps: int = _f(400, "optimizer steps to train", min=1)
+    max_steps: int = _f(300, "optimizer steps to train", min=1)
     max_time: float = _f(0.0, "wall-clock limit in seconds; 0 = none (checkpoint and stop when hit)", min=0)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "device; auto = cuda when available")
     threads: int = _f(1, "torch intra-op threads; 0 = torch default. 1 stays fast on a shared CPU; keep it fixed across a resume for bit-identical results", min=0)
@@ -87,7 +87,7 @@ class ClipConfig:
 class OptimizationConfig:
     optimizer: str = _f("ROOT", "ROOT | AdamW | Adam | SGD | Muon | LAMB | Shampoo (case-insensitive)")
     base_lr: float = _f(3e-3, "peak learning rate", gt=0)
-    warmup_steps: int = _f(40, "linear warmup steps", min=0)
+    warmup_steps: int = _f(30, "linear warmup steps", min=0)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "decay after warmup")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of base_lr (cosine/linear)", min=0, max=1)
     beta1: float = _f(0.9, "AdamW β1 (ROOT's internal AdamW and Adam-family optimizers)", min=0, max=0.99999)

@@ -235,7 +235,7 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
     run.precision.load_state_dict(state["scaler"])
     run.clipper.load_state_dict(state["clipper"])
     checkpoint.set_rng_state(state["rng"])
-    run.state = TrainState(**state["state"])
+    run.state.__dict__.update(TrainState(**state["state"]).__dict__)  # in place: the loop holds a reference
     run.resumed_from = path.name
     run.monitor.event("resume", step=run.state.step, path=path.name)
     say(f"resumed from {path.name} at step {run.state.step}")
