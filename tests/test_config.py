@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rootopt.config import ConfigError, Config, dump_yaml, load_config, to_dict
+from rootopt.config import Config, ConfigError, dump_yaml, load_config, to_dict
 from rootopt.train.main import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_fixtures import prepare_tiny
 
+from _train_fixtures import prepare_tiny
 from rootopt.commands.data import main as data_main
 from rootopt.data import ShardError, ShardStream, load_manifest, make_loader, prepare, text_bytes
 

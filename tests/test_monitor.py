@@ -9,8 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _train_fixtures import TINY, prepare_tiny
 
+from _train_fixtures import TINY, prepare_tiny
 from rootopt.commands.diagnose import main as diagnose_main
 from rootopt.commands.report import main as report_main
 from rootopt.config import load_config

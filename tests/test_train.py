@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_fixtures import TINY, final_params, prepare_tiny
 
+from _train_fixtures import TINY, final_params, prepare_tiny
 from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
 from rootopt.train import Hooks, train
@@ -61,7 +61,7 @@ def test_tiny_run_loss_decreases_and_leaves_evidence(shards: Path, tmp_path: Pat
 def test_interrupted_then_resumed_equals_uninterrupted(shards: Path, tmp_path: Path) -> None:
     over = [*TINY, "run.max_steps=30", "checkpoint.every=1000", "mixed_precision.enabled=true",
             "mixed_precision.dtype=bf16", "optimization.clip.mode=adaptive"]
-    whole = train(load_config(None, over), tmp_path / "whole", str(shards), say=_quiet)
+    train(load_config(None, over), tmp_path / "whole", str(shards), say=_quiet)
     # Stop at step 13 through the signal path (checkpoint, then stop), then rerun the same command.
     part = train(load_config(None, over), tmp_path / "split", str(shards), say=_quiet,
                  hooks=Hooks(after_step=lambda step: step == 13))

@@ -130,7 +130,7 @@ def rng_state() -> dict[str, Any]:
     import numpy as np
 
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = tuple(np.random.get_state())
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [py[0], list(py[1]), py[2]],

@@ -10,7 +10,15 @@ import argparse
 import sys
 import time
 
-from rootopt.data import CLASS_CORPORA, TEXT_CORPORA, CorpusError, ShardError, load_manifest, prepare, verify_shard
+from rootopt.data import (
+    CLASS_CORPORA,
+    TEXT_CORPORA,
+    CorpusError,
+    ShardError,
+    load_manifest,
+    prepare,
+    verify_shard,
+)
 
 
 def main(argv: list[str]) -> int:

@@ -103,7 +103,7 @@ def _build(cls: type[Any], data: Any, where: str, problems: list[str]) -> Any:
             continue
         sub = f"{where + '.' if where else ''}{name}"
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             setattr(out, name, _build(tp, data[name], sub, problems))
             continue
         value = _coerce(data[name], tp, sub, dict(f.metadata), problems)
@@ -205,7 +205,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    text: str = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return text
 
 
 def loss_scale_value(cfg: Config) -> float | None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rootopt.data.corpora import CLASS_CORPORA, TEXT_CORPORA, CorpusError, classification_arrays, text_bytes
+from rootopt.data.corpora import (
+    CLASS_CORPORA,
+    TEXT_CORPORA,
+    CorpusError,
+    classification_arrays,
+    text_bytes,
+)
 from rootopt.data.shards import (
     ShardError,
     ShardStream,

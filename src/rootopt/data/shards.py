@@ -74,7 +74,7 @@ def write_shards(
     """Shuffle ``samples`` (seeded), hold out ``val_fraction`` of them, write shards + manifest."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("*.tar")) + [out / "manifest.json", out / "SHA256SUMS"]:
+    for stale in [*list(out.glob("*.tar")), out / "manifest.json", out / "SHA256SUMS"]:
         stale.unlink(missing_ok=True)
     order = np.random.default_rng(seed).permutation(len(samples))
     n_val = math.ceil(len(samples) * val_fraction) if val_fraction > 0 else 0

@@ -33,7 +33,7 @@ PROMETHEUS_METRICS: dict[str, str] = {
 }
 _LABELLED = {"rootopt_update_param_ratio": "param", "rootopt_root_clip_fraction": "param",
              "rootopt_root_eps": "param", "rootopt_memory_bytes": "kind"}
-GRAD_NORM_BUCKETS = tuple(10.0**e for e in range(-4, 4)) + (float("inf"),)
+GRAD_NORM_BUCKETS = (*tuple(10.0 ** e for e in range(-4, 4)), float("inf"))
 
 
 def memory_bytes() -> dict[str, float]:

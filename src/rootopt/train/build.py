@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,13 +137,13 @@ class Precision:
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
+            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         elif self.static_scale is not None:
-            (loss * self.static_scale).backward()
+            (loss * self.static_scale).backward()  # type: ignore[no-untyped-call]
         else:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
 
-    def unscale(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    def unscale(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         elif self.static_scale is not None:

@@ -24,9 +24,8 @@ from rootopt.monitor.diagnostics import (
     loss_surface_probe,
     update_ratios,
 )
-from rootopt.train.build import TrainingError, build_optimizer
+from rootopt.train.build import ProcessInfo, TrainingError, build_optimizer
 from rootopt.train.loop import resolve_data
-from rootopt.train.build import ProcessInfo
 from rootopt.train.model import build_model, loss_fn
 
 
@@ -69,7 +68,7 @@ def diagnose(run_dir: Path | None, *, config: str | None = None, data_path: str 
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model(x), y)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     lo, hi = GRAD_RANGE
     ranges = gradient_range(model)
     gmax = max(v[0] for v in ranges.values())

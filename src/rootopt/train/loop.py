@@ -10,6 +10,7 @@ schedule, clipper, RNG and data position).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -282,10 +283,8 @@ class StopFlag:
         self._previous: dict[int, Any] = {}
         if enabled:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                try:
+                with contextlib.suppress(ValueError):  # not the main thread: no handlers
                     self._previous[sig] = signal.signal(sig, self._handle)
-                except ValueError:  # not the main thread
-                    pass
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is not None:  # second signal: give up immediately

@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.weight.to(x.dtype)
+        y: Tensor = out.to(x.dtype) * self.weight.to(x.dtype)
+        return y
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -65,7 +66,8 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv  # GQA: each kv head serves `rep` query heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        out: Tensor = self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -76,7 +78,8 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        out: Tensor = self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return out
 
 
 class Block(nn.Module):
@@ -89,7 +92,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.ffn(self.ffn_norm(x))
+        out: Tensor = x + self.ffn(self.ffn_norm(x))
+        return out
 
 
 class LlamaLM(nn.Module):

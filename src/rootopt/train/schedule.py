@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -35,7 +35,8 @@ def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm: Tensor = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    return norm
 
 
 class GradClipper:
@@ -57,7 +58,7 @@ class GradClipper:
             return min(self.max_norm, self.factor * debiased)
         return self.max_norm
 
-    def __call__(self, params: list[Tensor], norm: Tensor) -> float:
+    def __call__(self, params: Sequence[Tensor], norm: Tensor) -> float:
         """Clip in place given the pre-clip global ``norm``; return the scale applied (1 = none)."""
         if self.mode == "none":
             return 1.0
