@@ -226,3 +226,14 @@ def test_cuda_fp16_autocast(shards: Path, tmp_path: Path, scale: str) -> None:
                              f"mixed_precision.loss_scale={scale}"])
     s = train(cfg, tmp_path / "run", str(shards), say=_quiet)
     assert s.final_loss < s.initial_loss and s.nonfinite_steps == 0
+
+
+def test_resume_with_a_different_model_is_refused(shards: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert train_main(["--data_path", str(shards), "--log_dir", str(run), *TINY, "run.max_steps=5"]) == 0
+    capsys.readouterr()
+    assert train_main(["--data_path", str(shards), "--log_dir", str(run), *TINY, "run.max_steps=10",
+                       "model.d_model=64"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.d_model: 32 → 64" in err[0] and "checkpoint.resume=never" in err[0]

@@ -290,6 +290,6 @@ def hash_name(name: str) -> int:
 
 def make_loader(stream: ShardStream, num_workers: int) -> DataLoader[dict[str, torch.Tensor]]:
     """A loader that preserves the stream's order (workers round-robin, batches built in workers)."""
-    if num_workers != (stream.num_workers if num_workers else 0) and num_workers:
-        raise ValueError("make_loader: num_workers must match the stream's")
+    if num_workers and num_workers != stream.num_workers:
+        raise ValueError(f"make_loader: num_workers={num_workers} but the stream was built for {stream.num_workers}")
     return DataLoader(stream, batch_size=None, num_workers=num_workers, persistent_workers=False)

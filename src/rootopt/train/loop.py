@@ -222,10 +222,11 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
             state = checkpoint.load(path)
         except checkpoint.CheckpointError as exc:
             raise TrainingError(f"checkpoint.resume: {exc}") from None
-    saved_model = state["config"]["model"]
-    if saved_model != to_dict(run.cfg)["model"]:
-        diff = [f"model.{k}: {saved_model.get(k)!r} → {v!r}" for k, v in to_dict(run.cfg)["model"].items()
-                if saved_model.get(k) != v]
+    # Everything that shapes the parameters must match; recomputation settings may change.
+    saved_model = {k: v for k, v in state["config"]["model"].items() if k != "activation_checkpointing"}
+    wanted = {k: v for k, v in to_dict(run.cfg)["model"].items() if k != "activation_checkpointing"}
+    if saved_model != wanted:
+        diff = [f"model.{k}: {saved_model.get(k)!r} → {v!r}" for k, v in wanted.items() if saved_model.get(k) != v]
         raise TrainingError(f"{path.name} was written for a different model ({'; '.join(diff)}); "
                             "use a new --log_dir or checkpoint.resume=never")
     if state["data"]["manifest_sha256"] != _manifest_digest(run.manifest):
