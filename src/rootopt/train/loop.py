@@ -399,6 +399,7 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
                 run.precision.step(opt)
                 if log_now:
                     ratios = _update_ratios(before, model)
+            lr_used = opt.param_groups[0]["lr"]
             run.scheduler.step()
             st.step += 1
             steps_window += 1
@@ -413,7 +414,7 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
                 finite = [v for v in window if math.isfinite(v)]
                 record = {
                     "step": st.step, "loss": statistics.fmean(finite) if finite else float("nan"),
-                    "lr": opt.param_groups[0]["lr"], "grad_norm": grad_norm,
+                    "lr": lr_used, "grad_norm": grad_norm,
                     "steps_per_s": steps_window / dt, "tokens_per_s": tokens_window / dt,
                     "step_time_s": dt / steps_window, "loss_scale": run.precision.scale,
                     "nonfinite_steps": st.nonfinite_steps, "tokens": st.tokens, **record,
