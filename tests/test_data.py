@@ -116,3 +116,10 @@ def test_data_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert data_main(["prepare", "--corpus", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown corpus 'nope'" in capsys.readouterr().err
     assert data_main(["prepare", "--corpus", "kjv", "--out", str(tmp_path / "x"), "--seq_len", "1"]) == 2
+
+
+def test_classification_path_bbc_news(tmp_path: Path) -> None:
+    m = prepare("bbc-classes", tmp_path / "news", samples_per_shard=1000, val_fraction=0.1)
+    assert m["num_classes"] == 5 and m["feature_dim"] == 256
+    assert sorted(m["classes"]) == ["business", "entertainment", "politics", "sports", "tech"]
+    assert sum(e["samples"] for s in m["splits"].values() for e in s) == 2225
