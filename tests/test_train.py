@@ -237,3 +237,18 @@ def test_resume_with_a_different_model_is_refused(shards: Path, tmp_path: Path,
                        "model.d_model=64"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.d_model: 32 → 64" in err[0] and "checkpoint.resume=never" in err[0]
+
+
+@pytest.mark.slow
+def test_embedded_default_main_job(tmp_path: Path) -> None:
+    """The README's main job: `rootopt train` with no config, within 5 minutes on a 2-core CPU."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    t0 = time.time()
+    done = subprocess.run([sys.executable, "-m", "rootopt.cli", "train", "--log_dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, check=True)
+    wall = time.time() - t0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 300
+    assert summary["final_loss"] < summary["initial_loss"] - 2.0
+    assert (tmp_path / "run" / "loss_curve.png").is_file() and "300/300" in done.stderr  # progress bar
+    assert wall < 300, wall
