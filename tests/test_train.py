@@ -170,6 +170,8 @@ def test_max_time_checkpoints_and_continues(shards: Path, tmp_path: Path) -> Non
     s = train(load_config(None, over), tmp_path / "run", str(shards), say=_quiet)
     assert s.status == "max_time" and 0 < s.steps < 400
     assert (tmp_path / "run" / "checkpoints" / f"ckpt-{s.steps:08d}.pt").is_file()
+    again = train(load_config(None, over), tmp_path / "run", str(shards), say=_quiet)
+    assert again.resumed_from == f"ckpt-{s.steps:08d}.pt" and again.steps > s.steps
 
 
 def test_killed_process_restarts_bit_identically(shards: Path, tmp_path: Path) -> None:

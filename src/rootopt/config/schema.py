@@ -26,7 +26,7 @@ class RunConfig:
     name: str = _f("rootopt", "run name (used in metric labels)")
     seed: int = _f(0, "global random seed", min=0)
     max_steps: int = _f(300, "optimizer steps to train", min=1)
-    max_time: float = _f(0.0, "wall-clock limit in seconds; 0 = none (checkpoint and stop when hit)", min=0)
+    max_time: float = _f(0.0, "wall-clock limit of one session in seconds; 0 = none (checkpoint and stop when hit; rerun to continue)", min=0)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "device; auto = cuda when available")
     threads: int = _f(1, "torch intra-op threads; 0 = torch default. 1 stays fast on a shared CPU; keep it fixed across a resume for bit-identical results", min=0)
     log_every: int = _f(10, "steps between metric records", min=1)

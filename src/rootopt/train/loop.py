@@ -353,7 +353,8 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
             if stop.signal is not None:
                 status = "interrupted"
                 break
-            if cfg.run.max_time and elapsed_before + time.perf_counter() - t_session >= cfg.run.max_time:
+            # max_time limits this session (a job's time slot); a rerun continues from the checkpoint.
+            if cfg.run.max_time and time.perf_counter() - t_session >= cfg.run.max_time:
                 status = "max_time"
                 break
             log_now = (st.step + 1) % cfg.run.log_every == 0 or st.step + 1 == cfg.run.max_steps
