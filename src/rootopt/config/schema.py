@@ -86,7 +86,7 @@ class ClipConfig:
 @dataclass
 class OptimizationConfig:
     optimizer: str = _f("ROOT", "ROOT | AdamW | Adam | SGD | Muon | LAMB | Shampoo (case-insensitive)")
-    base_lr: float = _f(3e-3, "peak learning rate", gt=0)
+    base_lr: float = _f(6e-3, "peak learning rate", gt=0)
     warmup_steps: int = _f(30, "linear warmup steps", min=0)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "decay after warmup")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of base_lr (cosine/linear)", min=0, max=1)
