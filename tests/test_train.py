@@ -58,9 +58,10 @@ def test_tiny_run_loss_decreases_and_leaves_evidence(shards: Path, tmp_path: Pat
     assert state["config"]["optimization"]["optimizer"] == "ROOT"  # resolved config in every checkpoint
 
 
-def test_interrupted_then_resumed_equals_uninterrupted(shards: Path, tmp_path: Path) -> None:
-    over = [*TINY, "run.max_steps=30", "checkpoint.every=1000", "mixed_precision.enabled=true",
-            "mixed_precision.dtype=bf16", "optimization.clip.mode=adaptive"]
+@pytest.mark.parametrize("precision", ["mixed_precision.dtype=bf16", "mixed_precision.dtype=fp16"])
+def test_interrupted_then_resumed_equals_uninterrupted(shards: Path, tmp_path: Path, precision: str) -> None:
+    over = [*TINY, "run.max_steps=30", "checkpoint.every=1000", "mixed_precision.enabled=true", precision,
+            "optimization.clip.mode=adaptive", "mixed_precision.growth_interval=5"]
     train(load_config(None, over), tmp_path / "whole", str(shards), say=_quiet)
     # Stop at step 13 through the signal path (checkpoint, then stop), then rerun the same command.
     part = train(load_config(None, over), tmp_path / "split", str(shards), say=_quiet,
