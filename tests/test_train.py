@@ -255,3 +255,18 @@ def test_embedded_default_main_job(tmp_path: Path) -> None:
     assert summary["final_loss"] < summary["initial_loss"] - 2.0
     assert (tmp_path / "run" / "loss_curve.png").is_file() and "300/300" in done.stderr  # progress bar
     assert wall < 300, wall
+
+
+def test_seed000_config_trains_on_one_cpu_process(shards: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    seed = Path(__file__).resolve().parents[1] / "configs" / "seed000.yaml"
+    tiny = [o for o in TINY if not o.startswith("optimization.warmup_steps")]
+    rc = train_main(["--config", str(seed), "--data_path", str(shards), "--log_dir", str(tmp_path / "run"),
+                     "distributed.world_size=1", *tiny, "run.max_steps=10"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    on_cuda = torch.cuda.is_available()
+    assert ("static loss scale 8192" in out) if on_cuda else ("loss_scale 8192 unused" in out)
+    saved = final_params(tmp_path / "run")["config"]
+    assert isinstance(saved, dict) and saved["optimization"]["base_lr"] == 5e-4
+    assert saved["optimization"]["warmup_steps"] == 1000 and saved["optimization"]["beta2"] == 0.98

@@ -121,14 +121,19 @@ class Precision:
         self.name = dtype if mp.enabled else "fp32"
         self.static_scale: float | None = None
         self.scaler: torch.amp.GradScaler | None = None
+        self.description = f"precision: {self.name}" + (f" autocast on {device.type}" if mp.enabled else "")
+        if mp.enabled and dtype == "bf16" and loss_scale_value(cfg) is not None:
+            self.description += f"; loss_scale {mp.loss_scale} unused (bf16 needs no loss scaling)"
         if mp.enabled and dtype == "fp16":
             static = loss_scale_value(cfg)
             if static is None:
                 self.scaler = torch.amp.GradScaler(
                     device.type, init_scale=mp.init_scale, growth_factor=mp.growth_factor,
                     backoff_factor=mp.backoff_factor, growth_interval=mp.growth_interval)
+                self.description += f"; dynamic loss scale from {mp.init_scale:g} (growth ×{mp.growth_factor:g} every {mp.growth_interval} steps)"
             else:
                 self.static_scale = static
+                self.description += f"; static loss scale {static:g}"
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.enabled:

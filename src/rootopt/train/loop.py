@@ -330,6 +330,8 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
     main = run.info.is_main
     if main and run.routing:
         say(run.routing)
+    if main:
+        say(f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']}); run dir: {run.run_dir}")
     maybe_resume(run, say)
     params = [p for p in model.parameters() if p.requires_grad]
     telemetry = hasattr(opt, "telemetry_enabled") and cfg.optimization.telemetry
