@@ -270,3 +270,23 @@ def test_seed000_config_trains_on_one_cpu_process(shards: Path, tmp_path: Path,
     saved = final_params(tmp_path / "run")["config"]
     assert isinstance(saved, dict) and saved["optimization"]["base_lr"] == 5e-4
     assert saved["optimization"]["warmup_steps"] == 1000 and saved["optimization"]["beta2"] == 0.98
+
+
+@pytest.mark.parametrize(("error", "symptom", "fix"), [
+    (torch.OutOfMemoryError("CUDA out of memory"), "oom", "activation_checkpointing"),
+    (RuntimeError("Watchdog caught collective operation timeout: timed out after 1800000 ms"), "timeout", "NCCL"),
+])
+def test_oom_and_timeout_are_recorded_for_the_report(shards: Path, tmp_path: Path, error: Exception,
+                                                     symptom: str, fix: str) -> None:
+    from rootopt.monitor.report import check_run
+    from rootopt.train import TrainingError
+
+    def fail(step: int, model: torch.nn.Module) -> None:
+        if step == 7:
+            raise error
+
+    with pytest.raises(TrainingError, match="at step 8"):
+        train(load_config(None, [*TINY, "run.max_steps=20"]), tmp_path / "run", str(shards), say=_quiet,
+              hooks=Hooks(after_backward=fail))
+    rep = check_run(tmp_path / "run")
+    assert symptom in rep.symptoms and fix in rep.render()
