@@ -290,3 +290,15 @@ def test_oom_and_timeout_are_recorded_for_the_report(shards: Path, tmp_path: Pat
               hooks=Hooks(after_backward=fail))
     rep = check_run(tmp_path / "run")
     assert symptom in rep.symptoms and fix in rep.render()
+
+
+def test_extending_max_steps_uses_the_new_schedule(shards: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(load_config(None, [*TINY, "run.max_steps=10", "run.log_every=1"]), run, str(shards), say=_quiet)
+    s = train(load_config(None, [*TINY, "run.max_steps=20", "run.log_every=1"]), run, str(shards), say=_quiet)
+    assert s.resumed_from == "ckpt-00000010.pt" and s.steps == 20
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(run / "metrics.jsonl") if "lr" in r}
+    base = 6e-3
+    # The old 10-step schedule would sit at its floor (0.1·base) from step 11 on.
+    assert lrs[13] > 0.5 * base
+    assert lrs[20] < 0.15 * base

@@ -233,7 +233,13 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
         raise TrainingError(f"{path.name} was written for different data shards; resume needs the same --data_path")
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
+    # LambdaLR also restores the multiplier's fields; keep the schedule of *this* config so a
+    # run extended with a larger run.max_steps decays over the new length (unchanged config:
+    # identical values, so resume stays exact).
+    current = [dict(fn.__dict__) for fn in run.scheduler.lr_lambdas]
     run.scheduler.load_state_dict(state["scheduler"])
+    for fn, fields in zip(run.scheduler.lr_lambdas, current):
+        fn.__dict__.update(fields)
     run.precision.load_state_dict(state["scaler"])
     run.clipper.load_state_dict(state["clipper"])
     checkpoint.set_rng_state(state["rng"])
