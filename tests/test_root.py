@@ -155,13 +155,14 @@ def test_muon_mode_float32_equals_muon_math() -> None:
     torch.testing.assert_close(ours.detach(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_adamw_part_equals_torch_adamw() -> None:
+@pytest.mark.parametrize("batched", [True, False])
+def test_adamw_part_equals_torch_adamw(batched: bool) -> None:
     shapes = [(7,), (3, 5), ()]
     params0 = [torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) for s in shapes] for _ in range(5)]
     ps1 = [nn.Parameter(t.clone()) for t in params0]
     ps2 = [nn.Parameter(t.clone()) for t in params0]
-    o1 = ROOT([{"params": ps1, "algorithm": "adamw"}], lr=3e-3, weight_decay=0.1)
+    o1 = ROOT([{"params": ps1, "algorithm": "adamw"}], lr=3e-3, weight_decay=0.1, batched=batched)
     o2 = torch.optim.AdamW(
         ps2, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False
     )

@@ -210,6 +210,33 @@ def adamw_update_(
         param.copy_(p32)
 
 
+def adamw_update_foreach_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`adamw_update_` for many float32 tensors at one step count, with ``_foreach``
+    kernels (a handful of launches instead of eight per tensor)."""
+    beta1, beta2 = betas
+    bc1 = 1 - beta1**step
+    bc2 = 1 - beta2**step
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, math.sqrt(bc2))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
+
+
 # ---------------------------------------------------------------------------------------
 # telemetry
 # ---------------------------------------------------------------------------------------

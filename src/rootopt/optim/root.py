@@ -27,6 +27,7 @@ from rootopt.optim.functional import (
     NDView,
     OrthoMethod,
     adamw_update_,
+    adamw_update_foreach_,
     clip_outliers,
     lr_scale_factor,
     matrix_telemetry,
@@ -367,6 +368,15 @@ class ROOT(Optimizer):
     # AdamW part
     # ----------------------------------------------------------------------------------
     def _adamw(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
+        hyper = dict(
+            lr=float(group["lr"]),
+            betas=group["adamw_betas"],
+            eps=group["adamw_eps"],
+            weight_decay=group["weight_decay"],
+        )
+        # float32 dense tensors at the same step count go through one _foreach call;
+        # everything else (low-precision params, the reference path) one at a time.
+        by_step: dict[tuple[int, torch.device], list[Tensor]] = {}
         for _, p, _name in entries:
             state = self.state[p]
             if not state:
@@ -374,16 +384,21 @@ class ROOT(Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
-            adamw_update_(
-                p,
-                cast(Tensor, p.grad),
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                step=state["step"],
-                lr=float(group["lr"]),
-                betas=group["adamw_betas"],
-                eps=group["adamw_eps"],
-                weight_decay=group["weight_decay"],
+            grad = cast(Tensor, p.grad)
+            if group["batched"] and p.dtype == torch.float32 and grad.dtype == torch.float32:
+                by_step.setdefault((state["step"], p.device), []).append(p)
+            else:
+                adamw_update_(
+                    p, grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **hyper
+                )
+        for (step, _), ps in by_step.items():
+            adamw_update_foreach_(
+                ps,
+                [cast(Tensor, p.grad) for p in ps],
+                [self.state[p]["exp_avg"] for p in ps],
+                [self.state[p]["exp_avg_sq"] for p in ps],
+                step=step,
+                **hyper,
             )
 
     # ----------------------------------------------------------------------------------

@@ -39,10 +39,13 @@ def newton_schulz(
     # Norm in fp32 at least: a bf16 sum over millions of squares loses digits.
     norm = X.float().square().sum(dim=(-2, -1), keepdim=True).sqrt()
     X = (X.float() / (norm + eps)).to(dtype)
+    # addmm/baddbmm fold the scalar combinations into the matmuls:
+    #   B = b A + c A A,   X = a X + B X
+    mm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for a, b, c in schedule:
         A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        B = mm(A, A, A, beta=b, alpha=c)
+        X = mm(X, B, X, beta=a)
     if transpose:
         X = X.mT
     return X.contiguous()

@@ -1,0 +1,215 @@
+"""Load, override and validate a :class:`~rootopt.config.schema.Config` — in one place.
+
+Every problem (unknown key, wrong type, out-of-range value, inconsistent combination) becomes
+one line of :class:`ConfigError`; the command line prints them and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from rootopt.config.schema import Config
+
+OPTIMIZERS: tuple[str, ...] = ("root", "adamw", "adam", "sgd", "muon", "lamb", "shampoo")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, one per line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _is_number_string(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _coerce(value: Any, tp: Any, where: str, rules: dict[str, Any], problems: list[str]) -> Any:
+    """Check ``value`` against the annotated type ``tp``; return the typed value or None."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if isinstance(value, str) and value.lower() in choices:
+            return value.lower()
+        problems.append(f"{where}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+        return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{where}: expected true or false; got {value!r}")
+        return None
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                problems.append(f"{where}: expected an integer; got {value!r}")
+                return None
+    elif tp is float:
+        # YAML 1.1 reads `5e-4` (no dot) as a string; seed 000 writes exactly that.
+        if isinstance(value, str) and _is_number_string(value):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{where}: expected a number; got {value!r}")
+            return None
+        value = float(value)
+        if not math.isfinite(value):
+            problems.append(f"{where}: expected a finite number; got {value!r}")
+            return None
+    elif tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # e.g. loss_scale: 8192
+        if not isinstance(value, str):
+            problems.append(f"{where}: expected a string; got {value!r}")
+            return None
+    if "min" in rules and value < rules["min"]:
+        problems.append(f"{where}: must be >= {rules['min']}; got {value!r}")
+        return None
+    if "gt" in rules and value <= rules["gt"]:
+        problems.append(f"{where}: must be > {rules['gt']}; got {value!r}")
+        return None
+    if "max" in rules and value > rules["max"]:
+        problems.append(f"{where}: must be <= {rules['max']}; got {value!r}")
+        return None
+    return value
+
+
+def _build(cls: type[Any], data: Any, where: str, problems: list[str]) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        problems.append(f"{where or 'config'}: expected a mapping of keys; got {data!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            known = ", ".join(fields)
+            problems.append(f"{where + '.' if where else ''}{key}: unknown key (known: {known})")
+    out = cls()
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        sub = f"{where + '.' if where else ''}{name}"
+        tp = hints[name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            setattr(out, name, _build(tp, data[name], sub, problems))
+            continue
+        value = _coerce(data[name], tp, sub, dict(f.metadata), problems)
+        if value is not None:
+            setattr(out, name, value)
+    return out
+
+
+def _cross_checks(cfg: Config, problems: list[str]) -> None:
+    m, o, mp = cfg.model, cfg.optimization, cfg.mixed_precision
+    if m.n_heads % m.n_kv_heads:
+        problems.append(f"model.n_kv_heads: must divide model.n_heads={m.n_heads}; got {m.n_kv_heads}")
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+        problems.append(
+            f"model.d_model: must be a multiple of 2·n_heads (even head size for RoPE); "
+            f"got d_model={m.d_model}, n_heads={m.n_heads}"
+        )
+    if o.optimizer.lower() not in OPTIMIZERS:
+        problems.append(f"optimization.optimizer: expected one of {', '.join(OPTIMIZERS)}; got {o.optimizer!r}")
+    ls = mp.loss_scale.strip().lower()
+    if ls != "dynamic":
+        try:
+            val = float(ls)
+        except ValueError:
+            val = -1.0
+        if not (math.isfinite(val) and val > 0):
+            problems.append(f"mixed_precision.loss_scale: expected 'dynamic' or a positive number; got {mp.loss_scale!r}")
+    if cfg.distributed.rank >= cfg.distributed.world_size:
+        problems.append(
+            f"distributed.rank: must be < distributed.world_size={cfg.distributed.world_size}; "
+            f"got {cfg.distributed.rank}"
+        )
+    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).is_file():
+        problems.append(f"checkpoint.resume: expected auto, never or an existing checkpoint file; got {cfg.checkpoint.resume!r}")
+
+
+def from_dict(data: Any) -> Config:
+    """Validate a plain mapping (e.g. parsed YAML) into a :class:`Config`; raise :class:`ConfigError`."""
+    problems: list[str] = []
+    cfg: Config = _build(Config, data, "", problems)
+    if not problems:
+        _cross_checks(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved configuration as plain data (for YAML, JSON and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (values parsed as YAML scalars) to a mapping."""
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or key.startswith("-"):
+            problems.append(f"override {item!r}: expected section.key=value")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                problems.append(f"override {item!r}: {part} is not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from the embedded defaults), apply overrides, validate."""
+    data: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file {str(p)!r} does not exist"])
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError([f"config file {p.name}: invalid YAML{at}"]) from None
+        if not isinstance(data, dict):
+            raise ConfigError([f"config file {p.name}: expected a mapping of sections at the top level"])
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(data)
+
+
+def dump_yaml(cfg: Config) -> str:
+    text: str = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return text
+
+
+def loss_scale_value(cfg: Config) -> float | None:
+    """Static loss scale, or None for dynamic scaling."""
+    ls = cfg.mixed_precision.loss_scale.strip().lower()
+    return None if ls == "dynamic" else float(ls)

@@ -1,0 +1,203 @@
+"""Metric sinks: JSONL (always readable by ``rootopt report``), TensorBoard, Prometheus.
+
+Record names (JSONL keys / TensorBoard tags) and Prometheus metric names are fixed here and
+used by ``deploy/grafana-dashboard.json``; :data:`PROMETHEUS_METRICS` is the contract the
+tests check against the dashboard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Prometheus metric name -> help. Labelled ones take {"param": tensor name} or {"kind": ...}.
+PROMETHEUS_METRICS: dict[str, str] = {
+    "rootopt_step": "optimizer steps completed",
+    "rootopt_steps_per_second": "optimizer steps per second (last logging window)",
+    "rootopt_tokens_per_second": "training tokens (or samples) per second (last logging window)",
+    "rootopt_loss": "training loss (mean over the last logging window)",
+    "rootopt_val_loss": "validation loss (last evaluation)",
+    "rootopt_learning_rate": "current learning rate of the first parameter group",
+    "rootopt_grad_norm": "global gradient norm before clipping (histogram)",
+    "rootopt_update_param_ratio": "||Δθ|| / ||θ|| per tensor at the last logged step",
+    "rootopt_root_clip_fraction": "fraction of entries ROOT's soft threshold clipped, per matrix",
+    "rootopt_root_eps": "ROOT's outlier threshold ε, per matrix",
+    "rootopt_nonfinite_steps_total": "steps skipped because gradients were NaN/Inf",
+    "rootopt_loss_scale": "current fp16 loss scale (1 when unused)",
+    "rootopt_memory_bytes": "memory in use (kind=rss | cuda_allocated | cuda_max_allocated)",
+}
+_LABELLED = {"rootopt_update_param_ratio": "param", "rootopt_root_clip_fraction": "param",
+             "rootopt_root_eps": "param", "rootopt_memory_bytes": "kind"}
+GRAD_NORM_BUCKETS = (*tuple(10.0 ** e for e in range(-4, 4)), float("inf"))
+
+
+def memory_bytes() -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/statm") as fh:
+            out["rss"] = float(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        out["rss"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if torch.cuda.is_available():
+        out["cuda_allocated"] = float(torch.cuda.memory_allocated())
+        out["cuda_max_allocated"] = float(torch.cuda.max_memory_allocated())
+    return out
+
+
+class PrometheusExporter:
+    """An HTTP endpoint with its own registry (several runs per process stay independent)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        import prometheus_client as pc
+
+        self.registry = pc.CollectorRegistry()
+        self.gauges: dict[str, Any] = {}
+        for name, doc in PROMETHEUS_METRICS.items():
+            if name == "rootopt_grad_norm":
+                self.grad_norm = pc.Histogram(name, doc, registry=self.registry, buckets=GRAD_NORM_BUCKETS)
+            elif name == "rootopt_nonfinite_steps_total":
+                self.nonfinite = pc.Counter(name.removesuffix("_total"), doc, registry=self.registry)
+            else:
+                labels = [_LABELLED[name]] if name in _LABELLED else []
+                self.gauges[name] = pc.Gauge(name, doc, labels, registry=self.registry)
+        self.server, self.thread = pc.start_http_server(port, addr=host, registry=self.registry)
+        self.port: int = self.server.server_port
+
+    def observe(self, record: dict[str, Any], labelled: dict[str, dict[str, float]]) -> None:
+        for key, name in (("step", "rootopt_step"), ("steps_per_s", "rootopt_steps_per_second"),
+                          ("tokens_per_s", "rootopt_tokens_per_second"), ("loss", "rootopt_loss"),
+                          ("val_loss", "rootopt_val_loss"), ("lr", "rootopt_learning_rate"),
+                          ("loss_scale", "rootopt_loss_scale")):
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.gauges[name].set(value)
+        for name, by_label in labelled.items():
+            for label, value in by_label.items():
+                if math.isfinite(value):
+                    self.gauges[name].labels(label).set(value)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Monitor:
+    """Fan-out of one metric record to the enabled sinks. Only rank 0 writes."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        jsonl: bool,
+        tensorboard: bool,
+        prometheus: tuple[str, int] | None,
+        enabled: bool = True,
+    ) -> None:
+        self.enabled = enabled
+        self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled and jsonl else None
+        self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8") if enabled else None
+        self.tb: Any = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.prom = PrometheusExporter(*prometheus) if enabled and prometheus else None
+
+    def log(self, record: dict[str, Any], labelled: dict[str, dict[str, float]] | None = None) -> None:
+        """One record (``step`` + scalars); ``labelled`` holds per-tensor series for TB/Prometheus."""
+        if not self.enabled:
+            return
+        labelled = labelled or {}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+            self._jsonl.flush()
+        step = int(record["step"])
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(f"train/{key}" if not key.startswith("val") else f"val/{key}", value, step)
+            for name, by_label in labelled.items():
+                for label, value in by_label.items():
+                    self.tb.add_scalar(f"{name.removeprefix('rootopt_')}/{label}", value, step)
+        if self.prom is not None:
+            self.prom.observe(record, labelled)
+
+    def grad_norm(self, value: float) -> None:
+        if self.prom is not None and math.isfinite(value):
+            self.prom.grad_norm.observe(value)
+
+    def nonfinite_step(self) -> None:
+        if self.prom is not None:
+            self.prom.nonfinite.inc()
+
+    def histograms(self, step: int, model: torch.nn.Module) -> None:
+        if self.tb is None:
+            return
+        for name, p in model.named_parameters():
+            self.tb.add_histogram(f"param/{name}", p.detach().float().cpu(), step)
+            if p.grad is not None and torch.isfinite(p.grad).all():
+                self.tb.add_histogram(f"grad/{name}", p.grad.detach().float().cpu(), step)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Notable events (resume, skipped step, checkpoint, OOM, timeout) for the report."""
+        if self._events is not None:
+            self._events.write(json.dumps({"event": kind, **fields}) + "\n")
+            self._events.flush()
+
+    def close(self) -> None:
+        for fh in (self._jsonl, self._events):
+            if fh is not None:
+                fh.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.prom is not None:
+            self.prom.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+    return rows
+
+
+def plot_loss(run_dir: Path, out: Path | None = None) -> Path | None:
+    """``loss_curve.png`` from metrics.jsonl (train loss and, if present, validation loss)."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.2, ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = out or run_dir / "loss_curve.png"
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,191 @@
+"""Components built outside the loop: process info, device, data, optimizer, precision."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rootopt.config import Config, ConfigError, loss_scale_value
+from rootopt.optim import make_optimizer
+
+
+class TrainingError(RuntimeError):
+    """A failure the user can act on; the command line prints it as one line."""
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def process_info(cfg: Config) -> ProcessInfo:
+    """Rank and world size: an initialised process group, else the launcher's env, else config.
+
+    Multi-process training is a later release; today a world size above one is refused with
+    the reason rather than silently training one replica.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        info = ProcessInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(),
+                           int(os.environ.get("LOCAL_RANK", 0)))
+    elif "WORLD_SIZE" in os.environ:
+        info = ProcessInfo(int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"]),
+                           int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        d = cfg.distributed
+        if d.world_size > 1:
+            raise ConfigError([
+                f"distributed.world_size: {d.world_size} processes need a launcher "
+                f"(torchrun --nproc_per_node={d.world_size} -m rootopt.train ...); "
+                "for one process set distributed.world_size=1"
+            ])
+        info = ProcessInfo(d.rank, d.world_size, 0)
+    if info.world_size > 1:
+        raise ConfigError([
+            f"distributed.world_size: {info.world_size} processes requested; this release trains "
+            "in a single process (multi-process data parallelism is a separate feature)"
+        ])
+    return info
+
+
+def resolve_device(cfg: Config, info: ProcessInfo) -> torch.device:
+    want = cfg.run.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(["run.device: cuda requested but no CUDA device is available"])
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", info.local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimizer, str]:
+    """The configured optimizer and a printable routing table ('' when not ROOT/Muon)."""
+    o = cfg.optimization
+    name = o.optimizer.lower()
+    extra: dict[str, Any] = {}
+    if name == "root":
+        extra = dict(momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
+                     ns_coefficients=o.ns_coefficients, outlier_quantile=o.outlier_quantile,
+                     lr_scale=o.lr_scale, ortho_method=o.ortho_method, telemetry=o.telemetry,
+                     nonfinite="error")
+    elif name == "muon":
+        extra = dict(momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, telemetry=o.telemetry)
+    elif name == "sgd":
+        extra = dict(momentum=o.momentum)
+    try:
+        opt, report = make_optimizer(name, model, lr=o.base_lr, weight_decay=o.weight_decay,
+                                     betas=(o.beta1, o.beta2), eps=o.epsilon, **extra)
+    except ValueError as exc:
+        raise ConfigError([f"optimization: {str(exc).splitlines()[0]}"]) from None
+    return opt, (str(report) if report is not None else "")
+
+
+# --------------------------------------------------------------------------- precision
+
+
+class Precision:
+    """Autocast + loss scaling in one place.
+
+    * disabled: float32, no scaling.
+    * bf16: autocast to bfloat16 (CPU or CUDA), no scaling needed.
+    * fp16 + ``loss_scale: dynamic``: ``torch.amp.GradScaler`` with seed 003's defaults
+      (initial 65536, growth interval 2000, factor 2, backoff 0.5).
+    * fp16 + a number: seed 000's static ``loss_scale``.
+    Non-finite gradients are detected by the loop after :meth:`unscale`, the step is skipped,
+    and :meth:`skip` lets the dynamic scaler back off.
+    """
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        mp = cfg.mixed_precision
+        self.device = device
+        self.enabled = mp.enabled
+        dtype = mp.dtype if mp.dtype != "auto" else ("fp16" if device.type == "cuda" else "bf16")
+        self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+        self.name = dtype if mp.enabled else "fp32"
+        self.static_scale: float | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self.description = f"precision: {self.name}" + (f" autocast on {device.type}" if mp.enabled else "")
+        if mp.enabled and dtype == "bf16" and loss_scale_value(cfg) is not None:
+            self.description += f"; loss_scale {mp.loss_scale} unused (bf16 needs no loss scaling)"
+        if mp.enabled and dtype == "fp16":
+            static = loss_scale_value(cfg)
+            if static is None:
+                self.scaler = torch.amp.GradScaler(
+                    device.type, init_scale=mp.init_scale, growth_factor=mp.growth_factor,
+                    backoff_factor=mp.backoff_factor, growth_interval=mp.growth_interval)
+                self.description += f"; dynamic loss scale from {mp.init_scale:g} (growth ×{mp.growth_factor:g} every {mp.growth_interval} steps)"
+            else:
+                self.static_scale = static
+                self.description += f"; static loss scale {static:g}"
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        elif self.static_scale is not None:
+            (loss * self.static_scale).backward()  # type: ignore[no-untyped-call]
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
+
+    def unscale(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        elif self.static_scale is not None:
+            inv = 1.0 / self.static_scale
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(inv)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def skip(self) -> None:
+        """A step with non-finite gradients: not applied; the dynamic scale backs off."""
+        if self.scaler is not None:
+            self.scaler.update()
+
+    @property
+    def scale(self) -> float:
+        if self.scaler is not None:
+            return float(self.scaler.get_scale())
+        return self.static_scale or 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def run_dir_for(log_dir: str | None) -> Path:
+    if log_dir:
+        return Path(log_dir)
+    import time
+
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")

@@ -1,0 +1,87 @@
+"""``rootopt train`` / ``python -m rootopt.train``: argv → config → :func:`rootopt.train.train`.
+
+    rootopt train [--config FILE] [--data_path DIR] [--log_dir DIR] [section.key=value ...]
+
+Without ``--config`` the embedded default runs: a small Llama-style model on CPython's
+standard-library source (byte tokens) with ROOT, a few minutes on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from rootopt.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rootopt train",
+        description="Train a model with ROOT. With no --config, runs the embedded default "
+        "(small Llama-style LM on real offline text). Overrides: section.key=value, "
+        "e.g. optimization.base_lr=1e-3 run.max_steps=200.",
+    )
+    p.add_argument("--config", help="YAML config (sections: run, distributed, model, data, optimization, "
+                   "mixed_precision, checkpoint, monitoring)")
+    p.add_argument("--data_path", "--data-path", dest="data_path",
+                   help="prepared shard directory (rootopt data prepare); default: prepare data.corpus into the run dir")
+    p.add_argument("--log_dir", "--log-dir", dest="log_dir",
+                   help="run directory (metrics, checkpoints, plots); an existing one is resumed. Default: runs/<timestamp>")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return p
+
+
+def _err(msg: str) -> None:
+    print(f"rootopt train: {msg}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        for line in exc.problems:
+            _err(f"config error: {line}")
+        return 2
+    from rootopt.config import dump_yaml
+
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    from rootopt.checkpoint import CheckpointError
+    from rootopt.data import CorpusError, ShardError
+    from rootopt.train.build import TrainingError, run_dir_for
+    from rootopt.train.loop import train
+
+    run_dir = run_dir_for(args.log_dir)
+    try:
+        summary = train(cfg, run_dir, args.data_path)
+    except ConfigError as exc:
+        for line in exc.problems:
+            _err(f"config error: {line}")
+        return 2
+    except (ShardError, CorpusError, CheckpointError) as exc:
+        _err(str(exc))
+        return 2
+    except TrainingError as exc:
+        _err(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        _err("interrupted twice; stopped without a final checkpoint")
+        return 130
+    print(
+        f"{summary.status}: {summary.steps} steps in {summary.wall_s:.1f} s this session "
+        f"({summary.steps_per_s:.2f} steps/s, {summary.tokens_per_s:.0f} tokens/s); "
+        f"loss {summary.initial_loss:.3f} → {summary.final_loss:.3f}"
+        + (f", val {summary.val_loss:.3f}" if summary.val_loss == summary.val_loss else "")
+        + f"; non-finite steps {summary.nonfinite_steps}"
+    )
+    print(f"run dir: {summary.run_dir} (checkpoint {summary.checkpoint}; report: rootopt report {summary.run_dir})")
+    if summary.status == "interrupted":
+        print("stopped by signal after a checkpoint; run the same command to resume")
+        return 128 + int(signal.SIGTERM)
+    if summary.status == "max_time":
+        print("stopped at run.max_time after a checkpoint; run the same command to continue")
+    return 0

@@ -1,0 +1,165 @@
+"""Models for the training system: a small Llama-style causal LM and an MLP classifier.
+
+Llama block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``; attention
+uses rotary position embeddings (RoPE) on queries/keys and grouped-query attention (GQA:
+``n_kv_heads`` key/value heads shared by ``n_heads / n_kv_heads`` query heads each). The
+output head shares the token embedding (tied), so ROOT's routing sends that one matrix to
+the internal AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from rootopt.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y: Tensor = out.to(x.dtype) * self.weight.to(x.dtype)
+        return y
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables ``(seq_len, head_dim/2)`` for rotary embeddings."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (even, odd) of ``x`` ``(B, H, T, D)`` by position-dependent angles."""
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    c, s = cos[: x.size(-2)], sin[: x.size(-2)]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv  # GQA: each kv head serves `rep` query heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: Tensor = self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return out
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, hidden)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        out: Tensor = x + self.ffn(self.ffn_norm(x))
+        return out
+
+
+class LlamaLM(nn.Module):
+    """Causal LM: ``forward(tokens (B, T)) -> logits (B, T, vocab)``."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+        super().__init__()
+        hidden = cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32)
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, hidden) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init(cfg.init_std)
+
+    def _init(self, std: float) -> None:
+        for name, p in self.named_parameters():
+            if p.ndim == 2:
+                # Output projections get the GPT-2 depth scaling.
+                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 1.0
+                nn.init.normal_(p, std=std * scale)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos, self.rope_sin
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        logits: Tensor = self.lm_head(self.norm(x))
+        return logits
+
+
+class MLPClassifier(nn.Module):
+    """Two hidden layers with GELU: ``forward(x (B, F)) -> logits (B, classes)``."""
+
+    def __init__(self, in_dim: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, classes)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.net(x)
+        return out
+
+
+def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
+    """Mean cross-entropy in float32 (LM logits are flattened over time)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, manifest: dict[str, object], seq_len: int) -> nn.Module:
+    if cfg.kind == "llama":
+        if manifest.get("task") != "lm":
+            raise ValueError(f"model.kind=llama needs language-model shards; these are {manifest.get('task')!r}")
+        return LlamaLM(cfg, seq_len)
+    if manifest.get("task") != "classify":
+        raise ValueError(f"model.kind=mlp needs classification shards; these are {manifest.get('task')!r}")
+    feat = manifest["feature_dim"]
+    classes = manifest["num_classes"]
+    assert isinstance(feat, int) and isinstance(classes, int)
+    return MLPClassifier(feat, cfg.mlp_hidden, classes)

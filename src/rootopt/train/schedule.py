@@ -1,0 +1,87 @@
+"""Learning-rate schedules (multipliers of ``base_lr``) and gradient clipping (seed 003 §4.1–4.2)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+
+class LRMultiplier:
+    """``step -> lr / base_lr``: linear warmup, then cosine / linear decay to ``min_ratio``, or constant.
+
+    A callable object (not a closure) so ``LambdaLR.state_dict`` can save it.
+    """
+
+    def __init__(self, kind: str, *, warmup: int, total: int, min_ratio: float) -> None:
+        self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        if self.kind == "cosine":
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0 - (1 - self.min_ratio) * progress
+
+
+def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
+    """L2 norm over all gradients, in float32 (inf/nan propagate)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm: Tensor = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    return norm
+
+
+class GradClipper:
+    """Clip by value, by global norm, or adaptively against a running norm.
+
+    ``adaptive`` (seed 003 §4.2, made self-tuning): the threshold is
+    ``min(max_norm, factor × EMA(grad norm))`` once the EMA has warmed up; the EMA state is
+    part of checkpoints via :meth:`state_dict`.
+    """
+
+    def __init__(self, mode: str, *, max_norm: float, value: float, beta: float, factor: float) -> None:
+        self.mode, self.max_norm, self.value, self.beta, self.factor = mode, max_norm, value, beta, factor
+        self.ema = 0.0
+        self.count = 0
+
+    def threshold(self) -> float:
+        if self.mode == "adaptive" and self.count >= 10:
+            debiased = self.ema / (1 - self.beta**self.count)
+            return min(self.max_norm, self.factor * debiased)
+        return self.max_norm
+
+    def __call__(self, params: Sequence[Tensor], norm: Tensor) -> float:
+        """Clip in place given the pre-clip global ``norm``; return the scale applied (1 = none)."""
+        if self.mode == "none":
+            return 1.0
+        if self.mode == "value":
+            for p in params:
+                if p.grad is not None:
+                    p.grad.clamp_(-self.value, self.value)
+            return 1.0
+        limit = self.threshold()
+        n = float(norm)
+        if self.mode == "adaptive":
+            self.ema = self.beta * self.ema + (1 - self.beta) * n
+            self.count += 1
+        scale = limit / (n + 1e-6)
+        if scale < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            return scale
+        return 1.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"ema": self.ema, "count": float(self.count)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.ema, self.count = float(state["ema"]), int(state["count"])
