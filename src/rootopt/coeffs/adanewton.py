@@ -132,7 +132,7 @@ def cache_dir() -> Path:
 def _fitter_version() -> str:
     # Kept in sync with rootopt.coeffs.fit.FITTER_VERSION (tested); not imported here so
     # that the lookup never imports the fitter (torch) unless it has to fit.
-    return "1"
+    return "2"
 
 
 def cache_path(rows: int, cols: int, steps: int, dtype: str, delta: float = DEFAULT_DELTA) -> Path:

@@ -27,8 +27,9 @@ small margin; every candidate is then verified by
 towards its stable warm start) if it fails. The result is never worse on the objective
 than the best stable published schedule used as a warm start.
 
-Optimiser: L-BFGS (torch, float64) with penalty continuation from warm starts (Polar
-Express, CANS, You, Muon and, for a schedule, the best single tuple). It uses no
+Optimiser: L-BFGS (torch, float64) with penalty continuation from warm starts (a single
+tuple from You's last tuple; schedules from You, CANS, Polar Express and the best single
+tuple). It uses no
 randomness: the seed only fixes the sampled spectra, so a fit is reproducible from its
 provenance.
 """
@@ -55,7 +56,7 @@ from rootopt.coeffs.spectra import (
 from rootopt.coeffs.stability import DEFAULT_DELTA, apply_schedule, verify_schedule
 
 # Bump when the objective, the spectra or the optimiser change what a fit returns.
-FITTER_VERSION = "1"
+FITTER_VERSION = "2"
 
 Mode = Literal["auto", "schedule", "single"]
 
@@ -448,7 +449,9 @@ def fit_coefficients(
                 raise RuntimeError(f"no stable single tuple found for {rows}x{cols}")
             best = (single_best[0], single_best[1], "single", "fit")
     if cfg.mode in ("auto", "schedule"):
-        sched_starts: dict[str, Schedule] = {k: v for k, v in warm.items() if k in ("you", "cans")}
+        sched_starts: dict[str, Schedule] = {
+            k: v for k, v in warm.items() if k in ("you", "cans", "polar_express")
+        }
         if single_best is not None:
             sched_starts["single_fit"] = single_best[1]
         for name, s0 in sched_starts.items():
