@@ -14,12 +14,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rootopt._atomic import atomic_write
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
@@ -38,19 +39,6 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(directory: str | Path, step: int, payload: dict[str, Any], *, keep_last: int) -> Path:
     """Write checkpoint ``step`` atomically; keep the newest ``keep_last``; return its path."""
     directory = Path(directory)
@@ -61,9 +49,14 @@ def save(directory: str | Path, step: int, payload: dict[str, Any], *, keep_last
     torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, buf)
     blob = buf.getvalue()
     path = directory / f"ckpt-{step:08d}.pt"
-    _atomic_write(path, blob)
-    meta = {"format_version": FORMAT_VERSION, "step": step, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
-    _atomic_write(path.with_suffix(".json"), (json.dumps(meta) + "\n").encode())
+    atomic_write(path, blob)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "bytes": len(blob),
+    }
+    atomic_write(path.with_suffix(".json"), (json.dumps(meta) + "\n").encode())
     _fsync_dir(directory)
     for old in list_checkpoints(directory)[:-keep_last]:
         old.unlink(missing_ok=True)
@@ -93,9 +86,13 @@ def load(path: str | Path) -> dict[str, Any]:
     blob = path.read_bytes()
     actual = hashlib.sha256(blob).hexdigest()
     if actual != meta.get("sha256"):
-        raise CheckpointError(f"{path.name}: sha256 mismatch (sidecar {str(meta.get('sha256'))[:12]}…, file {actual[:12]}…)")
+        raise CheckpointError(
+            f"{path.name}: sha256 mismatch (sidecar {str(meta.get('sha256'))[:12]}…, file {actual[:12]}…)"
+        )
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path.name}: format version {meta.get('format_version')} (this build reads {FORMAT_VERSION})")
+        raise CheckpointError(
+            f"{path.name}: format version {meta.get('format_version')} (this build reads {FORMAT_VERSION})"
+        )
     import io
 
     try:
@@ -134,7 +131,13 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype("int64")), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np_state[1].astype("int64")),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()

@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from rootopt._atomic import atomic_write
 from rootopt.coeffs.presets import MUON, Coeff, Schedule
 from rootopt.coeffs.stability import DEFAULT_DELTA, verify_schedule
 
@@ -110,7 +110,9 @@ def load_table() -> tuple[dict[str, Any], dict[tuple[int, int, int, str], TableE
     for e in raw["entries"]:
         m, n = int(e["shape"][0]), int(e["shape"][1])
         k, dt = int(e["steps"]), str(e["dtype"])
-        entries[(m, n, k, dt)] = TableEntry(m, n, k, dt, _parse_schedule(e["schedule"], k), str(e["kind"]), e)
+        entries[(m, n, k, dt)] = TableEntry(
+            m, n, k, dt, _parse_schedule(e["schedule"], k), str(e["kind"]), e
+        )
     header = {k: v for k, v in raw.items() if k != "entries"}
     return header, entries
 
@@ -137,10 +139,17 @@ def _fitter_version() -> str:
 
 def cache_path(rows: int, cols: int, steps: int, dtype: str, delta: float = DEFAULT_DELTA) -> Path:
     m, n = min(rows, cols), max(rows, cols)
-    return cache_dir() / "adanewton" / f"v{_fitter_version()}" / f"{m}x{n}_k{steps}_{dtype}_d{delta:g}.json"
+    return (
+        cache_dir()
+        / "adanewton"
+        / f"v{_fitter_version()}"
+        / f"{m}x{n}_k{steps}_{dtype}_d{delta:g}.json"
+    )
 
 
-def read_cache(path: Path, key: tuple[int, int, int, str], delta: float = DEFAULT_DELTA) -> Schedule | None:
+def read_cache(
+    path: Path, key: tuple[int, int, int, str], delta: float = DEFAULT_DELTA
+) -> Schedule | None:
     """The cached schedule, or None when the entry is missing, corrupt or not stable."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -157,7 +166,11 @@ def read_cache(path: Path, key: tuple[int, int, int, str], delta: float = DEFAUL
         return None
     rep = verify_schedule(sched, delta=delta, prefix_bound=PREFIX_BOUND)
     if not rep.stable:
-        log.warning("adanewton: cache entry %s fails the stability check (%s); refitting", path.name, rep.reason)
+        log.warning(
+            "adanewton: cache entry %s fails the stability check (%s); refitting",
+            path.name,
+            rep.reason,
+        )
         return None
     return sched
 
@@ -166,16 +179,7 @@ def write_cache(path: Path, payload: dict[str, Any]) -> bool:
     """Atomic write (temp file in the same directory, then rename); False on failure."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(payload, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, json.dumps(payload, indent=1).encode("utf-8"))
     except OSError as exc:
         log.warning("adanewton: cannot write cache entry %s (%s)", path, exc)
         return False
@@ -212,20 +216,11 @@ def _fit_and_cache(key: tuple[int, int, int, str], delta: float) -> tuple[Schedu
     m, n, k, dt = key
     cfg = FitConfig(steps=k, dtype=dt, delta=delta, **RUNTIME_FIT)
     res = fit_coefficients(m, n, cfg)
-    payload = {
-        "format": CACHE_FORMAT,
-        "shape": [m, n],
-        "steps": k,
-        "dtype": dt,
-        "kind": res.kind,
-        "schedule": [list(t) for t in res.schedule],
-        "objective": res.objective,
-        "peak": res.peak,
-        "family_error": res.family_error,
-        "provenance": res.provenance(),
-    }
+    payload = {"format": CACHE_FORMAT, **res.payload()}
     ok = write_cache(cache_path(m, n, k, dt, delta), payload)
-    return res.schedule, f"fitted in {res.seconds:.1f}s ({res.kind})" + ("" if ok else ", not cached")
+    return res.schedule, f"fitted in {res.seconds:.1f}s ({res.kind})" + (
+        "" if ok else ", not cached"
+    )
 
 
 def lookup(
@@ -265,7 +260,13 @@ def lookup(
     if key not in _logged:
         _logged.add(key)
         log.info(
-            "adanewton %dx%d K=%d %s: %s%s", m, n, steps, dtype, res.source, f" ({res.detail})" if res.detail else ""
+            "adanewton %dx%d K=%d %s: %s%s",
+            m,
+            n,
+            steps,
+            dtype,
+            res.source,
+            f" ({res.detail})" if res.detail else "",
         )
     return res
 

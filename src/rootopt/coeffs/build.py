@@ -114,10 +114,13 @@ def build_table(
         old = json.loads(out.read_text())
         done = {(e["shape"][0], e["shape"][1], e["steps"], e["dtype"]) for e in entries}
         keep = [
-            e for e in old.get("entries", [])
+            e
+            for e in old.get("entries", [])
             if (e["shape"][0], e["shape"][1], e["steps"], e["dtype"]) not in done
         ]
-        table["entries"] = sorted(keep + entries, key=lambda e: (e["steps"], e["dtype"], e["shape"]))
+        table["entries"] = sorted(
+            keep + entries, key=lambda e: (e["steps"], e["dtype"], e["shape"])
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=out.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -157,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--delta", type=float, default=0.25)
-    ap.add_argument("--shape", action="append", default=None, help="only these shapes, e.g. 2048x8192")
+    ap.add_argument(
+        "--shape", action="append", default=None, help="only these shapes, e.g. 2048x8192"
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     shapes = None
@@ -172,7 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out=a.out,
         code_version=_git_version(),
     )
-    print(f"wrote {len(t['entries'])} entries to {a.out.name} in {t['provenance']['build_seconds']}s")
+    print(
+        f"wrote {len(t['entries'])} entries to {a.out.name} in {t['provenance']['build_seconds']}s"
+    )
     return 0
 
 

@@ -152,11 +152,27 @@ class FitResult:
             "warm_start": self.warm_start,
         }
 
+    def payload(self) -> dict[str, Any]:
+        """The record stored in a cache entry or printed by ``rootopt coeffs fit --json``."""
+        return {
+            "shape": [min(self.rows, self.cols), max(self.rows, self.cols)],
+            "steps": self.config.steps,
+            "dtype": self.config.dtype,
+            "kind": self.kind,
+            "schedule": [list(t) for t in self.schedule],
+            "objective": self.objective,
+            "peak": self.peak,
+            "family_error": self.family_error,
+            "provenance": self.provenance(),
+        }
+
 
 # ---------------------------------------------------------------------------- objective
 
 
-def _stack(samples: Mapping[str, Sequence[SpectrumSample]], mix: Mapping[str, float], cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray]:
+def _stack(
+    samples: Mapping[str, Sequence[SpectrumSample]], mix: Mapping[str, float], cap: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray]:
     """Padded values (S, L), mask, per-spectrum weight, family per row, family index."""
     weights = mix_weights(samples, mix)
     rows: list[np.ndarray] = []
@@ -214,7 +230,9 @@ class _Problem:
         self.ref = torch.ones(nf, dtype=torch.float64)
         self.grid = torch.from_numpy(constraint_grid())
         self.plateau_mask = (
-            self.grid >= cfg.plateau[0] if cfg.plateau is not None else torch.zeros_like(self.grid, dtype=torch.bool)
+            self.grid >= cfg.plateau[0]
+            if cfg.plateau is not None
+            else torch.zeros_like(self.grid, dtype=torch.bool)
         )
         self.cfg = cfg
         u = UNIT_ROUNDOFF[cfg.dtype]
@@ -257,9 +275,7 @@ class _Problem:
     def family_errors(self, sched: Schedule) -> dict[str, float]:
         with torch.no_grad():
             e = self.per_spectrum(torch.tensor(sched, dtype=torch.float64))
-        return {
-            f: float(e[self.famidx == i].mean()) for i, f in enumerate(self.famnames)
-        }
+        return {f: float(e[self.famidx == i].mean()) for i, f in enumerate(self.famnames)}
 
     def penalty(self, sched: torch.Tensor, extra_steps: int = 0) -> torch.Tensor:
         cfg = self.cfg
@@ -295,8 +311,13 @@ def _lbfgs(problem: _Problem, x0: np.ndarray, *, single: bool, max_iter: int) ->
     last_good = np.asarray(x0, dtype=np.float64)
     for lam in (1e2, 1e4, 1e6):
         opt = torch.optim.LBFGS(
-            [p], lr=1.0, max_iter=max_iter, history_size=20, line_search_fn="strong_wolfe",
-            tolerance_grad=1e-10, tolerance_change=1e-12,
+            [p],
+            lr=1.0,
+            max_iter=max_iter,
+            history_size=20,
+            line_search_fn="strong_wolfe",
+            tolerance_grad=1e-10,
+            tolerance_change=1e-12,
         )
 
         def closure(lam: float = lam, opt: torch.optim.LBFGS = opt) -> torch.Tensor:
@@ -350,6 +371,7 @@ def _ok(s: Schedule, cfg: FitConfig) -> bool:
 
 def _repair(candidate: Schedule, start: Schedule, cfg: FitConfig, single: bool) -> Schedule | None:
     """The candidate if it verifies, else the stable point closest to it on the way back."""
+
     def ok(s: Schedule) -> bool:
         return _ok(s, cfg)
 
@@ -459,7 +481,12 @@ def fit_coefficients(
             rep = _repair(_as_schedule(x, K, False), s0, cfg, False)
             consider(rep, "schedule", name)
         # The paper's form (a single tuple) is kept when the schedule does not win.
-        if cfg.mode == "auto" and single_best is not None and best is not None and single_best[0] <= best[0]:
+        if (
+            cfg.mode == "auto"
+            and single_best is not None
+            and best is not None
+            and single_best[0] <= best[0]
+        ):
             best = (single_best[0], single_best[1], "single", "fit")
     if best is None:
         raise RuntimeError(f"no stable schedule found for {rows}x{cols}")

@@ -121,7 +121,9 @@ def _svals(M: np.ndarray) -> np.ndarray:
     return out
 
 
-def gaussian(rows: int, cols: int, rng: np.random.Generator, *, max_dim: int = 256) -> SpectrumSample:
+def gaussian(
+    rows: int, cols: int, rng: np.random.Generator, *, max_dim: int = 256
+) -> SpectrumSample:
     m = min(rows, cols)
     m2, n2 = _sample_dims(rows, cols, max_dim)
     s = _normalise(_svals(rng.standard_normal((m2, n2))))
@@ -171,7 +173,9 @@ def heavytail(
     eps = float(np.quantile(np.abs(M), quantile))
     M = np.clip(M, -eps, eps)
     s = _normalise(_svals(M))
-    return SpectrumSample("heavytail", _rescale(s, m2, m), f"t(nu={df}) row/col scaled, clip q{quantile}")
+    return SpectrumSample(
+        "heavytail", _rescale(s, m2, m), f"t(nu={df}) row/col scaled, clip q{quantile}"
+    )
 
 
 def quantiles(sigma: np.ndarray, k: int) -> np.ndarray:
@@ -221,7 +225,11 @@ def load_recorded(path: str | None = None, *, split: str = "fit") -> RecordedSet
         raise ValueError(f"split={split!r}; choose 'fit', 'holdout' or 'all'")
     if path is None:
         try:
-            text = resources.files("rootopt.coeffs").joinpath("data", RECORDED_SPECTRA_FILE).read_text()
+            text = (
+                resources.files("rootopt.coeffs")
+                .joinpath("data", RECORDED_SPECTRA_FILE)
+                .read_text()
+            )
         except (FileNotFoundError, OSError):
             return RecordedSet()
     else:
@@ -307,17 +315,27 @@ def sample_spectra(
         elif fam == "lowrank":
             # Cycle through every (rank fraction, energy) pair so few samples still cover them.
             out[fam] = [
-                lowrank(rows, cols, rng, max_dim=max_dim, rank_frac=LOWRANK_GRID[i % 9][0], energy=LOWRANK_GRID[i % 9][1])
+                lowrank(
+                    rows,
+                    cols,
+                    rng,
+                    max_dim=max_dim,
+                    rank_frac=LOWRANK_GRID[i % 9][0],
+                    energy=LOWRANK_GRID[i % 9][1],
+                )
                 for i in range(per_family)
             ]
         else:
             out[fam] = [
-                heavytail(rows, cols, rng, max_dim=max_dim, nu=HEAVYTAIL_NU[i % 2]) for i in range(per_family)
+                heavytail(rows, cols, rng, max_dim=max_dim, nu=HEAVYTAIL_NU[i % 2])
+                for i in range(per_family)
             ]
     return {k: v for k, v in out.items() if v}
 
 
-def mix_weights(samples: Mapping[str, Sequence[SpectrumSample]], mix: Mapping[str, float]) -> dict[str, float]:
+def mix_weights(
+    samples: Mapping[str, Sequence[SpectrumSample]], mix: Mapping[str, float]
+) -> dict[str, float]:
     """Weights of the families present in ``samples``, renormalised to sum 1."""
     present = {k: float(mix.get(k, 0.0)) for k, v in samples.items() if v}
     tot = sum(present.values())

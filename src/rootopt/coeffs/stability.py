@@ -132,13 +132,18 @@ def verify_schedule(
             xf = x[idx - 1, None] + (x[idx + 1] - x[idx - 1])[:, None] * t[None, :]
             allv = np.concatenate([y, apply_schedule(schedule[: k + 1], xf).ravel()])
         if not np.all(np.isfinite(allv)):
-            return StabilityReport(False, float("inf"), lo, f"partial composition {k + 1} is not finite")
+            return StabilityReport(
+                False, float("inf"), lo, f"partial composition {k + 1} is not finite"
+            )
         pk, mk = float(allv.max()), float(allv.min())
         if k == K - 1:
             peak, lo = max(peak, pk), min(lo, mk)
         if pk > bound:
             return StabilityReport(
-                False, max(peak, pk), lo, f"composition of {k + 1} steps peaks at {pk:.4f} > {bound:.4g}"
+                False,
+                max(peak, pk),
+                lo,
+                f"composition of {k + 1} steps peaks at {pk:.4f} > {bound:.4g}",
             )
         if mk < 0:
             return StabilityReport(

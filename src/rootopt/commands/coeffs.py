@@ -32,13 +32,21 @@ def _fmt(s: Sequence[Sequence[float]]) -> str:
 
 
 def cmd_fit(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="rootopt coeffs fit", description="Fit AdaNewton coefficients for one shape.")
+    ap = argparse.ArgumentParser(
+        prog="rootopt coeffs fit", description="Fit AdaNewton coefficients for one shape."
+    )
     ap.add_argument("--shape", type=parse_shape, required=True)
     ap.add_argument("--steps", type=int, default=5)
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--schedule", dest="mode", action="store_const", const="schedule", help="one tuple per step")
-    g.add_argument("--single", dest="mode", action="store_const", const="single", help="one repeated tuple")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    g.add_argument(
+        "--schedule", dest="mode", action="store_const", const="schedule", help="one tuple per step"
+    )
+    g.add_argument(
+        "--single", dest="mode", action="store_const", const="single", help="one repeated tuple"
+    )
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"]
+    )
     ap.add_argument("--delta", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-family", type=int, default=12)
@@ -57,35 +65,32 @@ def cmd_fit(argv: list[str]) -> int:
     )
     m, n = a.shape
     res = fit_coefficients(m, n, cfg)
-    payload = {
-        "shape": [min(m, n), max(m, n)],
-        "steps": a.steps,
-        "dtype": a.dtype,
-        "kind": res.kind,
-        "schedule": [list(t) for t in res.schedule],
-        "objective": res.objective,
-        "peak": res.peak,
-        "family_error": res.family_error,
-        "provenance": res.provenance(),
-    }
+    payload = res.payload()
     if a.cache:
         from rootopt.coeffs.adanewton import CACHE_FORMAT, cache_path, write_cache
 
-        write_cache(cache_path(m, n, a.steps, a.dtype, a.delta), {"format": CACHE_FORMAT, **payload})
+        write_cache(
+            cache_path(m, n, a.steps, a.dtype, a.delta), {"format": CACHE_FORMAT, **payload}
+        )
     if a.json:
         print(json.dumps(payload, indent=1))
         return 0
     print(f"AdaNewton {min(m, n)}x{max(m, n)}, K={a.steps}, {a.dtype}, delta={a.delta}: {res.kind}")
     print(_fmt(res.schedule))
     print(f"objective (mix-weighted mean relative error): {res.objective:.4f}")
-    print("training error by family: " + ", ".join(f"{k} {v:.4f}" for k, v in res.family_error.items()))
+    print(
+        "training error by family: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in res.family_error.items())
+    )
     print(f"peak of the composition on [0, 1]: {res.peak:.4f} (bound {1 + a.delta})")
     print(f"warm start: {res.warm_start}; {res.seconds:.1f}s")
     return 0
 
 
 def cmd_show(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="rootopt coeffs show", description="Show the table or one shape's coefficients.")
+    ap = argparse.ArgumentParser(
+        prog="rootopt coeffs show", description="Show the table or one shape's coefficients."
+    )
     ap.add_argument("shape", nargs="?", type=parse_shape)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--no-fit", action="store_true", help="never fit: nearest table entry")
@@ -96,22 +101,31 @@ def cmd_show(argv: list[str]) -> int:
     header, entries = load_table()
     if a.shape is None:
         prov = header.get("provenance", {})
-        print(f"AdaNewton table: {len(entries)} entries; fitter v{prov.get('fitter_version')}, "
-              f"code {prov.get('code_version') or '?'}, created {prov.get('created')}")
+        print(
+            f"AdaNewton table: {len(entries)} entries; fitter v{prov.get('fitter_version')}, "
+            f"code {prov.get('code_version') or '?'}, created {prov.get('created')}"
+        )
         cfg = prov.get("fit_config", {})
-        print(f"K={cfg.get('steps')} dtype={cfg.get('dtype')} delta={cfg.get('delta')} seed={cfg.get('seed')} "
-              f"mix={cfg.get('mix')}")
+        print(
+            f"K={cfg.get('steps')} dtype={cfg.get('dtype')} delta={cfg.get('delta')} seed={cfg.get('seed')} "
+            f"mix={cfg.get('mix')}"
+        )
         print(f"{'shape':>12} {'kind':>9} {'objective':>9} {'peak':>6}  models")
         for (m, n, _k, _dt), e in sorted(entries.items()):
             models = e.raw.get("models", [])
             more = f" +{len(models) - 2}" if len(models) > 2 else ""
-            print(f"{m:>5}x{n:<6} {e.kind:>9} {e.raw.get('objective', float('nan')):9.4f} "
-                  f"{e.raw.get('peak', float('nan')):6.3f}  {', '.join(models[:2])}{more}")
+            print(
+                f"{m:>5}x{n:<6} {e.kind:>9} {e.raw.get('objective', float('nan')):9.4f} "
+                f"{e.raw.get('peak', float('nan')):6.3f}  {', '.join(models[:2])}{more}"
+            )
         return 0
     m, n = a.shape
     res = lookup(m, n, a.steps, fit=False if a.no_fit else None)
     rep = verify_schedule(res.schedule)
-    print(f"AdaNewton {m}x{n}, K={a.steps}: source {res.source}" + (f" ({res.detail})" if res.detail else ""))
+    print(
+        f"AdaNewton {m}x{n}, K={a.steps}: source {res.source}"
+        + (f" ({res.detail})" if res.detail else "")
+    )
     print(_fmt(res.schedule))
     print(f"peak {rep.peak:.4f}, stable: {rep.stable} ({rep.reason})")
     return 0

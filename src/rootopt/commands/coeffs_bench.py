@@ -40,7 +40,16 @@ from rootopt.coeffs.spectra import (
 )
 from rootopt.coeffs.stability import apply_schedule, verify_schedule
 
-METHODS: tuple[str, ...] = ("cubic", "quintic", "muon", "you", "polar_express", "cans", "paper", "adanewton")
+METHODS: tuple[str, ...] = (
+    "cubic",
+    "quintic",
+    "muon",
+    "you",
+    "polar_express",
+    "cans",
+    "paper",
+    "adanewton",
+)
 # The target compares AdaNewton with the best of these (classic NS is far behind).
 BASELINES: tuple[str, ...] = ("muon", "you", "polar_express", "cans", "paper")
 FAMILIES: tuple[str, ...] = ("gaussian", "lowrank", "heavytail", "momentum")
@@ -71,7 +80,9 @@ def peak(schedule: Schedule) -> float:
     return verify_schedule(schedule, delta=1e9).peak
 
 
-def _family_errors(scheds: dict[str, Schedule], samples: Sequence[SpectrumSample]) -> dict[str, float]:
+def _family_errors(
+    scheds: dict[str, Schedule], samples: Sequence[SpectrumSample]
+) -> dict[str, float]:
     return {k: float(np.mean([rel_error(s, x.sigma) for x in samples])) for k, s in scheds.items()}
 
 
@@ -83,7 +94,12 @@ def bench_shapes(
     for m, n in shapes:
         scheds = schedules_for(m, n, steps)
         samples = sample_spectra(
-            m, n, seed=seed, per_family=per_family, max_dim=max_dim, families=("gaussian", "lowrank", "heavytail")
+            m,
+            n,
+            seed=seed,
+            per_family=per_family,
+            max_dim=max_dim,
+            families=("gaussian", "lowrank", "heavytail"),
         )
         # every held-out recorded spectrum, carried to the shape
         samples["momentum"] = recorded_for_shape(m, n, holdout) if m > 1 else []
@@ -123,7 +139,9 @@ def bench_recorded(*, steps: int) -> list[dict[str, Any]]:
     return out
 
 
-def matrix_check(shapes: Sequence[tuple[int, int]], *, steps: int, seed: int) -> list[dict[str, Any]]:
+def matrix_check(
+    shapes: Sequence[tuple[int, int]], *, steps: int, seed: int
+) -> list[dict[str, Any]]:
     """Real Newton–Schulz on matrices with sampled spectra vs the scalar prediction."""
     import torch
 
@@ -133,7 +151,9 @@ def matrix_check(shapes: Sequence[tuple[int, int]], *, steps: int, seed: int) ->
     g = torch.Generator().manual_seed(seed)
     for m, n in shapes:
         scheds = schedules_for(m, n, steps)
-        samples = sample_spectra(m, n, seed=seed, per_family=1, max_dim=max(m, 1), families=("gaussian", "lowrank"))
+        samples = sample_spectra(
+            m, n, seed=seed, per_family=1, max_dim=max(m, 1), families=("gaussian", "lowrank")
+        )
         for fam, lst in samples.items():
             sig = torch.from_numpy(lst[0].sigma.copy())
             r = sig.numel()
@@ -185,7 +205,9 @@ def _by_shape_family(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         for f, e in r["errors"].items():
             ratio, _ = _ratio(e)
-            groups.setdefault((r["shape_family"], f), []).append((ratio, f"{r['shape'][0]}x{r['shape'][1]}"))
+            groups.setdefault((r["shape_family"], f), []).append(
+                (ratio, f"{r['shape'][0]}x{r['shape'][1]}")
+            )
     for (sf, f), v in sorted(groups.items()):
         rs = sorted(v)
         met = sum(1 for x, _ in rs if x <= TARGET)
@@ -216,21 +238,37 @@ def plot(rows: list[dict[str, Any]], recorded: list[dict[str, Any]], path: Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = sorted(range(len(rows)), key=lambda i: (rows[i]["shape"][1] / rows[i]["shape"][0], rows[i]["shape"][0]))
+    order = sorted(
+        range(len(rows)),
+        key=lambda i: (rows[i]["shape"][1] / rows[i]["shape"][0], rows[i]["shape"][0]),
+    )
     labels = [f"{rows[i]['shape'][0]}x{rows[i]['shape'][1]}" for i in order]
     fams = [f for f in FAMILIES if any(f in r["errors"] for r in rows)]
     fig, axes = plt.subplots(len(fams) + 1, 1, figsize=(13, 2.6 * (len(fams) + 1)), sharex=True)
     style = {
-        "cubic": ("#bbbbbb", ":"), "quintic": ("#888888", ":"), "muon": ("#1f77b4", "-"),
-        "you": ("#2ca02c", "-"), "polar_express": ("#9467bd", "-"), "cans": ("#8c564b", "-"),
-        "paper": ("#ff7f0e", "--"), "adanewton": ("#d62728", "-"),
+        "cubic": ("#bbbbbb", ":"),
+        "quintic": ("#888888", ":"),
+        "muon": ("#1f77b4", "-"),
+        "you": ("#2ca02c", "-"),
+        "polar_express": ("#9467bd", "-"),
+        "cans": ("#8c564b", "-"),
+        "paper": ("#ff7f0e", "--"),
+        "adanewton": ("#d62728", "-"),
     }
     x = np.arange(len(order))
     for ax, f in zip(axes, fams):
         for meth in METHODS:
             y = [rows[i]["errors"].get(f, {}).get(meth, np.nan) for i in order]
             c, ls = style[meth]
-            ax.plot(x, y, ls, color=c, lw=2.2 if meth == "adanewton" else 1.2, label=meth, marker="." if meth == "adanewton" else None)
+            ax.plot(
+                x,
+                y,
+                ls,
+                color=c,
+                lw=2.2 if meth == "adanewton" else 1.2,
+                label=meth,
+                marker="." if meth == "adanewton" else None,
+            )
         ax.set_yscale("log")
         ax.set_ylabel(f"rel. error\n{f}")
         ax.grid(alpha=0.3)
@@ -245,23 +283,37 @@ def plot(rows: list[dict[str, Any]], recorded: list[dict[str, Any]], path: Path)
     ax.set_ylabel("worst-case\namplification")
     ax.set_xticks(x)
     ax.set_xticklabels(labels, rotation=90, fontsize=6)
-    ax.set_xlabel("shape (sorted by aspect ratio, then min dim); paper 2048x2048 peaks at 3.31 (off scale)")
-    fig.suptitle("Newton–Schulz K=5: relative error ||X_K - UV^T||_F/||UV^T||_F by shape and spectrum family")
+    ax.set_xlabel(
+        "shape (sorted by aspect ratio, then min dim); paper 2048x2048 peaks at 3.31 (off scale)"
+    )
+    fig.suptitle(
+        "Newton–Schulz K=5: relative error ||X_K - UV^T||_F/||UV^T||_F by shape and spectrum family"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=60)
     plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="rootopt coeffs bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="table", help="'table', 'paper' or a comma list like 2048x8192,768x768")
+    ap = argparse.ArgumentParser(
+        prog="rootopt coeffs bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--shapes", default="table", help="'table', 'paper' or a comma list like 2048x8192,768x768"
+    )
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=1000, help="spectra seed (the table is fitted with 0)")
+    ap.add_argument(
+        "--seed", type=int, default=1000, help="spectra seed (the table is fitted with 0)"
+    )
     ap.add_argument("--samples", type=int, default=8, help="spectra per family and shape")
     ap.add_argument("--max-dim", type=int, default=256)
     ap.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
     ap.add_argument("--json", type=Path, default=None, help="write all numbers here")
-    ap.add_argument("--matrix-check", default="", help="comma list of shapes for real NS, e.g. 128x512,256x256")
+    ap.add_argument(
+        "--matrix-check", default="", help="comma list of shapes for real NS, e.g. 128x512,256x256"
+    )
     a = ap.parse_args(argv)
     if a.shapes == "table":
         shapes = list(table_shapes())
@@ -274,10 +326,14 @@ def main(argv: list[str]) -> int:
     rows = bench_shapes(shapes, steps=a.steps, seed=a.seed, per_family=a.samples, max_dim=a.max_dim)
     recorded = bench_recorded(steps=a.steps)
     fams = [f for f in FAMILIES if any(f in r["errors"] for r in rows)]
-    print(f"# AdaNewton bench: K={a.steps}, spectra seed {a.seed}, {a.samples} per family, {len(shapes)} shapes\n")
+    print(
+        f"# AdaNewton bench: K={a.steps}, spectra seed {a.seed}, {a.samples} per family, {len(shapes)} shapes\n"
+    )
     print("## Mean relative error over all shapes, and worst-case amplification\n")
     print("\n".join(_methods_table(rows, fams)))
-    print(f"\n## AdaNewton / best of {{{', '.join(BASELINES)}}}, by shape family (target <= {TARGET})\n")
+    print(
+        f"\n## AdaNewton / best of {{{', '.join(BASELINES)}}}, by shape family (target <= {TARGET})\n"
+    )
     print("\n".join(_by_shape_family(rows)))
     print("\n## Per shape\n")
     print("\n".join(_summary(rows, fams)))
@@ -292,12 +348,25 @@ def main(argv: list[str]) -> int:
         print("| shape | family | method | scalar | float32 | bfloat16 |")
         print("|---|---|---|---|---|---|")
         for c in checks:
-            print(f"| {c['shape'][0]}x{c['shape'][1]} | {c['family']} | {c['method']} | {c['scalar']:.4f} | {c['float32']:.4f} | {c['bfloat16']:.4f} |")
+            print(
+                f"| {c['shape'][0]}x{c['shape'][1]} | {c['family']} | {c['method']} | {c['scalar']:.4f} | {c['float32']:.4f} | {c['bfloat16']:.4f} |"
+            )
         dev = max(abs(c["float32"] - c["scalar"]) for c in checks)
         print(f"\nmax |float32 - scalar| = {dev:.2e}")
     print(f"\n({time.perf_counter() - t0:.0f}s)")
     if a.json:
-        a.json.write_text(json.dumps({"shapes": rows, "recorded": recorded, "matrix_check": checks, "steps": a.steps, "seed": a.seed}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "shapes": rows,
+                    "recorded": recorded,
+                    "matrix_check": checks,
+                    "steps": a.steps,
+                    "seed": a.seed,
+                },
+                indent=1,
+            )
+        )
     if a.plot:
         plot(rows, recorded, a.plot)
         print(f"plot: {a.plot}")

@@ -1,7 +1,7 @@
 """``rootopt data``: prepare and verify WebDataset shards.
 
-    rootopt data prepare --corpus {stdlib,bbc,kjv,digits,bbc-classes,PATH} --out DIR [--seq_len 128]
-    rootopt data verify DIR
+rootopt data prepare --corpus {stdlib,bbc,kjv,digits,bbc-classes,PATH} --out DIR [--seq_len 128]
+rootopt data verify DIR
 """
 
 from __future__ import annotations
@@ -22,18 +22,46 @@ from rootopt.data import (
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="rootopt data", description="prepare and verify WebDataset shards")
+    p = argparse.ArgumentParser(
+        prog="rootopt data", description="prepare and verify WebDataset shards"
+    )
     sub = p.add_subparsers(dest="action", required=True)
-    pp = sub.add_parser("prepare", help="tokenize a corpus into train/val shards with a sha256 manifest")
-    pp.add_argument("--corpus", required=True,
-                    help=f"{', '.join(TEXT_CORPORA)} (text, byte tokens), {', '.join(CLASS_CORPORA)} "
-                    "(classification), or a text file/directory")
+    pp = sub.add_parser(
+        "prepare", help="tokenize a corpus into train/val shards with a sha256 manifest"
+    )
+    pp.add_argument(
+        "--corpus",
+        required=True,
+        help=f"{', '.join(TEXT_CORPORA)} (text, byte tokens), {', '.join(CLASS_CORPORA)} "
+        "(classification), or a text file/directory",
+    )
     pp.add_argument("--out", required=True, help="output directory")
-    pp.add_argument("--seq_len", "--seq-len", dest="seq_len", type=int, default=128, help="tokens per sample (text)")
-    pp.add_argument("--max_bytes", "--max-bytes", dest="max_bytes", type=int, default=4_000_000,
-                    help="bytes of text to use (text)")
-    pp.add_argument("--samples_per_shard", "--samples-per-shard", dest="samples_per_shard", type=int, default=2000)
-    pp.add_argument("--val_fraction", "--val-fraction", dest="val_fraction", type=float, default=0.05)
+    pp.add_argument(
+        "--seq_len",
+        "--seq-len",
+        dest="seq_len",
+        type=int,
+        default=128,
+        help="tokens per sample (text)",
+    )
+    pp.add_argument(
+        "--max_bytes",
+        "--max-bytes",
+        dest="max_bytes",
+        type=int,
+        default=4_000_000,
+        help="bytes of text to use (text)",
+    )
+    pp.add_argument(
+        "--samples_per_shard",
+        "--samples-per-shard",
+        dest="samples_per_shard",
+        type=int,
+        default=2000,
+    )
+    pp.add_argument(
+        "--val_fraction", "--val-fraction", dest="val_fraction", type=float, default=0.05
+    )
     pp.add_argument("--seed", type=int, default=0)
     pv = sub.add_parser("verify", help="check every shard against the manifest's sha256")
     pv.add_argument("dir")
@@ -50,19 +78,31 @@ def main(argv: list[str]) -> int:
                     n += 1
             print(f"{n} shards OK")
             return 0
-        for name, value, lo, hi in (("--seq_len", args.seq_len, 2, 1 << 20), ("--max_bytes", args.max_bytes, 1, 1 << 40),
-                                    ("--samples_per_shard", args.samples_per_shard, 1, 1 << 30),
-                                    ("--val_fraction", args.val_fraction, 0.0, 0.5)):
+        for name, value, lo, hi in (
+            ("--seq_len", args.seq_len, 2, 1 << 20),
+            ("--max_bytes", args.max_bytes, 1, 1 << 40),
+            ("--samples_per_shard", args.samples_per_shard, 1, 1 << 30),
+            ("--val_fraction", args.val_fraction, 0.0, 0.5),
+        ):
             if not lo <= value <= hi:
                 raise CorpusError(f"{name} must be in [{lo}, {hi}]; got {value}")
         t0 = time.perf_counter()
-        manifest = prepare(args.corpus, args.out, seq_len=args.seq_len, max_bytes=args.max_bytes,
-                           samples_per_shard=args.samples_per_shard, val_fraction=args.val_fraction, seed=args.seed)
+        manifest = prepare(
+            args.corpus,
+            args.out,
+            seq_len=args.seq_len,
+            max_bytes=args.max_bytes,
+            samples_per_shard=args.samples_per_shard,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+        )
     except (CorpusError, ShardError) as exc:
         print(f"rootopt data: {exc}", file=sys.stderr)
         return 2
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
-    print(f"{manifest['task']} corpus {manifest['corpus']}: {sum(e['samples'] for e in tr)} train samples in "
-          f"{len(tr)} shards, {sum(e['samples'] for e in va)} validation samples in {len(va)} shards "
-          f"→ {args.out} ({time.perf_counter() - t0:.1f} s; checksums in manifest.json and SHA256SUMS)")
+    print(
+        f"{manifest['task']} corpus {manifest['corpus']}: {sum(e['samples'] for e in tr)} train samples in "
+        f"{len(tr)} shards, {sum(e['samples'] for e in va)} validation samples in {len(va)} shards "
+        f"→ {args.out} ({time.perf_counter() - t0:.1f} s; checksums in manifest.json and SHA256SUMS)"
+    )
     return 0

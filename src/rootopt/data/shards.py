@@ -50,7 +50,9 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 # --------------------------------------------------------------------------- writing
 
 
-def _write_split(out: Path, split: str, samples: list[dict[str, Any]], per_shard: int) -> list[dict[str, Any]]:
+def _write_split(
+    out: Path, split: str, samples: list[dict[str, Any]], per_shard: int
+) -> list[dict[str, Any]]:
     entries = []
     for i in range(math.ceil(len(samples) / per_shard)):
         name = f"{split}-{i:06d}.tar"
@@ -118,7 +120,9 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     path = root / "manifest.json"
     if not path.is_file():
-        raise ShardError(f"{str(root)!r} holds no manifest.json; prepare it with: rootopt data prepare --out DIR")
+        raise ShardError(
+            f"{str(root)!r} holds no manifest.json; prepare it with: rootopt data prepare --out DIR"
+        )
     try:
         manifest: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -203,7 +207,9 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
         entries = self.manifest["splits"][split]
         self.shards = entries[rank::world_size] if loop else entries
         if not self.shards:
-            raise ShardError(f"rank {rank} of {world_size} gets no {split} shards ({len(entries)} in total)")
+            raise ShardError(
+                f"rank {rank} of {world_size} gets no {split} shards ({len(entries)} in total)"
+            )
         self.split, self.batch_size, self.seed = split, batch_size, seed
         self.shuffle, self.verify, self.loop = shuffle and loop, verify, loop
         self.rank, self.world_size = rank, world_size
@@ -232,9 +238,13 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
         )
         items = [_decode(s, self.task, self.seq_len) for s in ds]
         if len(items) != entry["samples"]:
-            raise ShardError(f"shard {entry['name']} holds {len(items)} samples, manifest says {entry['samples']}")
+            raise ShardError(
+                f"shard {entry['name']} holds {len(items)} samples, manifest says {entry['samples']}"
+            )
         if self.shuffle:
-            perm = np.random.default_rng([self.seed, self.rank, epoch, hash_name(entry["name"])]).permutation(len(items))
+            perm = np.random.default_rng(
+                [self.seed, self.rank, epoch, hash_name(entry["name"])]
+            ).permutation(len(items))
             items = [items[i] for i in perm]
         return items
 
@@ -267,7 +277,9 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         if info is not None and info.num_workers != self.num_workers:
-            raise ShardError(f"ShardStream built for {self.num_workers} workers runs under {info.num_workers}")
+            raise ShardError(
+                f"ShardStream built for {self.num_workers} workers runs under {info.num_workers}"
+            )
         # Global batch n belongs to stream n % W. A loader restarted at batch `start` hands its
         # task i to worker i % W, so worker w must play stream (start + w) % W, which has
         # already yielded ceil((start - stream) / W) batches.
@@ -291,5 +303,7 @@ def hash_name(name: str) -> int:
 def make_loader(stream: ShardStream, num_workers: int) -> DataLoader[dict[str, torch.Tensor]]:
     """A loader that preserves the stream's order (workers round-robin, batches built in workers)."""
     if num_workers and num_workers != stream.num_workers:
-        raise ValueError(f"make_loader: num_workers={num_workers} but the stream was built for {stream.num_workers}")
+        raise ValueError(
+            f"make_loader: num_workers={num_workers} but the stream was built for {stream.num_workers}"
+        )
     return DataLoader(stream, batch_size=None, num_workers=num_workers, persistent_workers=False)

@@ -56,8 +56,13 @@ def update_ratios(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return out
 
 
-def loss_surface_probe(model: nn.Module, loss_of: Callable[[nn.Module], float], *, seed: int = 0,
-                       epsilons: tuple[float, ...] = (1e-3, 1e-2, 1e-1)) -> tuple[float, dict[float, float], float]:
+def loss_surface_probe(
+    model: nn.Module,
+    loss_of: Callable[[nn.Module], float],
+    *,
+    seed: int = 0,
+    epsilons: tuple[float, ...] = (1e-3, 1e-2, 1e-1),
+) -> tuple[float, dict[float, float], float]:
     """``(base loss, {ε: ΔL}, log-log slope of |ΔL| between the smallest and largest ε)``."""
     base = loss_of(model)
     gen = torch.Generator().manual_seed(seed)
@@ -68,7 +73,9 @@ def loss_surface_probe(model: nn.Module, loss_of: Callable[[nn.Module], float], 
     with torch.no_grad():
         for eps in epsilons:
             for p, z, s in zip(params, direction, saved):
-                p.copy_(s + eps * z * s.abs().mean().clamp_min(1e-3))  # scale z to each tensor's size
+                p.copy_(
+                    s + eps * z * s.abs().mean().clamp_min(1e-3)
+                )  # scale z to each tensor's size
             changes[eps] = loss_of(model) - base
         for p, s in zip(params, saved):
             p.copy_(s)

@@ -31,9 +31,13 @@ PROMETHEUS_METRICS: dict[str, str] = {
     "rootopt_loss_scale": "current fp16 loss scale (1 when unused)",
     "rootopt_memory_bytes": "memory in use (kind=rss | cuda_allocated | cuda_max_allocated)",
 }
-_LABELLED = {"rootopt_update_param_ratio": "param", "rootopt_root_clip_fraction": "param",
-             "rootopt_root_eps": "param", "rootopt_memory_bytes": "kind"}
-GRAD_NORM_BUCKETS = (*tuple(10.0 ** e for e in range(-4, 4)), float("inf"))
+_LABELLED = {
+    "rootopt_update_param_ratio": "param",
+    "rootopt_root_clip_fraction": "param",
+    "rootopt_root_eps": "param",
+    "rootopt_memory_bytes": "kind",
+}
+GRAD_NORM_BUCKETS = (*tuple(10.0**e for e in range(-4, 4)), float("inf"))
 
 
 def memory_bytes() -> dict[str, float]:
@@ -61,9 +65,13 @@ class PrometheusExporter:
         self.gauges: dict[str, Any] = {}
         for name, doc in PROMETHEUS_METRICS.items():
             if name == "rootopt_grad_norm":
-                self.grad_norm = pc.Histogram(name, doc, registry=self.registry, buckets=GRAD_NORM_BUCKETS)
+                self.grad_norm = pc.Histogram(
+                    name, doc, registry=self.registry, buckets=GRAD_NORM_BUCKETS
+                )
             elif name == "rootopt_nonfinite_steps_total":
-                self.nonfinite = pc.Counter(name.removesuffix("_total"), doc, registry=self.registry)
+                self.nonfinite = pc.Counter(
+                    name.removesuffix("_total"), doc, registry=self.registry
+                )
             else:
                 labels = [_LABELLED[name]] if name in _LABELLED else []
                 self.gauges[name] = pc.Gauge(name, doc, labels, registry=self.registry)
@@ -71,10 +79,15 @@ class PrometheusExporter:
         self.port: int = self.server.server_port
 
     def observe(self, record: dict[str, Any], labelled: dict[str, dict[str, float]]) -> None:
-        for key, name in (("step", "rootopt_step"), ("steps_per_s", "rootopt_steps_per_second"),
-                          ("tokens_per_s", "rootopt_tokens_per_second"), ("loss", "rootopt_loss"),
-                          ("val_loss", "rootopt_val_loss"), ("lr", "rootopt_learning_rate"),
-                          ("loss_scale", "rootopt_loss_scale")):
+        for key, name in (
+            ("step", "rootopt_step"),
+            ("steps_per_s", "rootopt_steps_per_second"),
+            ("tokens_per_s", "rootopt_tokens_per_second"),
+            ("loss", "rootopt_loss"),
+            ("val_loss", "rootopt_val_loss"),
+            ("lr", "rootopt_learning_rate"),
+            ("loss_scale", "rootopt_loss_scale"),
+        ):
             value = record.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.gauges[name].set(value)
@@ -101,7 +114,9 @@ class Monitor:
         enabled: bool = True,
     ) -> None:
         self.enabled = enabled
-        self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled and jsonl else None
+        self._jsonl = (
+            (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled and jsonl else None
+        )
         self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8") if enabled else None
         self.tb: Any = None
         if enabled and tensorboard:
@@ -110,7 +125,9 @@ class Monitor:
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self.prom = PrometheusExporter(*prometheus) if enabled and prometheus else None
 
-    def log(self, record: dict[str, Any], labelled: dict[str, dict[str, float]] | None = None) -> None:
+    def log(
+        self, record: dict[str, Any], labelled: dict[str, dict[str, float]] | None = None
+    ) -> None:
         """One record (``step`` + scalars); ``labelled`` holds per-tensor series for TB/Prometheus."""
         if not self.enabled:
             return
@@ -121,8 +138,14 @@ class Monitor:
         step = int(record["step"])
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tb.add_scalar(f"train/{key}" if not key.startswith("val") else f"val/{key}", value, step)
+                if (
+                    key != "step"
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                ):
+                    self.tb.add_scalar(
+                        f"train/{key}" if not key.startswith("val") else f"val/{key}", value, step
+                    )
             for name, by_label in labelled.items():
                 for label, value in by_label.items():
                     self.tb.add_scalar(f"{name.removeprefix('rootopt_')}/{label}", value, step)
@@ -178,7 +201,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def plot_loss(run_dir: Path, out: Path | None = None) -> Path | None:
     """``loss_curve.png`` from metrics.jsonl (train loss and, if present, validation loss)."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
+    train = [
+        (r["step"], r["loss"]) for r in rows if "loss" in r and isinstance(r["loss"], (int, float))
+    ]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     if not train:
         return None

@@ -17,15 +17,27 @@ from rootopt.monitor.metrics import read_jsonl
 
 # Seed 000 §8: symptom -> (likely cause, fix). Keys are what the report detects.
 TROUBLESHOOTING: dict[str, tuple[str, str, str]] = {
-    "oscillating_loss": ("training loss oscillates strongly", "learning rate too high",
-                         "lower optimization.base_lr to the 1e-4 range"),
-    "nonfinite": ("NaN gradients", "mixed precision misconfigured",
-                  "enable dynamic loss scaling (mixed_precision.loss_scale=dynamic) or increase optimization.epsilon"),
-    "timeout": ("multi-GPU synchronisation timeout", "insufficient network bandwidth",
-                "upgrade to InfiniBand or tune NCCL (NCCL_SOCKET_IFNAME, NCCL_IB_*), or raise distributed.timeout_s"),
-    "oom": ("out of memory", "batch too large",
-            "reduce data.batch_size (keep the global batch with optimization.grad_accum_steps) "
-            "or enable model.activation_checkpointing"),
+    "oscillating_loss": (
+        "training loss oscillates strongly",
+        "learning rate too high",
+        "lower optimization.base_lr to the 1e-4 range",
+    ),
+    "nonfinite": (
+        "NaN gradients",
+        "mixed precision misconfigured",
+        "enable dynamic loss scaling (mixed_precision.loss_scale=dynamic) or increase optimization.epsilon",
+    ),
+    "timeout": (
+        "multi-GPU synchronisation timeout",
+        "insufficient network bandwidth",
+        "upgrade to InfiniBand or tune NCCL (NCCL_SOCKET_IFNAME, NCCL_IB_*), or raise distributed.timeout_s",
+    ),
+    "oom": (
+        "out of memory",
+        "batch too large",
+        "reduce data.batch_size (keep the global batch with optimization.grad_accum_steps) "
+        "or enable model.activation_checkpointing",
+    ),
 }
 
 # ||Δθ||/||θ|| per step: below 1e-6 nothing learns, above 0.1 a step rewrites a tenth of a
@@ -59,16 +71,28 @@ class Report:
             symptom, cause, fix = TROUBLESHOOTING[key]
             lines.append(f"  symptom: {symptom} — likely cause: {cause}; fix: {fix}")
         n_fail = sum(c.status == "FAIL" for c in self.criteria)
-        lines.append(f"result: {'PASS' if self.ok else 'FAIL'} ({n_fail} failed, "
-                     f"{sum(c.status == 'PASS' for c in self.criteria)} passed, "
-                     f"{sum(c.status == 'SKIP' for c in self.criteria)} skipped)")
+        lines.append(
+            f"result: {'PASS' if self.ok else 'FAIL'} ({n_fail} failed, "
+            f"{sum(c.status == 'PASS' for c in self.criteria)} passed, "
+            f"{sum(c.status == 'SKIP' for c in self.criteria)} skipped)"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_dir": str(self.run_dir), "ok": self.ok,
-                "criteria": [c.__dict__ for c in self.criteria],
-                "symptoms": [{"key": k, "symptom": TROUBLESHOOTING[k][0], "cause": TROUBLESHOOTING[k][1],
-                              "fix": TROUBLESHOOTING[k][2]} for k in self.symptoms]}
+        return {
+            "run_dir": str(self.run_dir),
+            "ok": self.ok,
+            "criteria": [c.__dict__ for c in self.criteria],
+            "symptoms": [
+                {
+                    "key": k,
+                    "symptom": TROUBLESHOOTING[k][0],
+                    "cause": TROUBLESHOOTING[k][1],
+                    "fix": TROUBLESHOOTING[k][2],
+                }
+                for k in self.symptoms
+            ],
+        }
 
 
 def _by_step(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -84,13 +108,21 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def check_run(run_dir: str | Path, *, baseline: str | Path | None = None, max_slowdown: float = 1.5,
-              update_band: tuple[float, float] = UPDATE_BAND, spike_factor: float = 1.3) -> Report:
+def check_run(
+    run_dir: str | Path,
+    *,
+    baseline: str | Path | None = None,
+    max_slowdown: float = 1.5,
+    update_band: tuple[float, float] = UPDATE_BAND,
+    spike_factor: float = 1.3,
+) -> Report:
     run_dir = Path(run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
     if not metrics:
-        raise ValueError(f"{str(run_dir)!r} holds no metrics.jsonl records; is it a rootopt run directory?")
+        raise ValueError(
+            f"{str(run_dir)!r} holds no metrics.jsonl records; is it a rootopt run directory?"
+        )
     rep = Report(run_dir)
     train = _by_step(metrics, "loss")
     losses = [float(r["loss"]) for r in train]
@@ -101,23 +133,38 @@ def check_run(run_dir: str | Path, *, baseline: str | Path | None = None, max_sl
         k = max(1, len(finite) // 10)
         first, last = statistics.fmean(finite[:k]), statistics.fmean(finite[-k:])
         ok = last < first * 0.98
-        rep.criteria.append(Criterion("loss trending down", "PASS" if ok else "FAIL",
-                                      f"mean of first {k} records {first:.4f} → last {k} {last:.4f} "
-                                      f"({(last / first - 1) * 100:+.1f}%)"))
+        rep.criteria.append(
+            Criterion(
+                "loss trending down",
+                "PASS" if ok else "FAIL",
+                f"mean of first {k} records {first:.4f} → last {k} {last:.4f} "
+                f"({(last / first - 1) * 100:+.1f}%)",
+            )
+        )
     else:
-        rep.criteria.append(Criterion("loss trending down", "SKIP", f"{len(finite)} finite loss record(s)"))
+        rep.criteria.append(
+            Criterion("loss trending down", "SKIP", f"{len(finite)} finite loss record(s)")
+        )
 
     # 2. convergence: smooth (spikes against the recent median)
     if len(finite) >= 8:
         start = max(5, len(finite) // 10)
-        spikes = [i for i in range(start, len(finite))
-                  if finite[i] > spike_factor * statistics.median(finite[i - 5:i])]
+        spikes = [
+            i
+            for i in range(start, len(finite))
+            if finite[i] > spike_factor * statistics.median(finite[i - 5 : i])
+        ]
         allowed = max(1, int(0.02 * (len(finite) - start)))
         ok = len(spikes) <= allowed
         steps = [train[i]["step"] for i in spikes[:5]]
-        rep.criteria.append(Criterion("loss smooth", "PASS" if ok else "FAIL",
-                                      f"{len(spikes)} spike(s) > {spike_factor}× the previous 5 records' median "
-                                      f"(allowed {allowed})" + (f", at steps {steps}" if steps else "")))
+        rep.criteria.append(
+            Criterion(
+                "loss smooth",
+                "PASS" if ok else "FAIL",
+                f"{len(spikes)} spike(s) > {spike_factor}× the previous 5 records' median "
+                f"(allowed {allowed})" + (f", at steps {steps}" if steps else ""),
+            )
+        )
         if not ok:
             rep.symptoms.append("oscillating_loss")
     else:
@@ -130,10 +177,17 @@ def check_run(run_dir: str | Path, *, baseline: str | Path | None = None, max_sl
         extra = ""
         if "val_accuracy" in val[-1]:
             extra = f"; accuracy {val[0]['val_accuracy']:.3f} → {val[-1]['val_accuracy']:.3f}"
-        rep.criteria.append(Criterion("validation improving", "PASS" if b < a else "FAIL",
-                                      f"val loss {a:.4f} (step {val[0]['step']}) → {b:.4f} (step {val[-1]['step']}){extra}"))
+        rep.criteria.append(
+            Criterion(
+                "validation improving",
+                "PASS" if b < a else "FAIL",
+                f"val loss {a:.4f} (step {val[0]['step']}) → {b:.4f} (step {val[-1]['step']}){extra}",
+            )
+        )
     else:
-        rep.criteria.append(Criterion("validation improving", "SKIP", f"{len(val)} validation record(s) (need 2)"))
+        rep.criteria.append(
+            Criterion("validation improving", "SKIP", f"{len(val)} validation record(s) (need 2)")
+        )
 
     # 4. stability: no NaN/Inf
     nonfinite_events = [e for e in events if e.get("event") == "nonfinite_step"]
@@ -141,8 +195,13 @@ def check_run(run_dir: str | Path, *, baseline: str | Path | None = None, max_sl
     bad_loss = len(losses) - len(finite)
     ok = counted == 0 and bad_loss == 0
     first_bad = f", first at step {nonfinite_events[0]['step']}" if nonfinite_events else ""
-    rep.criteria.append(Criterion("no NaN/Inf", "PASS" if ok else "FAIL",
-                                  f"{counted} non-finite step(s) skipped, {bad_loss} non-finite loss record(s){first_bad}"))
+    rep.criteria.append(
+        Criterion(
+            "no NaN/Inf",
+            "PASS" if ok else "FAIL",
+            f"{counted} non-finite step(s) skipped, {bad_loss} non-finite loss record(s){first_bad}",
+        )
+    )
     if not ok:
         rep.symptoms.append("nonfinite")
 
@@ -151,12 +210,19 @@ def check_run(run_dir: str | Path, *, baseline: str | Path | None = None, max_sl
     if ratios:
         lo, hi = update_band
         outside = [r for r in ratios if not (lo <= r <= hi)]
-        rep.criteria.append(Criterion("update magnitudes in range", "PASS" if not outside else "FAIL",
-                                      f"median ||Δθ||/||θ|| per record: min {min(ratios):.2e}, median "
-                                      f"{_median(ratios):.2e}, max {max(ratios):.2e}; band [{lo:.0e}, {hi:.0e}]; "
-                                      f"{len(outside)} of {len(ratios)} outside"))
+        rep.criteria.append(
+            Criterion(
+                "update magnitudes in range",
+                "PASS" if not outside else "FAIL",
+                f"median ||Δθ||/||θ|| per record: min {min(ratios):.2e}, median "
+                f"{_median(ratios):.2e}, max {max(ratios):.2e}; band [{lo:.0e}, {hi:.0e}]; "
+                f"{len(outside)} of {len(ratios)} outside",
+            )
+        )
     else:
-        rep.criteria.append(Criterion("update magnitudes in range", "SKIP", "no update-ratio records"))
+        rep.criteria.append(
+            Criterion("update magnitudes in range", "SKIP", "no update-ratio records")
+        )
 
     # 6. performance: step time vs a baseline run
     step_times = [float(r["step_time_s"]) for r in train if "step_time_s" in r]
@@ -167,18 +233,35 @@ def check_run(run_dir: str | Path, *, baseline: str | Path | None = None, max_sl
         base = _median([float(r["step_time_s"]) for r in base_rows if "step_time_s" in r])
         if math.isfinite(base) and math.isfinite(mine):
             ratio = mine / base
-            rep.criteria.append(Criterion("step time vs baseline", "PASS" if ratio <= max_slowdown else "FAIL",
-                                          f"median {mine * 1e3:.1f} ms vs baseline {base * 1e3:.1f} ms "
-                                          f"(×{ratio:.2f}, allowed ×{max_slowdown})"))
+            rep.criteria.append(
+                Criterion(
+                    "step time vs baseline",
+                    "PASS" if ratio <= max_slowdown else "FAIL",
+                    f"median {mine * 1e3:.1f} ms vs baseline {base * 1e3:.1f} ms "
+                    f"(×{ratio:.2f}, allowed ×{max_slowdown})",
+                )
+            )
         else:
-            rep.criteria.append(Criterion("step time vs baseline", "SKIP", "no step times in one of the runs"))
+            rep.criteria.append(
+                Criterion("step time vs baseline", "SKIP", "no step times in one of the runs")
+            )
     else:
-        rep.criteria.append(Criterion("step time vs baseline", "SKIP",
-                                      f"no --baseline; this run: median {mine * 1e3:.1f} ms/step, {tok:.0f} tokens/s"))
+        rep.criteria.append(
+            Criterion(
+                "step time vs baseline",
+                "SKIP",
+                f"no --baseline; this run: median {mine * 1e3:.1f} ms/step, {tok:.0f} tokens/s",
+            )
+        )
 
     # 7. performance: accelerator utilisation (seed: ≥85% via nvprof) is not collected here
-    rep.criteria.append(Criterion("GPU utilisation >= 85%", "SKIP",
-                                  "not collected by rootopt (use nvidia-smi / Nsight during the run)"))
+    rep.criteria.append(
+        Criterion(
+            "GPU utilisation >= 85%",
+            "SKIP",
+            "not collected by rootopt (use nvidia-smi / Nsight during the run)",
+        )
+    )
 
     for kind in ("oom", "timeout"):
         if any(e.get("event") == kind for e in events):

@@ -41,25 +41,35 @@ def process_info(cfg: Config) -> ProcessInfo:
     the reason rather than silently training one replica.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        info = ProcessInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(),
-                           int(os.environ.get("LOCAL_RANK", 0)))
+        info = ProcessInfo(
+            torch.distributed.get_rank(),
+            torch.distributed.get_world_size(),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
     elif "WORLD_SIZE" in os.environ:
-        info = ProcessInfo(int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"]),
-                           int(os.environ.get("LOCAL_RANK", 0)))
+        info = ProcessInfo(
+            int(os.environ.get("RANK", 0)),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
     else:
         d = cfg.distributed
         if d.world_size > 1:
-            raise ConfigError([
-                f"distributed.world_size: {d.world_size} processes need a launcher "
-                f"(torchrun --nproc_per_node={d.world_size} -m rootopt.train ...); "
-                "for one process set distributed.world_size=1"
-            ])
+            raise ConfigError(
+                [
+                    f"distributed.world_size: {d.world_size} processes need a launcher "
+                    f"(torchrun --nproc_per_node={d.world_size} -m rootopt.train ...); "
+                    "for one process set distributed.world_size=1"
+                ]
+            )
         info = ProcessInfo(d.rank, d.world_size, 0)
     if info.world_size > 1:
-        raise ConfigError([
-            f"distributed.world_size: {info.world_size} processes requested; this release trains "
-            "in a single process (multi-process data parallelism is a separate feature)"
-        ])
+        raise ConfigError(
+            [
+                f"distributed.world_size: {info.world_size} processes requested; this release trains "
+                "in a single process (multi-process data parallelism is a separate feature)"
+            ]
+        )
     return info
 
 
@@ -81,17 +91,33 @@ def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimize
     name = o.optimizer.lower()
     extra: dict[str, Any] = {}
     if name == "root":
-        extra = dict(momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
-                     ns_coefficients=o.ns_coefficients, outlier_quantile=o.outlier_quantile,
-                     lr_scale=o.lr_scale, ortho_method=o.ortho_method, telemetry=o.telemetry,
-                     nonfinite="error")
+        extra = dict(
+            momentum=o.momentum,
+            nesterov=o.nesterov,
+            ns_steps=o.ns_steps,
+            ns_coefficients=o.ns_coefficients,
+            outlier_quantile=o.outlier_quantile,
+            lr_scale=o.lr_scale,
+            ortho_method=o.ortho_method,
+            telemetry=o.telemetry,
+            nonfinite="error",
+        )
     elif name == "muon":
-        extra = dict(momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, telemetry=o.telemetry)
+        extra = dict(
+            momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, telemetry=o.telemetry
+        )
     elif name == "sgd":
         extra = dict(momentum=o.momentum)
     try:
-        opt, report = make_optimizer(name, model, lr=o.base_lr, weight_decay=o.weight_decay,
-                                     betas=(o.beta1, o.beta2), eps=o.epsilon, **extra)
+        opt, report = make_optimizer(
+            name,
+            model,
+            lr=o.base_lr,
+            weight_decay=o.weight_decay,
+            betas=(o.beta1, o.beta2),
+            eps=o.epsilon,
+            **extra,
+        )
     except ValueError as exc:
         raise ConfigError([f"optimization: {str(exc).splitlines()[0]}"]) from None
     return opt, (str(report) if report is not None else "")
@@ -121,15 +147,21 @@ class Precision:
         self.name = dtype if mp.enabled else "fp32"
         self.static_scale: float | None = None
         self.scaler: torch.amp.GradScaler | None = None
-        self.description = f"precision: {self.name}" + (f" autocast on {device.type}" if mp.enabled else "")
+        self.description = f"precision: {self.name}" + (
+            f" autocast on {device.type}" if mp.enabled else ""
+        )
         if mp.enabled and dtype == "bf16" and loss_scale_value(cfg) is not None:
             self.description += f"; loss_scale {mp.loss_scale} unused (bf16 needs no loss scaling)"
         if mp.enabled and dtype == "fp16":
             static = loss_scale_value(cfg)
             if static is None:
                 self.scaler = torch.amp.GradScaler(
-                    device.type, init_scale=mp.init_scale, growth_factor=mp.growth_factor,
-                    backoff_factor=mp.backoff_factor, growth_interval=mp.growth_interval)
+                    device.type,
+                    init_scale=mp.init_scale,
+                    growth_factor=mp.growth_factor,
+                    backoff_factor=mp.backoff_factor,
+                    growth_interval=mp.growth_interval,
+                )
                 self.description += f"; dynamic loss scale from {mp.init_scale:g} (growth ×{mp.growth_factor:g} every {mp.growth_interval} steps)"
             else:
                 self.static_scale = static

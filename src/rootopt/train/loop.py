@@ -119,14 +119,23 @@ def resolve_data(cfg: Config, run_dir: Path, data_path: str | None, info: Proces
     want = {"corpus": cfg.data.corpus, "seq_len": cfg.data.seq_len, "seed": cfg.run.seed}
     try:
         have = load_manifest(out)
-        if all(have.get(k) == v for k, v in want.items()) and have.get("text_bytes", cfg.data.max_bytes) <= cfg.data.max_bytes:
+        if (
+            all(have.get(k) == v for k, v in want.items())
+            and have.get("text_bytes", cfg.data.max_bytes) <= cfg.data.max_bytes
+        ):
             return out
     except ValueError:
         pass
     if info.is_main:
-        prepare(cfg.data.corpus, out, seq_len=cfg.data.seq_len, max_bytes=cfg.data.max_bytes,
-                samples_per_shard=cfg.data.samples_per_shard, val_fraction=cfg.data.val_fraction,
-                seed=cfg.run.seed)
+        prepare(
+            cfg.data.corpus,
+            out,
+            seq_len=cfg.data.seq_len,
+            max_bytes=cfg.data.max_bytes,
+            samples_per_shard=cfg.data.samples_per_shard,
+            val_fraction=cfg.data.val_fraction,
+            seed=cfg.run.seed,
+        )
     return out
 
 
@@ -134,9 +143,13 @@ def environment() -> dict[str, Any]:
     import numpy
 
     return {
-        "rootopt": rootopt.__version__, "torch": torch.__version__, "numpy": numpy.__version__,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "processor": platform.processor(), "cpu_threads": torch.get_num_threads(),
+        "rootopt": rootopt.__version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "argv": sys.argv,
     }
@@ -157,22 +170,44 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         raise TrainingError(str(exc)) from None
     optimizer, routing = build_optimizer(cfg, model)
     o = cfg.optimization
-    schedule = LRMultiplier(o.schedule, warmup=o.warmup_steps, total=cfg.run.max_steps, min_ratio=o.min_lr_ratio)
+    schedule = LRMultiplier(
+        o.schedule, warmup=o.warmup_steps, total=cfg.run.max_steps, min_ratio=o.min_lr_ratio
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     c = o.clip
-    clipper = GradClipper(c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor)
+    clipper = GradClipper(
+        c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor
+    )
     precision = Precision(cfg, device)
     m = cfg.monitoring
     prom = (m.prometheus.host, m.prometheus.port) if m.prometheus.enabled else None
-    monitor = Monitor(run_dir, jsonl=m.jsonl, tensorboard=m.tensorboard, prometheus=prom, enabled=info.is_main)
+    monitor = Monitor(
+        run_dir, jsonl=m.jsonl, tensorboard=m.tensorboard, prometheus=prom, enabled=info.is_main
+    )
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     if info.is_main:
         (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
-        (run_dir / "env.json").write_text(json.dumps(environment(), indent=1) + "\n", encoding="utf-8")
+        (run_dir / "env.json").write_text(
+            json.dumps(environment(), indent=1) + "\n", encoding="utf-8"
+        )
         if routing:
             (run_dir / "routing.txt").write_text(routing + "\n", encoding="utf-8")
-    return Run(cfg, info, device, run_dir, ckpt_dir, data_dir, manifest, model, optimizer, scheduler,
-               clipper, precision, monitor, routing)
+    return Run(
+        cfg,
+        info,
+        device,
+        run_dir,
+        ckpt_dir,
+        data_dir,
+        manifest,
+        model,
+        optimizer,
+        scheduler,
+        clipper,
+        precision,
+        monitor,
+        routing,
+    )
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -189,10 +224,15 @@ def save_checkpoint(run: Run, reason: str) -> Path:
         "rng": checkpoint.rng_state(),
         "state": run.state.to_dict(),
         "config": to_dict(run.cfg),
-        "data": {"manifest_sha256": _manifest_digest(run.manifest), "rank": run.info.rank,
-                 "world_size": run.info.world_size},
+        "data": {
+            "manifest_sha256": _manifest_digest(run.manifest),
+            "rank": run.info.rank,
+            "world_size": run.info.world_size,
+        },
     }
-    path = checkpoint.save(run.ckpt_dir, run.state.step, payload, keep_last=run.cfg.checkpoint.keep_last)
+    path = checkpoint.save(
+        run.ckpt_dir, run.state.step, payload, keep_last=run.cfg.checkpoint.keep_last
+    )
     run.monitor.event("checkpoint", step=run.state.step, reason=reason, path=path.name)
     return path
 
@@ -223,14 +263,24 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
         except checkpoint.CheckpointError as exc:
             raise TrainingError(f"checkpoint.resume: {exc}") from None
     # Everything that shapes the parameters must match; recomputation settings may change.
-    saved_model = {k: v for k, v in state["config"]["model"].items() if k != "activation_checkpointing"}
+    saved_model = {
+        k: v for k, v in state["config"]["model"].items() if k != "activation_checkpointing"
+    }
     wanted = {k: v for k, v in to_dict(run.cfg)["model"].items() if k != "activation_checkpointing"}
     if saved_model != wanted:
-        diff = [f"model.{k}: {saved_model.get(k)!r} → {v!r}" for k, v in wanted.items() if saved_model.get(k) != v]
-        raise TrainingError(f"{path.name} was written for a different model ({'; '.join(diff)}); "
-                            "use a new --log_dir or checkpoint.resume=never")
+        diff = [
+            f"model.{k}: {saved_model.get(k)!r} → {v!r}"
+            for k, v in wanted.items()
+            if saved_model.get(k) != v
+        ]
+        raise TrainingError(
+            f"{path.name} was written for a different model ({'; '.join(diff)}); "
+            "use a new --log_dir or checkpoint.resume=never"
+        )
     if state["data"]["manifest_sha256"] != _manifest_digest(run.manifest):
-        raise TrainingError(f"{path.name} was written for different data shards; resume needs the same --data_path")
+        raise TrainingError(
+            f"{path.name} was written for different data shards; resume needs the same --data_path"
+        )
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     # LambdaLR also restores the multiplier's fields; keep the schedule of *this* config so a
@@ -243,7 +293,9 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
     run.precision.load_state_dict(state["scaler"])
     run.clipper.load_state_dict(state["clipper"])
     checkpoint.set_rng_state(state["rng"])
-    run.state.__dict__.update(TrainState(**state["state"]).__dict__)  # in place: the loop holds a reference
+    run.state.__dict__.update(
+        TrainState(**state["state"]).__dict__
+    )  # in place: the loop holds a reference
     run.resumed_from = path.name
     run.monitor.event("resume", step=run.state.step, path=path.name)
     say(f"resumed from {path.name} at step {run.state.step}")
@@ -254,8 +306,14 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    stream = ShardStream(run.data_dir, "val", batch_size=run.cfg.data.batch_size, seq_len=run.cfg.data.seq_len,
-                         verify=run.cfg.data.verify_checksums, loop=False)
+    stream = ShardStream(
+        run.data_dir,
+        "val",
+        batch_size=run.cfg.data.batch_size,
+        seq_len=run.cfg.data.seq_len,
+        verify=run.cfg.data.verify_checksums,
+        loop=False,
+    )
     run.model.eval()
     total, correct, count = 0.0, 0, 0
     for i, batch in enumerate(stream):
@@ -305,10 +363,19 @@ class StopFlag:
 
 def _batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
     d = run.cfg.data
-    stream = ShardStream(run.data_dir, "train", batch_size=d.batch_size, seq_len=d.seq_len,
-                         rank=run.info.rank, world_size=run.info.world_size, seed=run.cfg.run.seed,
-                         shuffle=d.shuffle, verify=d.verify_checksums, start_batch=run.state.batches,
-                         num_workers=d.num_workers)
+    stream = ShardStream(
+        run.data_dir,
+        "train",
+        batch_size=d.batch_size,
+        seq_len=d.seq_len,
+        rank=run.info.rank,
+        world_size=run.info.world_size,
+        seed=run.cfg.run.seed,
+        shuffle=d.shuffle,
+        verify=d.verify_checksums,
+        start_batch=run.state.batches,
+        num_workers=d.num_workers,
+    )
     return iter(make_loader(stream, d.num_workers))
 
 
@@ -321,8 +388,14 @@ def _update_ratios(before: dict[str, torch.Tensor], model: nn.Module) -> dict[st
     return out
 
 
-def train(cfg: Config, run_dir: Path, data_path: str | None = None, *, hooks: Hooks | None = None,
-          say: Callable[[str], None] = print) -> Summary:
+def train(
+    cfg: Config,
+    run_dir: Path,
+    data_path: str | None = None,
+    *,
+    hooks: Hooks | None = None,
+    say: Callable[[str], None] = print,
+) -> Summary:
     hooks = hooks or Hooks()
     run = setup(cfg, run_dir, data_path)
     try:
@@ -337,7 +410,9 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
     if main and run.routing:
         say(run.routing)
     if main:
-        say(f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']}); run dir: {run.run_dir}")
+        say(
+            f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']}); run dir: {run.run_dir}"
+        )
     maybe_resume(run, say)
     params = [p for p in model.parameters() if p.requires_grad]
     telemetry = hasattr(opt, "telemetry_enabled") and cfg.optimization.telemetry
@@ -347,13 +422,24 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
     status, last_ckpt, val = "completed", "", {}
     first_loss = float("nan")
     window: list[float] = []
-    t_session, t_window, steps_window, tokens_window = time.perf_counter(), time.perf_counter(), 0, 0
+    t_session, t_window, steps_window, tokens_window = (
+        time.perf_counter(),
+        time.perf_counter(),
+        0,
+        0,
+    )
     elapsed_before = st.elapsed
     bar = None
     if main and cfg.monitoring.progress_bar:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.run.max_steps, initial=st.step, unit="step", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(
+            total=cfg.run.max_steps,
+            initial=st.step,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
     model.train()
     try:
         while st.step < cfg.run.max_steps:
@@ -391,18 +477,36 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
                 st.nonfinite_steps += 1
                 run.precision.skip()
                 run.monitor.nonfinite_step()
-                run.monitor.event("nonfinite_step", step=st.step + 1, grad_norm=grad_norm, loss=step_loss,
-                                  loss_scale=run.precision.scale)
+                run.monitor.event(
+                    "nonfinite_step",
+                    step=st.step + 1,
+                    grad_norm=grad_norm,
+                    loss=step_loss,
+                    loss_scale=run.precision.scale,
+                )
                 opt.zero_grad(set_to_none=True)
             else:
                 run.monitor.grad_norm(grad_norm)
                 clip_scale = run.clipper(params, torch.tensor(grad_norm))
-                before = {n: p.detach().float().clone() for n, p in model.named_parameters()} if log_now else {}
+                before = (
+                    {n: p.detach().float().clone() for n, p in model.named_parameters()}
+                    if log_now
+                    else {}
+                )
                 if log_now:
-                    g = torch.cat([p.grad.detach().abs().flatten().float() for p in params if p.grad is not None])
+                    g = torch.cat(
+                        [
+                            p.grad.detach().abs().flatten().float()
+                            for p in params
+                            if p.grad is not None
+                        ]
+                    )
                     nz = g[g > 0]
-                    record.update(grad_abs_max=float(g.max()), grad_abs_min=float(nz.min()) if nz.numel() else 0.0,
-                                  clip_scale=clip_scale)
+                    record.update(
+                        grad_abs_max=float(g.max()),
+                        grad_abs_min=float(nz.min()) if nz.numel() else 0.0,
+                        clip_scale=clip_scale,
+                    )
                 if telemetry:
                     opt.telemetry_enabled = log_now  # type: ignore[attr-defined]
                 run.precision.step(opt)
@@ -422,15 +526,20 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
                 dt = max(now - t_window, 1e-9)
                 finite = [v for v in window if math.isfinite(v)]
                 record = {
-                    "step": st.step, "loss": statistics.fmean(finite) if finite else float("nan"),
-                    "lr": lr_used, "grad_norm": grad_norm,
-                    "steps_per_s": steps_window / dt, "tokens_per_s": tokens_window / dt,
-                    "step_time_s": dt / steps_window, "loss_scale": run.precision.scale,
-                    "nonfinite_steps": st.nonfinite_steps, "tokens": st.tokens, **record,
+                    "step": st.step,
+                    "loss": statistics.fmean(finite) if finite else float("nan"),
+                    "lr": lr_used,
+                    "grad_norm": grad_norm,
+                    "steps_per_s": steps_window / dt,
+                    "tokens_per_s": tokens_window / dt,
+                    "step_time_s": dt / steps_window,
+                    "loss_scale": run.precision.scale,
+                    "nonfinite_steps": st.nonfinite_steps,
+                    "tokens": st.tokens,
+                    **record,
                     "memory_rss_bytes": memory_bytes()["rss"],
                 }
-                labelled: dict[str, dict[str, float]] = {
-                    "rootopt_memory_bytes": memory_bytes()}
+                labelled: dict[str, dict[str, float]] = {"rootopt_memory_bytes": memory_bytes()}
                 if "grad_abs_max" in record:
                     labelled["rootopt_update_param_ratio"] = ratios
                     vals = sorted(ratios.values())
@@ -438,20 +547,36 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
                     record["update_ratio_max"] = vals[-1]
                 tel = getattr(opt, "telemetry", None) if telemetry else None
                 if tel:
-                    labelled["rootopt_root_clip_fraction"] = {k: float(v["clip_fraction"]) for k, v in tel.items()}
+                    labelled["rootopt_root_clip_fraction"] = {
+                        k: float(v["clip_fraction"]) for k, v in tel.items()
+                    }
                     labelled["rootopt_root_eps"] = {k: float(v["eps"]) for k, v in tel.items()}
-                    record["root_clip_fraction"] = statistics.fmean(labelled["rootopt_root_clip_fraction"].values())
-                    record["root_eps_mean"] = statistics.fmean(labelled["rootopt_root_eps"].values())
-                    record["root_ortho_residual"] = statistics.fmean(float(v["ortho_residual"]) for v in tel.values())
+                    record["root_clip_fraction"] = statistics.fmean(
+                        labelled["rootopt_root_clip_fraction"].values()
+                    )
+                    record["root_eps_mean"] = statistics.fmean(
+                        labelled["rootopt_root_eps"].values()
+                    )
+                    record["root_ortho_residual"] = statistics.fmean(
+                        float(v["ortho_residual"]) for v in tel.values()
+                    )
                 run.monitor.log(record, labelled)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}",
-                                    tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.3f}",
+                        lr=f"{record['lr']:.1e}",
+                        tok_s=f"{record['tokens_per_s']:.0f}",
+                        refresh=False,
+                    )
                 window, t_window, steps_window, tokens_window = [], now, 0, 0
             hist = cfg.monitoring.histogram_every
             if hist and st.step % hist == 0:
                 run.monitor.histograms(st.step, model)
-            if cfg.run.eval_every and st.step % cfg.run.eval_every == 0 and st.step < cfg.run.max_steps:
+            if (
+                cfg.run.eval_every
+                and st.step % cfg.run.eval_every == 0
+                and st.step < cfg.run.max_steps
+            ):
                 val = evaluate(run)
                 run.monitor.log({"step": st.step, **val})
             if bar is not None:
@@ -470,7 +595,9 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
     except RuntimeError as exc:
         if "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower():
             run.monitor.event("timeout", step=st.step + 1, detail=str(exc).splitlines()[0])
-            raise TrainingError(f"collective timed out at step {st.step + 1}: {str(exc).splitlines()[0]}") from None
+            raise TrainingError(
+                f"collective timed out at step {st.step + 1}: {str(exc).splitlines()[0]}"
+            ) from None
         raise
     finally:
         stop.restore()
@@ -491,13 +618,21 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
 
     losses = [r["loss"] for r in read_jsonl(run.run_dir / "metrics.jsonl") if "loss" in r]
     summary = Summary(
-        status=status, steps=st.step, wall_s=session_s,
+        status=status,
+        steps=st.step,
+        wall_s=session_s,
         steps_per_s=st.step / st.elapsed if st.elapsed else 0.0,
         tokens_per_s=st.tokens / st.elapsed if st.elapsed else 0.0,
-        initial_loss=losses[0] if losses else first_loss, final_loss=losses[-1] if losses else float("nan"),
-        val_loss=val.get("val_loss", float("nan")), nonfinite_steps=st.nonfinite_steps,
-        checkpoint=last_ckpt, run_dir=str(run.run_dir), resumed_from=run.resumed_from,
+        initial_loss=losses[0] if losses else first_loss,
+        final_loss=losses[-1] if losses else float("nan"),
+        val_loss=val.get("val_loss", float("nan")),
+        nonfinite_steps=st.nonfinite_steps,
+        checkpoint=last_ckpt,
+        run_dir=str(run.run_dir),
+        resumed_from=run.resumed_from,
     )
     if main:
-        (run.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=1) + "\n", encoding="utf-8")
+        (run.run_dir / "summary.json").write_text(
+            json.dumps(summary.__dict__, indent=1) + "\n", encoding="utf-8"
+        )
     return summary

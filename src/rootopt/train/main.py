@@ -22,12 +22,23 @@ def _parser() -> argparse.ArgumentParser:
         "(small Llama-style LM on real offline text). Overrides: section.key=value, "
         "e.g. optimization.base_lr=1e-3 run.max_steps=200.",
     )
-    p.add_argument("--config", help="YAML config (sections: run, distributed, model, data, optimization, "
-                   "mixed_precision, checkpoint, monitoring)")
-    p.add_argument("--data_path", "--data-path", dest="data_path",
-                   help="prepared shard directory (rootopt data prepare); default: prepare data.corpus into the run dir")
-    p.add_argument("--log_dir", "--log-dir", dest="log_dir",
-                   help="run directory (metrics, checkpoints, plots); an existing one is resumed. Default: runs/<timestamp>")
+    p.add_argument(
+        "--config",
+        help="YAML config (sections: run, distributed, model, data, optimization, "
+        "mixed_precision, checkpoint, monitoring)",
+    )
+    p.add_argument(
+        "--data_path",
+        "--data-path",
+        dest="data_path",
+        help="prepared shard directory (rootopt data prepare); default: prepare data.corpus into the run dir",
+    )
+    p.add_argument(
+        "--log_dir",
+        "--log-dir",
+        dest="log_dir",
+        help="run directory (metrics, checkpoints, plots); an existing one is resumed. Default: runs/<timestamp>",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     return p
@@ -78,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         + (f", val {summary.val_loss:.3f}" if summary.val_loss == summary.val_loss else "")
         + f"; non-finite steps {summary.nonfinite_steps}"
     )
-    print(f"run dir: {summary.run_dir} (checkpoint {summary.checkpoint}; report: rootopt report {summary.run_dir})")
+    print(
+        f"run dir: {summary.run_dir} (checkpoint {summary.checkpoint}; report: rootopt report {summary.run_dir})"
+    )
     if summary.status == "interrupted":
         print("stopped by signal after a checkpoint; run the same command to resume")
         return 128 + int(signal.SIGTERM)

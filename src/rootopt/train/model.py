@@ -118,7 +118,11 @@ class LlamaLM(nn.Module):
         for name, p in self.named_parameters():
             if p.ndim == 2:
                 # Output projections get the GPT-2 depth scaling.
-                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 1.0
+                scale = (
+                    1 / math.sqrt(2 * self.cfg.n_layers)
+                    if name.endswith(("wo.weight", "w_down.weight"))
+                    else 1.0
+                )
                 nn.init.normal_(p, std=std * scale)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -139,7 +143,11 @@ class MLPClassifier(nn.Module):
     def __init__(self, in_dim: int, hidden: int, classes: int) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, classes)
+            nn.Linear(in_dim, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, classes),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -155,10 +163,14 @@ def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
 def build_model(cfg: ModelConfig, manifest: dict[str, object], seq_len: int) -> nn.Module:
     if cfg.kind == "llama":
         if manifest.get("task") != "lm":
-            raise ValueError(f"model.kind=llama needs language-model shards; these are {manifest.get('task')!r}")
+            raise ValueError(
+                f"model.kind=llama needs language-model shards; these are {manifest.get('task')!r}"
+            )
         return LlamaLM(cfg, seq_len)
     if manifest.get("task") != "classify":
-        raise ValueError(f"model.kind=mlp needs classification shards; these are {manifest.get('task')!r}")
+        raise ValueError(
+            f"model.kind=mlp needs classification shards; these are {manifest.get('task')!r}"
+        )
     feat = manifest["feature_dim"]
     classes = manifest["num_classes"]
     assert isinstance(feat, int) and isinstance(classes, int)

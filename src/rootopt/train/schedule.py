@@ -35,7 +35,9 @@ def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm: Tensor = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm: Tensor = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    )
     return norm
 
 
@@ -47,8 +49,16 @@ class GradClipper:
     part of checkpoints via :meth:`state_dict`.
     """
 
-    def __init__(self, mode: str, *, max_norm: float, value: float, beta: float, factor: float) -> None:
-        self.mode, self.max_norm, self.value, self.beta, self.factor = mode, max_norm, value, beta, factor
+    def __init__(
+        self, mode: str, *, max_norm: float, value: float, beta: float, factor: float
+    ) -> None:
+        self.mode, self.max_norm, self.value, self.beta, self.factor = (
+            mode,
+            max_norm,
+            value,
+            beta,
+            factor,
+        )
         self.ema = 0.0
         self.count = 0
 
