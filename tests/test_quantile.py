@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rootopt import abs_quantile, soft_threshold_split
+from rootopt.optim import functional as fn
 from rootopt.optim.functional import clip_outliers
 
 
@@ -75,3 +76,27 @@ def test_no_suppression_when_q_is_none() -> None:
     M = torch.randn(5, 5)
     B, eps = clip_outliers(M, None)
     assert eps is None and B is M
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (300, 700), (2, 256, 512)])
+@pytest.mark.parametrize("q", [0.0, 0.5, 0.9, 0.999, 1.0])
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "heavy"])
+def test_cpu_bracket_equals_selection_bit_for_bit(
+    shape: tuple[int, ...], q: float, kind: str
+) -> None:
+    """The CPU fast path (sampled bracket) against the reference selection, including
+    cases where the bracket must fall back (q=1, all-equal entries)."""
+    M = torch.randn(*shape)
+    if kind == "ties":
+        M = (M * 4).round()
+    elif kind == "zeros":
+        M = torch.zeros(*shape)
+    elif kind == "heavy":
+        M = torch.distributions.StudentT(1.5).sample(shape)
+    assert M[..., :, :].numel() // (shape[0] if len(shape) == 3 else 1) >= fn.BRACKET_MIN_ENTRIES
+    x = M.abs().float().flatten(-2)
+    n = x.size(-1)
+    pos = q * (n - 1)
+    lo = min(int(pos), n - 1)
+    expected = fn._quantile_select(x, lo, pos - lo)
+    assert torch.equal(abs_quantile(M, q).squeeze(-1), expected)

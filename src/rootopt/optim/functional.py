@@ -78,15 +78,68 @@ def lr_scale_factor(rows: int, cols: int, mode: LrScale) -> float:
 # ---------------------------------------------------------------------------------------
 # outlier suppression
 # ---------------------------------------------------------------------------------------
+# Below this many entries per matrix the plain selection is already cheap.
+BRACKET_MIN_ENTRIES = 1 << 16
+_BRACKET_SAMPLES = 8192
+
+
+def _interpolate(v_lo: Tensor, v_hi: Tensor, frac: float) -> Tensor:
+    return v_lo + frac * (v_hi - v_lo)
+
+
+def _quantile_select(x: Tensor, lo: int, frac: float) -> Tensor:
+    """Order statistics ``lo`` (and ``lo+1``) of each row of ``x`` by ``kthvalue``:
+    O(N) selection, no sort, no host synchronisation (the reference method)."""
+    n = x.size(-1)
+    v_lo = torch.kthvalue(x, lo + 1, dim=-1, keepdim=True).values
+    if frac == 0.0 or lo + 1 >= n:
+        return v_lo
+    at_or_below = x <= v_lo
+    # s_{lo+1} equals s_lo when more than lo+1 entries are <= s_lo (ties);
+    # otherwise it is the smallest entry strictly above s_lo.
+    ties = at_or_below.sum(dim=-1, keepdim=True) > lo + 1
+    above = x.masked_fill(at_or_below, math.inf).amin(dim=-1, keepdim=True)
+    return _interpolate(v_lo, torch.where(ties, v_lo, above), frac)
+
+
+def _quantile_bracket_row(x: Tensor, lo: int, frac: float) -> Tensor:
+    """The same order statistics for one row, by bracketing: a fixed random sample gives
+    two values ``a <= s_lo <= s_hi <= b`` with high probability; counting the entries
+    below ``a`` and selecting inside ``[a, b]`` (a few percent of the row) is exact. If
+    the bracket misses — it is checked, never assumed — fall back to full selection.
+    Needs host synchronisation, so it is used on the CPU only."""
+    n = x.numel()
+    hi = lo + 1 if (frac > 0.0 and lo + 1 < n) else lo
+    gen = torch.Generator(device=x.device).manual_seed(0x5EED)
+    idx = torch.randint(0, n, (_BRACKET_SAMPLES,), generator=gen, device=x.device)
+    sample = x[idx].sort().values
+    p = lo / max(n - 1, 1)
+    # 6 binomial standard deviations of the sample rank, plus slack for ties.
+    margin = 6.0 * math.sqrt(_BRACKET_SAMPLES * p * (1 - p)) + 16
+    r = p * (_BRACKET_SAMPLES - 1)
+    a = sample[max(0, math.floor(r - margin))]
+    b = sample[min(_BRACKET_SAMPLES - 1, math.ceil(r + margin))]
+    below = int((x < a).sum())
+    inside = x[(x >= a) & (x <= b)]
+    # A missed bracket, or one holding a large share of the row (heavy ties, e.g. an
+    # all-zero gradient), goes to the plain selection instead.
+    if not (below <= lo and below + inside.numel() > hi) or inside.numel() > n // 8:
+        return _quantile_select(x.unsqueeze(0), lo, frac).squeeze(0)
+    vals = inside.sort().values
+    v_lo = vals[lo - below]
+    return _interpolate(v_lo, vals[hi - below], frac).reshape(1)
+
+
 def abs_quantile(M: Tensor, q: float) -> Tensor:
     """Exact ``q``-quantile of ``|M|`` per matrix over the last two dims.
 
     Same definition as ``torch.quantile(..., interpolation="linear")``: linear
     interpolation between the order statistics at ``floor(q (N-1))`` and the next one,
-    but without torch.quantile's 2**24-element limit and without a full sort: one
-    ``kthvalue`` selection (O(N)) plus one masked minimum for the upper neighbour.
+    but without torch.quantile's 2**24-element limit and without a full sort. On CUDA
+    (and for small matrices): one ``kthvalue`` selection plus one masked minimum, no host
+    synchronisation. On the CPU for large matrices: a sampled bracket, checked, then a
+    selection inside it (about 2x faster than ``kthvalue``; same result bit for bit).
     ``M``: ``(m, n)`` or ``(B, m, n)``; returns float32 of shape ``(1, 1)`` / ``(B, 1, 1)``.
-    No host synchronisation.
     """
     x = M.detach().abs().float().flatten(-2)  # (..., N)
     n = x.size(-1)
@@ -95,17 +148,12 @@ def abs_quantile(M: Tensor, q: float) -> Tensor:
     pos = q * (n - 1)
     lo = min(math.floor(pos), n - 1)
     frac = pos - lo
-    v_lo = torch.kthvalue(x, lo + 1, dim=-1, keepdim=True).values
-    if frac == 0.0 or lo + 1 >= n:
-        out = v_lo
+    if x.device.type == "cpu" and n >= BRACKET_MIN_ENTRIES:
+        rows = x.reshape(-1, n)
+        out = torch.stack([_quantile_bracket_row(r, lo, frac) for r in rows])
+        out = out.reshape(*x.shape[:-1], 1)
     else:
-        at_or_below = x <= v_lo
-        # s_{lo+1} equals s_lo when more than lo+1 entries are <= s_lo (ties);
-        # otherwise it is the smallest entry strictly above s_lo.
-        ties = at_or_below.sum(dim=-1, keepdim=True) > lo + 1
-        above = x.masked_fill(at_or_below, math.inf).amin(dim=-1, keepdim=True)
-        v_hi = torch.where(ties, v_lo, above)
-        out = v_lo + frac * (v_hi - v_lo)
+        out = _quantile_select(x, lo, frac)
     return out.unsqueeze(-1)
 
 
