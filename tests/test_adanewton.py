@@ -45,9 +45,7 @@ def stub_fit(monkeypatch):
     def fake(rows, cols, config=None, **kw):
         calls.append((rows, cols))
         sched = (fit_mod.YOU.tuples[-1],) * config.steps
-        return fit_mod.FitResult(
-            rows, cols, sched, "single", 0.5, 1.2, {}, config, "stub", 0.0
-        )
+        return fit_mod.FitResult(rows, cols, sched, "single", 0.5, 1.2, {}, config, "stub", 0.0)
 
     monkeypatch.setattr(fit_mod, "fit_coefficients", fake)
     return calls
@@ -195,13 +193,34 @@ def test_fit_then_cache_then_log_once(fast_fit, caplog):
         "",  # empty file
         "{not json",
         json.dumps({"format": "rootopt.adanewton_cache/1", "shape": [37, 101], "steps": 5}),
-        json.dumps({"format": "rootopt.adanewton_cache/1", "shape": [38, 101], "steps": 5,
-                    "dtype": "float32", "schedule": [[3.4445, -4.775, 2.0315]] * 5}),
+        json.dumps(
+            {
+                "format": "rootopt.adanewton_cache/1",
+                "shape": [38, 101],
+                "steps": 5,
+                "dtype": "float32",
+                "schedule": [[3.4445, -4.775, 2.0315]] * 5,
+            }
+        ),
         # parses and matches the key, but unstable (the paper's 2048² tuple): never trusted
-        json.dumps({"format": "rootopt.adanewton_cache/1", "shape": [37, 101], "steps": 5,
-                    "dtype": "float32", "schedule": [[3.4916, -4.8224, 2.1095]] * 5}),
-        json.dumps({"format": "rootopt.adanewton_cache/1", "shape": [37, 101], "steps": 5,
-                    "dtype": "float32", "schedule": [[math.inf, 0, 0]] * 5}),
+        json.dumps(
+            {
+                "format": "rootopt.adanewton_cache/1",
+                "shape": [37, 101],
+                "steps": 5,
+                "dtype": "float32",
+                "schedule": [[3.4916, -4.8224, 2.1095]] * 5,
+            }
+        ),
+        json.dumps(
+            {
+                "format": "rootopt.adanewton_cache/1",
+                "shape": [37, 101],
+                "steps": 5,
+                "dtype": "float32",
+                "schedule": [[math.inf, 0, 0]] * 5,
+            }
+        ),
     ],
 )
 def test_corrupt_cache_entry_is_refitted(corrupt, stub_fit, caplog):

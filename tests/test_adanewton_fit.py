@@ -108,7 +108,9 @@ def test_fit_is_reproducible_from_its_provenance():
     res = fit_coefficients(48, 200, FitConfig(seed=5, **SMALL))
     cfg = FitConfig.from_json(res.provenance()["config"])
     again = fit_coefficients(48, 200, cfg)
-    np.testing.assert_allclose(np.array(again.schedule), np.array(res.schedule), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(
+        np.array(again.schedule), np.array(res.schedule), rtol=1e-6, atol=1e-8
+    )
     other = fit_coefficients(48, 200, FitConfig(seed=6, **SMALL))
     assert other.schedule != res.schedule
 

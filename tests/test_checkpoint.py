@@ -22,14 +22,21 @@ def _payload() -> dict[str, object]:
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 4)).sum().backward()
     opt.step()
-    return {"model": m.state_dict(), "optimizer": opt.state_dict(), "rng": checkpoint.rng_state(),
-            "config": {"a": {"b": 1.5, "c": "x", "d": None, "e": [1, 2]}}}
+    return {
+        "model": m.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": checkpoint.rng_state(),
+        "config": {"a": {"b": 1.5, "c": "x", "d": None, "e": [1, 2]}},
+    }
 
 
 def test_save_load_round_trip_and_keep_last(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40):
         checkpoint.save(tmp_path, step, _payload(), keep_last=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-00000030.pt", "ckpt-00000040.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "ckpt-00000030.pt",
+        "ckpt-00000040.pt",
+    ]
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))
     state = checkpoint.load(tmp_path / "ckpt-00000040.pt")
     assert state["step"] == 40 and state["config"]["a"]["e"] == [1, 2]
@@ -76,7 +83,10 @@ def test_loads_with_weights_only(tmp_path: Path) -> None:
     torch.save({"format_version": 1, "step": 1, "obj": Arbitrary()}, buf)
     path = tmp_path / "ckpt-00000001.pt"
     path.write_bytes(buf.getvalue())
-    path.with_suffix(".json").write_text(json.dumps(
-        {"format_version": 1, "step": 1, "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}))
+    path.with_suffix(".json").write_text(
+        json.dumps(
+            {"format_version": 1, "step": 1, "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
+        )
+    )
     with pytest.raises(checkpoint.CheckpointError, match="cannot be loaded"):
         checkpoint.load(path)

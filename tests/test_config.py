@@ -33,7 +33,10 @@ def test_resolved_config_round_trips() -> None:
     assert to_dict(cfg) != to_dict(again)
     assert to_dict(load_config(None, [f"{k}" for k in []])) == to_dict(Config())
     data = yaml.safe_load(dump_yaml(cfg))
-    assert data["optimization"]["base_lr"] == 1e-3 and data["optimization"]["clip"]["mode"] == "adaptive"
+    assert (
+        data["optimization"]["base_lr"] == 1e-3
+        and data["optimization"]["clip"]["mode"] == "adaptive"
+    )
 
 
 BAD = [
@@ -43,22 +46,39 @@ BAD = [
     (["nonsense.key=1"], "nonsense: unknown key"),
     (["run.max_steps=1.5"], "run.max_steps: expected an integer; got 1.5"),
     (["run.max_steps=0"], "run.max_steps: must be >= 1; got 0"),
-    (["mixed_precision.enabled=maybe"], "mixed_precision.enabled: expected true or false; got 'maybe'"),
-    (["mixed_precision.dtype=fp8"], "mixed_precision.dtype: expected one of auto, bf16, fp16; got 'fp8'"),
-    (["mixed_precision.loss_scale=huge"], "mixed_precision.loss_scale: expected 'dynamic' or a positive number"),
+    (
+        ["mixed_precision.enabled=maybe"],
+        "mixed_precision.enabled: expected true or false; got 'maybe'",
+    ),
+    (
+        ["mixed_precision.dtype=fp8"],
+        "mixed_precision.dtype: expected one of auto, bf16, fp16; got 'fp8'",
+    ),
+    (
+        ["mixed_precision.loss_scale=huge"],
+        "mixed_precision.loss_scale: expected 'dynamic' or a positive number",
+    ),
     (["optimization.optimizer=adagrad"], "optimization.optimizer: expected one of root, adamw"),
-    (["optimization.clip.mode=sometimes"], "optimization.clip.mode: expected one of norm, value, adaptive, none"),
+    (
+        ["optimization.clip.mode=sometimes"],
+        "optimization.clip.mode: expected one of norm, value, adaptive, none",
+    ),
     (["model.n_kv_heads=3"], "model.n_kv_heads: must divide model.n_heads=4; got 3"),
     (["data.val_fraction=0.9"], "data.val_fraction: must be <= 0.5; got 0.9"),
     (["distributed.rank=3"], "distributed.rank: must be < distributed.world_size=1; got 3"),
     (["model=3"], "model: expected a mapping of keys; got 3"),
-    (["checkpoint.resume=missing.pt"], "checkpoint.resume: expected auto, never or an existing checkpoint file"),
+    (
+        ["checkpoint.resume=missing.pt"],
+        "checkpoint.resume: expected auto, never or an existing checkpoint file",
+    ),
     (["justtext"], "override 'justtext': expected section.key=value"),
 ]
 
 
 @pytest.mark.parametrize(("overrides", "message"), BAD)
-def test_bad_config_is_one_clear_line(overrides: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_config_is_one_clear_line(
+    overrides: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert len(info.value.problems) == 1
@@ -77,10 +97,15 @@ def test_several_problems_are_all_reported(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("run: [1, 2\n", "invalid YAML at line"), ("- a\n- b\n", "expected a mapping of sections"),
-     ("run:\n  max_steps: ten\n", "run.max_steps: expected an integer")],
+    [
+        ("run: [1, 2\n", "invalid YAML at line"),
+        ("- a\n- b\n", "expected a mapping of sections"),
+        ("run:\n  max_steps: ten\n", "run.max_steps: expected an integer"),
+    ],
 )
-def test_bad_yaml_file(tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_yaml_file(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     assert train_main(["--config", str(path)]) == 2
@@ -93,11 +118,17 @@ def test_missing_config_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_seed_world_size_needs_a_launcher(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seed_world_size_needs_a_launcher(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    assert train_main(["--config", str(ROOT / "configs" / "seed000.yaml"), "--log_dir", str(tmp_path / "r")]) == 2
+    assert (
+        train_main(
+            ["--config", str(ROOT / "configs" / "seed000.yaml"), "--log_dir", str(tmp_path / "r")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torchrun --nproc_per_node=8" in err[0]
 

@@ -65,7 +65,10 @@ def test_corrupt_shard_is_named(shards: Path, tmp_path: Path) -> None:
 
 
 def test_ranks_get_disjoint_shards(shards: Path) -> None:
-    names = [{e["name"] for e in ShardStream(shards, batch_size=4, rank=r, world_size=3).shards} for r in range(3)]
+    names = [
+        {e["name"] for e in ShardStream(shards, batch_size=4, rank=r, world_size=3).shards}
+        for r in range(3)
+    ]
     assert not (names[0] & names[1]) and not (names[1] & names[2]) and not (names[0] & names[2])
     assert set().union(*names) == {e["name"] for e in load_manifest(shards)["splits"]["train"]}
 
@@ -79,7 +82,9 @@ def test_resume_at_exact_position(shards: Path, start: int) -> None:
 
 def test_worker_split_resumes_exactly(shards: Path) -> None:
     full = _take(ShardStream(shards, batch_size=64, seed=1, num_workers=2), 12, workers=2)
-    part = _take(ShardStream(shards, batch_size=64, seed=1, num_workers=2, start_batch=7), 5, workers=2)
+    part = _take(
+        ShardStream(shards, batch_size=64, seed=1, num_workers=2, start_batch=7), 5, workers=2
+    )
     assert all(torch.equal(a, b) for a, b in zip(full[7:], part))
     single = _take(ShardStream(shards, batch_size=64, seed=1), 12)
     assert {tuple(t.flatten()[:8].tolist()) for t in full} != set() and len(single) == 12
@@ -108,14 +113,31 @@ def test_classification_path_digits(tmp_path: Path) -> None:
 def test_data_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = tmp_path / "text.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    assert data_main(["prepare", "--corpus", str(corpus), "--out", str(tmp_path / "o"), "--seq_len", "16",
-                      "--samples_per_shard", "100"]) == 0
+    assert (
+        data_main(
+            [
+                "prepare",
+                "--corpus",
+                str(corpus),
+                "--out",
+                str(tmp_path / "o"),
+                "--seq_len",
+                "16",
+                "--samples_per_shard",
+                "100",
+            ]
+        )
+        == 0
+    )
     assert "train samples" in capsys.readouterr().out
     assert data_main(["verify", str(tmp_path / "o")]) == 0
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["corpus"] == "text.txt"
     assert data_main(["prepare", "--corpus", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown corpus 'nope'" in capsys.readouterr().err
-    assert data_main(["prepare", "--corpus", "kjv", "--out", str(tmp_path / "x"), "--seq_len", "1"]) == 2
+    assert (
+        data_main(["prepare", "--corpus", "kjv", "--out", str(tmp_path / "x"), "--seq_len", "1"])
+        == 2
+    )
 
 
 def test_classification_path_bbc_news(tmp_path: Path) -> None:
