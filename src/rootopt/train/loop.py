@@ -525,6 +525,7 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
                 now = time.perf_counter()
                 dt = max(now - t_window, 1e-9)
                 finite = [v for v in window if math.isfinite(v)]
+                memory = memory_bytes()
                 record = {
                     "step": st.step,
                     "loss": statistics.fmean(finite) if finite else float("nan"),
@@ -537,9 +538,9 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
                     "nonfinite_steps": st.nonfinite_steps,
                     "tokens": st.tokens,
                     **record,
-                    "memory_rss_bytes": memory_bytes()["rss"],
+                    "memory_rss_bytes": memory["rss"],
                 }
-                labelled: dict[str, dict[str, float]] = {"rootopt_memory_bytes": memory_bytes()}
+                labelled: dict[str, dict[str, float]] = {"rootopt_memory_bytes": memory}
                 if "grad_abs_max" in record:
                     labelled["rootopt_update_param_ratio"] = ratios
                     vals = sorted(ratios.values())

@@ -32,13 +32,10 @@ class LRMultiplier:
 
 def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
     """L2 norm over all gradients, in float32 (inf/nan propagate)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad.float() for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm: Tensor = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-    )
-    return norm
+    return torch.nn.utils.get_total_norm(grads, 2.0)
 
 
 class GradClipper:
@@ -73,9 +70,7 @@ class GradClipper:
         if self.mode == "none":
             return 1.0
         if self.mode == "value":
-            for p in params:
-                if p.grad is not None:
-                    p.grad.clamp_(-self.value, self.value)
+            torch.nn.utils.clip_grad_value_(params, self.value)
             return 1.0
         limit = self.threshold()
         n = float(norm)
@@ -84,9 +79,8 @@ class GradClipper:
             self.count += 1
         scale = limit / (n + 1e-6)
         if scale < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            # torch's clipping with the norm already computed (same max/(norm+1e-6) rule)
+            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
             return scale
         return 1.0
 
