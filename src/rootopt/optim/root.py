@@ -239,14 +239,11 @@ class ROOT(Optimizer):
                 )
         if param_group.get("algorithm") is None:
             # A group without an explicit algorithm: matrices get ROOT, the rest AdamW.
-            mats = [i for i in items if isinstance(tensor_of(i), Tensor) and tensor_of(i).ndim >= 2]
-            rest = [
-                i
-                for i in items
-                if not (isinstance(tensor_of(i), Tensor) and tensor_of(i).ndim >= 2)
-            ]
-            split = [("root", mats), ("adamw", rest)]
-            parts = [dict(param_group, params=p, algorithm=a) for a, p in split if p]
+            by_algo: dict[str, list[Any]] = {"root": [], "adamw": []}
+            for item in items:
+                t = tensor_of(item)
+                by_algo["root" if isinstance(t, Tensor) and t.ndim >= 2 else "adamw"].append(item)
+            parts = [dict(param_group, params=p, algorithm=a) for a, p in by_algo.items() if p]
             if not parts:
                 parts = [dict(param_group, algorithm="root")]
         else:
