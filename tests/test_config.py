@@ -69,7 +69,7 @@ BAD = [
     (["model=3"], "model: expected a mapping of keys; got 3"),
     (
         ["checkpoint.resume=missing.pt"],
-        "checkpoint.resume: expected auto, never or an existing checkpoint file",
+        "checkpoint.resume: expected auto, never, restart or an existing checkpoint file",
     ),
     (["justtext"], "override 'justtext': expected section.key=value"),
 ]

@@ -99,6 +99,9 @@ def main(argv: list[str]) -> int:
     except (CorpusError, ShardError) as exc:
         print(f"rootopt data: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"rootopt data: {exc.strerror or exc} ({exc.filename or args.out})", file=sys.stderr)
+        return 1
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     print(
         f"{manifest['task']} corpus {manifest['corpus']}: {sum(e['samples'] for e in tr)} train samples in "

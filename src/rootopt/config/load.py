@@ -27,6 +27,16 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a YAML alias bomb must not flood the terminal)."""
+    if isinstance(value, (dict, list)):
+        # repr of a deeply aliased structure is exponential; never build it in full
+        kind = "mapping" if isinstance(value, dict) else "list"
+        return f"a {kind} of {len(value)} item(s)"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _is_number_string(value: str) -> bool:
     try:
         float(value)
@@ -42,45 +52,47 @@ def _coerce(value: Any, tp: Any, where: str, rules: dict[str, Any], problems: li
         choices = get_args(tp)
         if isinstance(value, str) and value.lower() in choices:
             return value.lower()
-        problems.append(f"{where}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+        problems.append(
+            f"{where}: expected one of {', '.join(map(str, choices))}; got {short(value)}"
+        )
         return None
     if tp is bool:
         if isinstance(value, bool):
             return value
-        problems.append(f"{where}: expected true or false; got {value!r}")
+        problems.append(f"{where}: expected true or false; got {short(value)}")
         return None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                problems.append(f"{where}: expected an integer; got {value!r}")
+                problems.append(f"{where}: expected an integer; got {short(value)}")
                 return None
     elif tp is float:
         # YAML 1.1 reads `5e-4` (no dot) as a string; seed 000 writes exactly that.
         if isinstance(value, str) and _is_number_string(value):
             value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{where}: expected a number; got {value!r}")
+            problems.append(f"{where}: expected a number; got {short(value)}")
             return None
         value = float(value)
         if not math.isfinite(value):
-            problems.append(f"{where}: expected a finite number; got {value!r}")
+            problems.append(f"{where}: expected a finite number; got {short(value)}")
             return None
     elif tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # e.g. loss_scale: 8192
         if not isinstance(value, str):
-            problems.append(f"{where}: expected a string; got {value!r}")
+            problems.append(f"{where}: expected a string; got {short(value)}")
             return None
     if "min" in rules and value < rules["min"]:
-        problems.append(f"{where}: must be >= {rules['min']}; got {value!r}")
+        problems.append(f"{where}: must be >= {rules['min']}; got {short(value)}")
         return None
     if "gt" in rules and value <= rules["gt"]:
-        problems.append(f"{where}: must be > {rules['gt']}; got {value!r}")
+        problems.append(f"{where}: must be > {rules['gt']}; got {short(value)}")
         return None
     if "max" in rules and value > rules["max"]:
-        problems.append(f"{where}: must be <= {rules['max']}; got {value!r}")
+        problems.append(f"{where}: must be <= {rules['max']}; got {short(value)}")
         return None
     return value
 
@@ -89,14 +101,17 @@ def _build(cls: type[Any], data: Any, where: str, problems: list[str]) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        problems.append(f"{where or 'config'}: expected a mapping of keys; got {data!r}")
+        problems.append(f"{where or 'config'}: expected a mapping of keys; got {short(data)}")
         return cls()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
             known = ", ".join(fields)
-            problems.append(f"{where + '.' if where else ''}{key}: unknown key (known: {known})")
+            problems.append(
+                f"{where + '.' if where else ''}{short(key) if not isinstance(key, str) else key[:60]}: "
+                f"unknown key (known: {known})"
+            )
     out = cls()
     for name, f in fields.items():
         if name not in data:
@@ -142,9 +157,17 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
             f"distributed.rank: must be < distributed.world_size={cfg.distributed.world_size}; "
             f"got {cfg.distributed.rank}"
         )
-    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).is_file():
+    if (
+        cfg.checkpoint.resume not in ("auto", "never", "restart")
+        and not Path(cfg.checkpoint.resume).is_file()
+    ):
         problems.append(
-            f"checkpoint.resume: expected auto, never or an existing checkpoint file; got {cfg.checkpoint.resume!r}"
+            "checkpoint.resume: expected auto, never, restart or an existing checkpoint file; "
+            f"got {short(cfg.checkpoint.resume)}"
+        )
+    if 0 < cfg.run.loss_spike_factor <= 1:
+        problems.append(
+            f"run.loss_spike_factor: must be 0 (off) or > 1; got {cfg.run.loss_spike_factor}"
         )
 
 
@@ -193,19 +216,72 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last silently)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        try:
+            dup = key in seen
+        except TypeError:
+            continue  # unhashable key: the schema check reports it
+        if dup:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {short(key)}", mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,  # type: ignore[arg-type]
+)
+
+
+def _read_yaml(p: Path) -> Any:
+    if p.is_dir():
+        raise ConfigError([f"config file {str(p)!r} is a directory, not a YAML file"])
+    if not p.is_file():
+        raise ConfigError([f"config file {str(p)!r} does not exist"])
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            [f"config file {str(p)!r} cannot be read ({exc.strerror or exc})"]
+        ) from None
+    if len(raw) > 1 << 20:
+        raise ConfigError([f"config file {str(p)!r} is {len(raw)} bytes; a config is < 1 MiB"])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"config file {str(p)!r} is not UTF-8 text (byte {exc.start})"]
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None)
+        what = f": {str(problem)[:80]}" if problem and "duplicate key" in str(problem) else ""
+        raise ConfigError([f"config file {p.name}: invalid YAML{at}{what}"]) from None
+    except RecursionError:
+        raise ConfigError([f"config file {p.name}: YAML nested too deeply"]) from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or start from the embedded defaults), apply overrides, validate."""
     data: Any = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError([f"config file {str(p)!r} does not exist"])
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ConfigError([f"config file {p.name}: invalid YAML{at}"]) from None
+        data = _read_yaml(p)
+        if data is None:
+            raise ConfigError(
+                [f"config file {p.name} is empty; omit --config to run the embedded default"]
+            )
         if not isinstance(data, dict):
             raise ConfigError(
                 [f"config file {p.name}: expected a mapping of sections at the top level"]

@@ -25,21 +25,44 @@ def _f(default: Any, help: str, **rules: Any) -> Any:
 class RunConfig:
     name: str = _f("rootopt", "run name (used in metric labels)")
     seed: int = _f(0, "global random seed", min=0)
-    max_steps: int = _f(300, "optimizer steps to train", min=1)
+    max_steps: int = _f(300, "optimizer steps to train", min=1, max=10**10)
     max_time: float = _f(
         0.0,
         "wall-clock limit of one session in seconds; 0 = none (checkpoint and stop when hit; rerun to continue)",
         min=0,
+        max=10**8,
     )
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "device; auto = cuda when available")
     threads: int = _f(
         1,
         "torch intra-op threads; 0 = torch default. 1 stays fast on a shared CPU; keep it fixed across a resume for bit-identical results",
         min=0,
+        max=4096,
     )
-    log_every: int = _f(10, "steps between metric records", min=1)
-    eval_every: int = _f(100, "steps between validation passes; 0 = only at the end", min=0)
-    eval_batches: int = _f(8, "validation batches per pass", min=1)
+    log_every: int = _f(10, "steps between metric records", min=1, max=10**9)
+    eval_every: int = _f(
+        100, "steps between validation passes; 0 = only at the end", min=0, max=10**10
+    )
+    eval_batches: int = _f(8, "validation batches per pass", min=1, max=10**7)
+    max_nonfinite: int = _f(
+        20,
+        "stop as diverged after this many consecutive non-finite (skipped) steps; 0 = never",
+        min=0,
+        max=10**9,
+    )
+    max_nonfinite_total: int = _f(
+        200, "stop as diverged after this many non-finite steps in total; 0 = never", min=0
+    )
+    loss_spike_factor: float = _f(
+        3.0,
+        "stop as diverged when the loss stays above factor × the median of the previous "
+        "loss_spike_window steps for loss_spike_patience steps; 0 = off",
+        min=0,
+    )
+    loss_spike_window: int = _f(50, "steps in the loss-spike rule's median", min=2, max=10**6)
+    loss_spike_patience: int = _f(
+        10, "consecutive spiking steps before the loss-spike rule stops the run", min=1
+    )
 
 
 @dataclass
@@ -49,24 +72,28 @@ class DistributedConfig:
     )
     init_method: str = _f("env://", "process-group init method")
     rank: int = _f(0, "this process's rank (the launcher's RANK env var wins)", min=0)
-    world_size: int = _f(1, "number of processes (the launcher's WORLD_SIZE env var wins)", min=1)
+    world_size: int = _f(
+        1, "number of processes (the launcher's WORLD_SIZE env var wins)", min=1, max=1 << 20
+    )
     timeout_s: float = _f(1800.0, "collective timeout in seconds", gt=0)
 
 
 @dataclass
 class ModelConfig:
     kind: Literal["llama", "mlp"] = _f("llama", "llama: causal LM on byte tokens; mlp: classifier")
-    vocab_size: int = _f(256, "vocabulary size (256 = byte-level)", min=2)
-    d_model: int = _f(128, "hidden width", min=8)
-    n_layers: int = _f(4, "transformer blocks", min=1)
-    n_heads: int = _f(4, "attention heads", min=1)
+    vocab_size: int = _f(256, "vocabulary size (256 = byte-level)", min=2, max=1 << 24)
+    d_model: int = _f(128, "hidden width", min=8, max=1 << 16)
+    n_layers: int = _f(4, "transformer blocks", min=1, max=1024)
+    n_heads: int = _f(4, "attention heads", min=1, max=1024)
     n_kv_heads: int = _f(2, "key/value heads (grouped-query attention); must divide n_heads", min=1)
-    ffn_hidden: int = _f(0, "SwiGLU hidden width; 0 = 8/3·d_model rounded to 32", min=0)
+    ffn_hidden: int = _f(
+        0, "SwiGLU hidden width; 0 = 8/3·d_model rounded to 32", min=0, max=1 << 18
+    )
     rope_theta: float = _f(10000.0, "RoPE base", gt=0)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", gt=0)
     tie_embeddings: bool = _f(True, "share input embedding and output head")
     init_std: float = _f(0.02, "weight init std", gt=0)
-    mlp_hidden: int = _f(256, "hidden width of the mlp classifier", min=1)
+    mlp_hidden: int = _f(256, "hidden width of the mlp classifier", min=1, max=1 << 18)
     activation_checkpointing: bool = _f(
         False, "recompute block activations in backward to save memory"
     )
@@ -80,12 +107,14 @@ class DataConfig:
     corpus: str = _f(
         "stdlib", "stdlib | bbc | kjv | digits | bbc-classes | a directory/file of text"
     )
-    max_bytes: int = _f(4_000_000, "bytes of corpus text to tokenize when preparing", min=1)
-    seq_len: int = _f(128, "tokens per training sequence", min=2)
-    samples_per_shard: int = _f(2000, "samples per .tar shard when preparing", min=1)
+    max_bytes: int = _f(
+        4_000_000, "bytes of corpus text to tokenize when preparing", min=1, max=1 << 40
+    )
+    seq_len: int = _f(128, "tokens per training sequence", min=2, max=1 << 20)
+    samples_per_shard: int = _f(2000, "samples per .tar shard when preparing", min=1, max=1 << 30)
     val_fraction: float = _f(0.05, "fraction of shards held out for validation", min=0, max=0.5)
-    batch_size: int = _f(16, "sequences per micro-batch (per rank)", min=1)
-    num_workers: int = _f(0, "data-loader worker processes", min=0)
+    batch_size: int = _f(16, "sequences per micro-batch (per rank)", min=1, max=1 << 24)
+    num_workers: int = _f(0, "data-loader worker processes", min=0, max=256)
     shuffle: bool = _f(True, "shuffle shard order and samples within a shard each epoch")
     verify_checksums: bool = _f(
         True, "check each shard's sha256 against the manifest before reading"
@@ -111,7 +140,7 @@ class OptimizationConfig:
         "ROOT", "ROOT | AdamW | Adam | SGD | Muon | LAMB | Shampoo (case-insensitive)"
     )
     base_lr: float = _f(6e-3, "peak learning rate", gt=0)
-    warmup_steps: int = _f(30, "linear warmup steps", min=0)
+    warmup_steps: int = _f(30, "linear warmup steps", min=0, max=10**10)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "decay after warmup")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of base_lr (cosine/linear)", min=0, max=1)
     beta1: float = _f(
@@ -134,7 +163,7 @@ class OptimizationConfig:
     telemetry: bool = _f(
         True, "collect ROOT's per-matrix telemetry (ε, clip fraction, update ratio)"
     )
-    grad_accum_steps: int = _f(1, "micro-batches per optimizer step", min=1)
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step", min=1, max=1 << 20)
     clip: ClipConfig = field(default_factory=ClipConfig)
 
 
@@ -153,10 +182,15 @@ class MixedPrecisionConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(1000, "steps between checkpoints (seed 000 §9: 1000)", min=1)
-    keep_last: int = _f(3, "checkpoints to keep", min=1)
+    every: int = _f(1000, "steps between checkpoints (seed 000 §9: 1000)", min=1, max=10**10)
+    keep_last: int = _f(3, "checkpoints of this run to keep", min=1, max=10**6)
     dir: str = _f("", "checkpoint directory; empty = <log_dir>/checkpoints")
-    resume: str = _f("auto", "auto = newest valid checkpoint in dir; never; or a checkpoint file")
+    resume: str = _f(
+        "auto",
+        "auto = newest valid checkpoint in dir; never (refused on a directory that holds "
+        "checkpoints); restart = move the old run aside into <log_dir>/previous/ and start over; "
+        "or a checkpoint file",
+    )
     on_signal: bool = _f(True, "checkpoint and stop on SIGTERM/SIGINT")
 
 
@@ -171,7 +205,9 @@ class PrometheusConfig:
 class MonitoringConfig:
     jsonl: bool = _f(True, "write metrics.jsonl")
     tensorboard: bool = _f(True, "write TensorBoard scalars and histograms")
-    histogram_every: int = _f(100, "steps between TensorBoard histograms; 0 = never", min=0)
+    histogram_every: int = _f(
+        100, "steps between TensorBoard histograms; 0 = never", min=0, max=10**10
+    )
     progress_bar: bool = _f(True, "show a progress bar")
     plot: bool = _f(True, "write loss_curve.png at the end")
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)

@@ -20,6 +20,7 @@ from rootopt.data.shards import (
     load_manifest,
     make_loader,
     sha256_file,
+    validate_data,
     verify_shard,
     write_shards,
 )
@@ -56,6 +57,7 @@ def prepare(
             "vocab_size": 256,
             "seq_len": seq_len,
             "text_bytes": len(data),
+            "max_bytes": max_bytes,
         }
     return write_shards(
         out,
@@ -79,5 +81,6 @@ __all__ = [
     "prepare",
     "sha256_file",
     "text_bytes",
+    "validate_data",
     "verify_shard",
 ]

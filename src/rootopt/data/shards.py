@@ -21,6 +21,8 @@ import hashlib
 import io
 import json
 import math
+import re
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,8 @@ import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from rootopt._atomic import atomic_write
 
 FORMAT = "rootopt-shards"
 VERSION = 1
@@ -64,6 +68,52 @@ def _write_split(
     return entries
 
 
+def _planned_names(n_train: int, n_val: int, per_shard: int) -> list[str]:
+    return [
+        f"{split}-{i:06d}.tar"
+        for split, n in (("train", n_train), ("val", n_val))
+        for i in range(math.ceil(n / per_shard))
+    ]
+
+
+def _owned_files(out: Path) -> list[str]:
+    """Files a previous ``prepare`` wrote into ``out`` (its manifest's list); refuse anything else.
+
+    ``out`` must be missing, empty, or hold a manifest written by this module (complete or
+    interrupted): a command deletes only files it can prove it created (docs/training.md, Data).
+    """
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise ShardError(f"--out {str(out)!r} exists and is not a directory")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return []
+    path = out / "manifest.json"
+    try:
+        old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        old = None
+    if not isinstance(old, dict) or old.get("format") != FORMAT:
+        raise ShardError(
+            f"refusing to write into {str(out)!r}: it is not empty ({len(entries)} entries, e.g. "
+            f"{entries[0]!r}) and holds no manifest.json written by rootopt data prepare; "
+            "use a new or empty directory"
+        )
+    names = old.get("files")
+    if names is None:  # a complete manifest lists its shards under splits
+        names = [e.get("name") for s in _dict(old.get("splits")).values() for e in _list(s)]
+    return [n for n in _list(names) if isinstance(n, str) and _SAFE_NAME.match(n)]
+
+
+def _dict(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
+def _list(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else []
+
+
 def write_shards(
     out: str | Path,
     samples: list[dict[str, Any]],
@@ -73,30 +123,57 @@ def write_shards(
     seed: int,
     meta: dict[str, Any],
 ) -> dict[str, Any]:
-    """Shuffle ``samples`` (seeded), hold out ``val_fraction`` of them, write shards + manifest."""
+    """Shuffle ``samples`` (seeded), hold out ``val_fraction`` of them, write shards + manifest.
+
+    Ownership: ``out`` is empty, missing, or holds this module's manifest; only the files that
+    manifest lists are replaced. An interim manifest naming every file about to be written is
+    published first, so an interrupted prepare leaves a directory the next prepare may clean
+    (and that training refuses as incomplete).
+    """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*list(out.glob("*.tar")), out / "manifest.json", out / "SHA256SUMS"]:
-        stale.unlink(missing_ok=True)
     order = np.random.default_rng(seed).permutation(len(samples))
     n_val = math.ceil(len(samples) * val_fraction) if val_fraction > 0 else 0
     if len(samples) - n_val < 1:
         raise ShardError(f"corpus too small: {len(samples)} samples leave nothing to train on")
-    val = [samples[i] for i in order[:n_val]]
-    train = [samples[i] for i in order[n_val:]]
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        **meta,
-        "seed": seed,
-        "splits": {
-            "train": _write_split(out, "train", train, samples_per_shard),
-            "val": _write_split(out, "val", val, samples_per_shard),
-        },
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    lines = [f"{e['sha256']}  {e['name']}" for s in manifest["splits"].values() for e in s]
-    (out / "SHA256SUMS").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    owned = _owned_files(out)
+    planned = _planned_names(len(samples) - n_val, n_val, samples_per_shard)
+    ours = set(owned) | {"manifest.json", "SHA256SUMS"}
+    if out.is_dir():
+        foreign = sorted(n for n in planned if (out / n).exists() and n not in ours)
+        if foreign:
+            raise ShardError(
+                f"refusing to overwrite {foreign[0]!r} in {str(out)!r}: the existing manifest "
+                "does not list it (not written by rootopt data prepare)"
+            )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        interim = {"format": FORMAT, "version": VERSION, "complete": False}
+        interim["files"] = sorted(set(owned) | set(planned))
+        atomic_write(out / "manifest.json", (json.dumps(interim) + "\n").encode())
+        for name in owned:
+            (out / name).unlink(missing_ok=True)
+        (out / "SHA256SUMS").unlink(missing_ok=True)
+        val = [samples[i] for i in order[:n_val]]
+        train = [samples[i] for i in order[n_val:]]
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            **meta,
+            "seed": seed,
+            "samples_per_shard": samples_per_shard,
+            "val_fraction": val_fraction,
+            "splits": {
+                "train": _write_split(out, "train", train, samples_per_shard),
+                "val": _write_split(out, "val", val, samples_per_shard),
+            },
+        }
+        lines = [f"{e['sha256']}  {e['name']}" for s in manifest["splits"].values() for e in s]
+        atomic_write(out / "SHA256SUMS", ("\n".join(lines) + "\n").encode())
+        atomic_write(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+    except OSError as exc:
+        raise ShardError(
+            f"cannot write shards into {str(out)!r}: {exc.strerror or exc} ({exc.filename or out})"
+        ) from None
     return manifest
 
 
@@ -116,6 +193,51 @@ def classify_samples(x: np.ndarray, y: np.ndarray) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- reading
 
 
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.tar$")
+
+
+def _manifest_problem(m: Any) -> str | None:
+    """The first structural problem of a parsed manifest, or None."""
+    if not isinstance(m, dict):
+        return "is not a JSON object"
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        if m.get("format") == FORMAT and m.get("complete") is False:
+            return "is from an interrupted rootopt data prepare; run it again"
+        return f"is not a {FORMAT} v{VERSION} manifest"
+    if m.get("complete") is False:
+        return "is from an interrupted rootopt data prepare; run it again"
+    if m.get("task") not in ("lm", "classify"):
+        return f"has task {str(m.get('task'))[:40]!r} (expected lm or classify)"
+    splits = m.get("splits")
+    if not isinstance(splits, dict):
+        return "has no 'splits' mapping"
+    seen: set[str] = set()
+    for split in ("train", "val"):
+        entries = splits.get(split, [])
+        if not isinstance(entries, list):
+            return f"splits.{split} is not a list"
+        for i, e in enumerate(entries):
+            where = f"splits.{split}[{i}]"
+            if not isinstance(e, dict):
+                return f"{where} is not an object"
+            name = e.get("name")
+            if not isinstance(name, str):
+                return f"{where} has no 'name'"
+            if not _SAFE_NAME.match(name):
+                return f"{where}.name {name[:60]!r} is not a plain shard file name (NAME.tar)"
+            if name in seen:
+                return f"{where}.name {name!r} is listed twice"
+            seen.add(name)
+            if not isinstance(e.get("sha256"), str):
+                return f"{where} ({name}) has no 'sha256'"
+            n = e.get("samples")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                return f"{where} ({name}) has no valid 'samples' count"
+    if not splits.get("train"):
+        return "lists no train shards"
+    return None
+
+
 def load_manifest(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     path = root / "manifest.json"
@@ -124,26 +246,67 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
             f"{str(root)!r} holds no manifest.json; prepare it with: rootopt data prepare --out DIR"
         )
     try:
-        manifest: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        manifest: Any = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ShardError(f"manifest.json in {str(root)!r} is not valid JSON ({exc.msg})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ShardError(f"manifest.json in {str(root)!r} is not a {FORMAT} v{VERSION} manifest")
-    if not manifest["splits"]["train"]:
-        raise ShardError(f"manifest.json in {str(root)!r} lists no train shards")
-    return manifest
+    except UnicodeDecodeError:
+        raise ShardError(f"manifest.json in {str(root)!r} is not UTF-8 text") from None
+    except OSError as exc:
+        raise ShardError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise ShardError(f"manifest.json in {str(root)!r} {problem}")
+    out: dict[str, Any] = manifest
+    out["splits"].setdefault("val", [])
+    return out
 
 
-def verify_shard(root: Path, entry: dict[str, Any]) -> None:
+def verify_shard(root: Path, entry: dict[str, Any], *, checksum: bool = True) -> None:
+    """Existence, readability, sample count from the tar headers and (``checksum``) the sha256."""
     path = root / entry["name"]
     if not path.is_file():
         raise ShardError(f"shard {entry['name']} is missing from {str(root)!r}")
-    actual = sha256_file(path)
-    if actual != entry["sha256"]:
+    try:
+        actual = sha256_file(path) if checksum else None
+        members = _tar_samples(path)
+    except OSError as exc:
+        raise ShardError(f"shard {entry['name']} cannot be read: {exc.strerror or exc}") from None
+    except tarfile.TarError as exc:
+        raise ShardError(f"shard {entry['name']} is not a readable tar file ({exc})") from None
+    if actual is not None and actual != entry["sha256"]:
         raise ShardError(
             f"shard {entry['name']} failed its checksum (manifest sha256 {entry['sha256'][:12]}…, "
             f"file {actual[:12]}…): the file is corrupt or was modified; re-run rootopt data prepare"
         )
+    if members != entry["samples"]:
+        raise ShardError(
+            f"shard {entry['name']} holds {members} samples, manifest says {entry['samples']} "
+            "(truncated or modified)"
+        )
+
+
+def _tar_samples(path: Path) -> int:
+    """Distinct sample keys in a WebDataset tar, from its headers only."""
+    keys = set()
+    with tarfile.open(path, "r:") as tf:
+        for member in tf:
+            if member.isfile():
+                keys.add(member.name.split(".", 1)[0])
+    return len(keys)
+
+
+def validate_data(
+    root: str | Path, *, checksum: bool, splits: tuple[str, ...] = ("train", "val")
+) -> int:
+    """Check every shard of ``splits`` before training starts; return how many were checked."""
+    root = Path(root)
+    manifest = load_manifest(root)
+    n = 0
+    for split in splits:
+        for entry in manifest["splits"].get(split, []):
+            verify_shard(root, entry, checksum=checksum)
+            n += 1
+    return n
 
 
 def _decode(sample: dict[str, Any], task: str, seq_len: int) -> tuple[np.ndarray, int]:
@@ -229,14 +392,23 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
         if self.verify and entry["name"] not in self._verified:
             verify_shard(self.root, entry)
             self._verified.add(entry["name"])
+        path = self.root / entry["name"]
+        if not path.is_file():
+            raise ShardError(f"shard {entry['name']} is missing from {str(self.root)!r}")
         ds = wds.WebDataset(
-            [str(self.root / entry["name"])],
+            [str(path)],
             shardshuffle=False,
             nodesplitter=None,
             workersplitter=None,
             empty_check=False,
+            handler=wds.reraise_exception,
         )
-        items = [_decode(s, self.task, self.seq_len) for s in ds]
+        try:
+            items = [_decode(s, self.task, self.seq_len) for s in ds]
+        except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
+            raise ShardError(
+                f"shard {entry['name']} cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
+            ) from None
         if len(items) != entry["samples"]:
             raise ShardError(
                 f"shard {entry['name']} holds {len(items)} samples, manifest says {entry['samples']}"

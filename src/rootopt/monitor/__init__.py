@@ -2,6 +2,22 @@
 
 from __future__ import annotations
 
-from rootopt.monitor.metrics import PROMETHEUS_METRICS, Monitor, memory_bytes, plot_loss, read_jsonl
+from rootopt.monitor.metrics import (
+    PROMETHEUS_METRICS,
+    Monitor,
+    memory_bytes,
+    plot_loss,
+    read_jsonl,
+    read_jsonl_checked,
+    strict,
+)
 
-__all__ = ["PROMETHEUS_METRICS", "Monitor", "memory_bytes", "plot_loss", "read_jsonl"]
+__all__ = [
+    "PROMETHEUS_METRICS",
+    "Monitor",
+    "memory_bytes",
+    "plot_loss",
+    "read_jsonl",
+    "read_jsonl_checked",
+    "strict",
+]

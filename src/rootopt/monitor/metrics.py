@@ -40,6 +40,17 @@ _LABELLED = {
 GRAD_NORM_BUCKETS = (*tuple(10.0**e for e in range(-4, 4)), float("inf"))
 
 
+def strict(value: Any) -> Any:
+    """``value`` with every NaN/Inf float replaced by None: strict JSON (RFC 8259) has neither."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
 def memory_bytes() -> dict[str, float]:
     out: dict[str, float] = {}
     try:
@@ -114,6 +125,7 @@ class Monitor:
         enabled: bool = True,
     ) -> None:
         self.enabled = enabled
+        self.run_dir = run_dir
         self._jsonl = (
             (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled and jsonl else None
         )
@@ -133,7 +145,7 @@ class Monitor:
             return
         labelled = labelled or {}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+            self._jsonl.write(json.dumps(strict(record), allow_nan=False) + "\n")
             self._jsonl.flush()
         step = int(record["step"])
         if self.tb is not None:
@@ -146,6 +158,10 @@ class Monitor:
                     self.tb.add_scalar(
                         f"train/{key}" if not key.startswith("val") else f"val/{key}", value, step
                     )
+                elif isinstance(value, dict):  # e.g. lr_groups: one scalar per group
+                    for label, v in value.items():
+                        if isinstance(v, (int, float)) and not isinstance(v, bool):
+                            self.tb.add_scalar(f"{key}/{label}", v, step)
             for name, by_label in labelled.items():
                 for label, value in by_label.items():
                     self.tb.add_scalar(f"{name.removeprefix('rootopt_')}/{label}", value, step)
@@ -171,8 +187,41 @@ class Monitor:
     def event(self, kind: str, **fields: Any) -> None:
         """Notable events (resume, skipped step, checkpoint, OOM, timeout) for the report."""
         if self._events is not None:
-            self._events.write(json.dumps({"event": kind, **fields}) + "\n")
+            self._events.write(
+                json.dumps(strict({"event": kind, **fields}), allow_nan=False) + "\n"
+            )
             self._events.flush()
+
+    def supersede_after(self, step: int) -> int:
+        """Move records of steps after ``step`` to ``metrics.superseded.jsonl``.
+
+        A resumed run continues from its checkpoint at ``step``; the records a killed process
+        wrote after it describe steps that are run again, so they leave ``metrics.jsonl``
+        (one record per step, no duplicates) but are kept, not deleted. Returns how many moved.
+        """
+        if self._jsonl is None:
+            return 0
+        path = self.run_dir / "metrics.jsonl"
+        self._jsonl.close()
+        keep: list[str] = []
+        moved: list[str] = []
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                row = json.loads(line)
+                later = int(row["step"]) > step
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                later = bool(line.strip())  # a line cut by a crash
+            (moved if later else keep).append(line if line.endswith("\n") else line + "\n")
+        if moved:
+            from rootopt._atomic import atomic_write
+
+            with (self.run_dir / "metrics.superseded.jsonl").open("a", encoding="utf-8") as fh:
+                fh.writelines(moved)
+                fh.flush()
+                os.fsync(fh.fileno())
+            atomic_write(path, "".join(keep).encode())
+        self._jsonl = path.open("a", encoding="utf-8")
+        return len(moved)
 
     def close(self) -> None:
         for fh in (self._jsonl, self._events):
@@ -185,17 +234,27 @@ class Monitor:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return read_jsonl_checked(path)[0]
+
+
+def read_jsonl_checked(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """Records of a JSONL file and the 1-based numbers of lines that are not JSON objects."""
     if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+        return [], []
+    rows, bad = [], []
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    for i, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if line:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line cut by a crash
-    return rows
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad.append(i)  # e.g. a line cut by a crash or a full disk
+    return rows, bad
 
 
 def plot_loss(run_dir: Path, out: Path | None = None) -> Path | None:
@@ -204,7 +263,11 @@ def plot_loss(run_dir: Path, out: Path | None = None) -> Path | None:
     train = [
         (r["step"], r["loss"]) for r in rows if "loss" in r and isinstance(r["loss"], (int, float))
     ]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    val = [
+        (r["step"], r["val_loss"])
+        for r in rows
+        if "val_loss" in r and isinstance(r["val_loss"], (int, float))
+    ]
     if not train:
         return None
     import matplotlib

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from rootopt.train.build import TrainingError
-from rootopt.train.loop import Hooks, Summary, TrainState, train
+from rootopt.train.loop import train
+from rootopt.train.records import Diverged
+from rootopt.train.state import Hooks, Summary, TrainState
 
-__all__ = ["Hooks", "Summary", "TrainState", "TrainingError", "train"]
+__all__ = ["Diverged", "Hooks", "Summary", "TrainState", "TrainingError", "train"]

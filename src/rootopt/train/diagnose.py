@@ -25,7 +25,7 @@ from rootopt.monitor.diagnostics import (
     update_ratios,
 )
 from rootopt.train.build import ProcessInfo, TrainingError, build_optimizer
-from rootopt.train.loop import resolve_data
+from rootopt.train.data import resolve_data
 from rootopt.train.model import build_model, loss_fn
 
 

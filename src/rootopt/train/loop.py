@@ -1,142 +1,65 @@
-"""The training loop, readable top to bottom. Components are built by :func:`setup`.
+"""The training loop, readable top to bottom; its pieces live next to it.
 
-One optimizer step = ``grad_accum_steps`` micro-batches → unscale → global grad norm →
-(non-finite? skip, count, log : clip → optimizer step) → lr schedule. Metrics every
-``log_every`` steps, validation every ``eval_every``, checkpoints every ``checkpoint.every``
-and at the end, on SIGTERM/SIGINT and at ``max_time``. A restarted run resumes from the
-newest valid checkpoint and continues bit-identically (same model, optimizer, scaler,
-schedule, clipper, RNG and data position).
+``setup`` builds a :class:`~rootopt.train.state.Run` (components are built outside the loop);
+``train`` takes ownership of the checkpoint directory, resumes, checks every shard, then runs
+``train_step`` → ``account`` → divergence policy → log → evaluate → checkpoint until
+``run.max_steps``, a signal or ``run.max_time``. A restarted run resumes from the newest
+valid checkpoint and continues bit-identically (model, optimizer, scaler, schedule, clipper,
+RNG, data position and the open logging window). A fatal error after step 1 writes an
+emergency checkpoint when the state is consistent, then stops with one line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import platform
-import signal
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
-from torch import nn
 
 import rootopt
 from rootopt import checkpoint
-from rootopt.config import Config, dump_yaml, to_dict
-from rootopt.data import ShardStream, load_manifest, make_loader, prepare
-from rootopt.monitor import Monitor, memory_bytes, plot_loss
+from rootopt.config import Config, ConfigError, dump_yaml
+from rootopt.data import CorpusError, ShardError, load_manifest
+from rootopt.monitor import Monitor, plot_loss, read_jsonl
 from rootopt.train.build import (
     Precision,
-    ProcessInfo,
     TrainingError,
     build_optimizer,
     process_info,
     resolve_device,
 )
-from rootopt.train.model import build_model, loss_fn
-from rootopt.train.schedule import GradClipper, LRMultiplier, global_grad_norm
+from rootopt.train.data import batches, check_data, resolve_data
+from rootopt.train.model import build_model
+from rootopt.train.records import (
+    Clock,
+    Diverged,
+    account,
+    build_record,
+    close_window,
+    divergence,
+    healthy,
+)
+from rootopt.train.resume import (
+    StopFlag,
+    last_good,
+    maybe_resume,
+    params_finite,
+    run_identity,
+    save_checkpoint,
+    take_ownership,
+)
+from rootopt.train.schedule import GradClipper, LRMultiplier
+from rootopt.train.state import Hooks, Run, Summary, TrainState
+from rootopt.train.step import evaluate, train_step
 
-# --------------------------------------------------------------------------- state
-
-
-@dataclass
-class TrainState:
-    """Counters that, with the components' state dicts, define where a run is."""
-
-    step: int = 0  # optimizer steps attempted (applied + skipped)
-    batches: int = 0  # micro-batches consumed by this rank: the data position
-    tokens: int = 0  # tokens (or samples) consumed by this rank
-    nonfinite_steps: int = 0
-    elapsed: float = 0.0  # training seconds over all sessions
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class Hooks:
-    """Test and extension points; ``after_step`` returning True stops like a signal."""
-
-    after_backward: Callable[[int, nn.Module], None] | None = None
-    after_step: Callable[[int], bool] | None = None
-
-
-@dataclass
-class Run:
-    """Everything the loop uses, built by :func:`setup`."""
-
-    cfg: Config
-    info: ProcessInfo
-    device: torch.device
-    run_dir: Path
-    ckpt_dir: Path
-    data_dir: Path
-    manifest: dict[str, Any]
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    clipper: GradClipper
-    precision: Precision
-    monitor: Monitor
-    routing: str
-    state: TrainState = field(default_factory=TrainState)
-    resumed_from: str = ""
-
-
-@dataclass
-class Summary:
-    status: str  # completed | interrupted | max_time
-    steps: int
-    wall_s: float
-    steps_per_s: float
-    tokens_per_s: float
-    initial_loss: float
-    final_loss: float
-    val_loss: float
-    nonfinite_steps: int
-    checkpoint: str
-    run_dir: str
-    resumed_from: str
+__all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "resolve_data", "setup", "train"]
 
 
 # --------------------------------------------------------------------------- setup
-
-
-def resolve_data(cfg: Config, run_dir: Path, data_path: str | None, info: ProcessInfo) -> Path:
-    """Prepared shards: ``--data_path``, else ``data.path``, else ``data.corpus`` prepared into the run dir."""
-    path = data_path or cfg.data.path
-    if path:
-        load_manifest(path)  # fail early, with the shard error, if it is not a prepared directory
-        return Path(path)
-    out = run_dir / "data"
-    want = {"corpus": cfg.data.corpus, "seq_len": cfg.data.seq_len, "seed": cfg.run.seed}
-    try:
-        have = load_manifest(out)
-        if (
-            all(have.get(k) == v for k, v in want.items())
-            and have.get("text_bytes", cfg.data.max_bytes) <= cfg.data.max_bytes
-        ):
-            return out
-    except ValueError:
-        pass
-    if info.is_main:
-        prepare(
-            cfg.data.corpus,
-            out,
-            seq_len=cfg.data.seq_len,
-            max_bytes=cfg.data.max_bytes,
-            samples_per_shard=cfg.data.samples_per_shard,
-            val_fraction=cfg.data.val_fraction,
-            seed=cfg.run.seed,
-        )
-    return out
 
 
 def environment() -> dict[str, Any]:
@@ -155,19 +78,71 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _make_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([f"--log_dir {str(run_dir)!r} exists and is not a directory"])
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".rootopt-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            [f"--log_dir {str(run_dir)!r} is not writable ({exc.strerror or exc})"]
+        ) from None
+
+
+def _model(cfg: Config, manifest: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    vocab = manifest.get("vocab_size")
+    if cfg.model.kind == "llama" and isinstance(vocab, int) and cfg.model.vocab_size < vocab:
+        raise ConfigError(
+            [
+                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's vocabulary "
+                f"({vocab} tokens); set model.vocab_size >= {vocab}"
+            ]
+        )
+    try:
+        return build_model(cfg.model, manifest, cfg.data.seq_len).to(device)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    except (MemoryError, RuntimeError) as exc:  # e.g. DefaultCPUAllocator: not enough memory
+        m = cfg.model
+        raise ConfigError(
+            [
+                f"model: cannot allocate the model (d_model={m.d_model}, n_layers={m.n_layers}, "
+                f"vocab_size={m.vocab_size}): {str(exc).splitlines()[0][:100]}"
+            ]
+        ) from None
+
+
+def _monitor(cfg: Config, run_dir: Path, is_main: bool) -> Monitor:
+    m = cfg.monitoring
+    prom = (m.prometheus.host, m.prometheus.port) if m.prometheus.enabled else None
+    try:
+        return Monitor(
+            run_dir, jsonl=m.jsonl, tensorboard=m.tensorboard, prometheus=prom, enabled=is_main
+        )
+    except OSError as exc:
+        if prom is None:
+            raise
+        raise ConfigError(
+            [
+                f"monitoring.prometheus: cannot serve on {prom[0]}:{prom[1]} "
+                f"({exc.strerror or exc}); choose another port (0 = any free port) or host"
+            ]
+        ) from None
+
+
 def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
     info = process_info(cfg)
     device = resolve_device(cfg, info)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _make_run_dir(run_dir)
     data_dir = resolve_data(cfg, run_dir, data_path, info)
     manifest = load_manifest(data_dir)
     torch.manual_seed(cfg.run.seed)
-    try:
-        model = build_model(cfg.model, manifest, cfg.data.seq_len).to(device)
-    except ValueError as exc:
-        raise TrainingError(str(exc)) from None
+    model = _model(cfg, manifest, device)
     optimizer, routing = build_optimizer(cfg, model)
     o = cfg.optimization
     schedule = LRMultiplier(
@@ -179,12 +154,9 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor
     )
     precision = Precision(cfg, device)
-    m = cfg.monitoring
-    prom = (m.prometheus.host, m.prometheus.port) if m.prometheus.enabled else None
-    monitor = Monitor(
-        run_dir, jsonl=m.jsonl, tensorboard=m.tensorboard, prometheus=prom, enabled=info.is_main
-    )
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    run_id = run_identity(cfg, run_dir, ckpt_dir, data_dir) if info.is_main else ""
+    monitor = _monitor(cfg, run_dir, info.is_main)
     if info.is_main:
         (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
         (run_dir / "env.json").write_text(
@@ -193,199 +165,27 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         if routing:
             (run_dir / "routing.txt").write_text(routing + "\n", encoding="utf-8")
     return Run(
-        cfg,
-        info,
-        device,
-        run_dir,
-        ckpt_dir,
-        data_dir,
-        manifest,
-        model,
-        optimizer,
-        scheduler,
-        clipper,
-        precision,
-        monitor,
-        routing,
+        cfg=cfg,
+        info=info,
+        device=device,
+        run_dir=run_dir,
+        ckpt_dir=ckpt_dir,
+        data_dir=data_dir,
+        manifest=manifest,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        clipper=clipper,
+        precision=precision,
+        monitor=monitor,
+        routing=routing,
+        run_id=run_id,
+        params=[p for p in model.parameters() if p.requires_grad],
+        telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry,
     )
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(run: Run, reason: str) -> Path:
-    payload = {
-        "reason": reason,
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.precision.state_dict(),
-        "clipper": run.clipper.state_dict(),
-        "rng": checkpoint.rng_state(),
-        "state": run.state.to_dict(),
-        "config": to_dict(run.cfg),
-        "data": {
-            "manifest_sha256": _manifest_digest(run.manifest),
-            "rank": run.info.rank,
-            "world_size": run.info.world_size,
-        },
-    }
-    path = checkpoint.save(
-        run.ckpt_dir, run.state.step, payload, keep_last=run.cfg.checkpoint.keep_last
-    )
-    run.monitor.event("checkpoint", step=run.state.step, reason=reason, path=path.name)
-    return path
-
-
-def _manifest_digest(manifest: dict[str, Any]) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(manifest["splits"], sort_keys=True).encode()).hexdigest()
-
-
-def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
-    """Restore the newest valid checkpoint (``checkpoint.resume``), reporting corrupt ones."""
-    mode = run.cfg.checkpoint.resume
-    if mode == "never":
-        return
-    if mode == "auto":
-        found, skipped = checkpoint.newest_valid(run.ckpt_dir)
-        for line in skipped:
-            say(f"skipping invalid checkpoint: {line}")
-            run.monitor.event("checkpoint_invalid", detail=line)
-        if found is None:
-            return
-        path, state = found.path, found.state
-    else:
-        path = Path(mode)
-        try:
-            state = checkpoint.load(path)
-        except checkpoint.CheckpointError as exc:
-            raise TrainingError(f"checkpoint.resume: {exc}") from None
-    # Everything that shapes the parameters must match; recomputation settings may change.
-    saved_model = {
-        k: v for k, v in state["config"]["model"].items() if k != "activation_checkpointing"
-    }
-    wanted = {k: v for k, v in to_dict(run.cfg)["model"].items() if k != "activation_checkpointing"}
-    if saved_model != wanted:
-        diff = [
-            f"model.{k}: {saved_model.get(k)!r} → {v!r}"
-            for k, v in wanted.items()
-            if saved_model.get(k) != v
-        ]
-        raise TrainingError(
-            f"{path.name} was written for a different model ({'; '.join(diff)}); "
-            "use a new --log_dir or checkpoint.resume=never"
-        )
-    if state["data"]["manifest_sha256"] != _manifest_digest(run.manifest):
-        raise TrainingError(
-            f"{path.name} was written for different data shards; resume needs the same --data_path"
-        )
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    # LambdaLR also restores the multiplier's fields; keep the schedule of *this* config so a
-    # run extended with a larger run.max_steps decays over the new length (unchanged config:
-    # identical values, so resume stays exact).
-    current = [dict(fn.__dict__) for fn in run.scheduler.lr_lambdas]
-    run.scheduler.load_state_dict(state["scheduler"])
-    for fn, fields in zip(run.scheduler.lr_lambdas, current):
-        fn.__dict__.update(fields)
-    run.precision.load_state_dict(state["scaler"])
-    run.clipper.load_state_dict(state["clipper"])
-    checkpoint.set_rng_state(state["rng"])
-    run.state.__dict__.update(
-        TrainState(**state["state"]).__dict__
-    )  # in place: the loop holds a reference
-    run.resumed_from = path.name
-    run.monitor.event("resume", step=run.state.step, path=path.name)
-    say(f"resumed from {path.name} at step {run.state.step}")
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    stream = ShardStream(
-        run.data_dir,
-        "val",
-        batch_size=run.cfg.data.batch_size,
-        seq_len=run.cfg.data.seq_len,
-        verify=run.cfg.data.verify_checksums,
-        loop=False,
-    )
-    run.model.eval()
-    total, correct, count = 0.0, 0, 0
-    for i, batch in enumerate(stream):
-        if i >= run.cfg.run.eval_batches:
-            break
-        x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-        with run.precision.autocast():
-            logits = run.model(x)
-        total += float(loss_fn(logits, y)) * y.size(0)
-        count += y.size(0)
-        if logits.ndim == 2:
-            correct += int((logits.argmax(-1) == y).sum())
-    run.model.train()
-    if count == 0:
-        return {}
-    out = {"val_loss": total / count}
-    if run.manifest["task"] == "classify":
-        out["val_accuracy"] = correct / count
-    else:
-        out["val_bits_per_byte"] = out["val_loss"] / math.log(2)
-    return out
 
 
 # --------------------------------------------------------------------------- the loop
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT (checkpoint, then stop) or a hook."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(ValueError):  # not the main thread: no handlers
-                    self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signal is not None:  # second signal: give up immediately
-            raise KeyboardInterrupt
-        self.signal = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
-    d = run.cfg.data
-    stream = ShardStream(
-        run.data_dir,
-        "train",
-        batch_size=d.batch_size,
-        seq_len=d.seq_len,
-        rank=run.info.rank,
-        world_size=run.info.world_size,
-        seed=run.cfg.run.seed,
-        shuffle=d.shuffle,
-        verify=d.verify_checksums,
-        start_batch=run.state.batches,
-        num_workers=d.num_workers,
-    )
-    return iter(make_loader(stream, d.num_workers))
-
-
-def _update_ratios(before: dict[str, torch.Tensor], model: nn.Module) -> dict[str, float]:
-    out = {}
-    for name, p in model.named_parameters():
-        if name in before:
-            denom = float(before[name].norm())
-            out[name] = float((p.detach().float() - before[name]).norm()) / max(denom, 1e-12)
-    return out
 
 
 def train(
@@ -399,241 +199,269 @@ def train(
     hooks = hooks or Hooks()
     run = setup(cfg, run_dir, data_path)
     try:
+        take_ownership(run)
         return _train(run, hooks, say)
     finally:
         run.monitor.close()
+        run.release()
 
 
 def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
-    cfg, model, opt, st = run.cfg, run.model, run.optimizer, run.state
-    main = run.info.is_main
-    if main and run.routing:
-        say(run.routing)
-    if main:
+    cfg = run.cfg
+    if run.info.is_main:
+        if run.routing:
+            say(run.routing)
         say(
-            f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']}); run dir: {run.run_dir}"
+            f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']}); "
+            f"run dir: {run.run_dir}"
         )
     maybe_resume(run, say)
-    params = [p for p in model.parameters() if p.requires_grad]
-    telemetry = hasattr(opt, "telemetry_enabled") and cfg.optimization.telemetry
-    seq = cfg.data.seq_len if run.manifest["task"] == "lm" else 1
-    batches = _batches(run)
+    run.monitor.supersede_after(run.state.step)
+    check_data(run)
+    run.monitor.event("start", step=run.state.step, precision=run.precision.name)
+    clock = Clock(run.state)
     stop = StopFlag(cfg.checkpoint.on_signal)
-    status, last_ckpt, val = "completed", "", {}
-    first_loss = float("nan")
-    window: list[float] = []
-    t_session, t_window, steps_window, tokens_window = (
-        time.perf_counter(),
-        time.perf_counter(),
-        0,
-        0,
-    )
-    elapsed_before = st.elapsed
-    bar = None
-    if main and cfg.monitoring.progress_bar:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=cfg.run.max_steps,
-            initial=st.step,
-            unit="step",
-            dynamic_ncols=True,
-            file=sys.stderr,
-        )
-    model.train()
+    bar = _progress_bar(run)
+    run.model.train()
     try:
-        while st.step < cfg.run.max_steps:
-            # ---- stop conditions (checked between steps, so the state is consistent)
-            if stop.signal is not None:
-                status = "interrupted"
-                break
-            # max_time limits this session (a job's time slot); a rerun continues from the checkpoint.
-            if cfg.run.max_time and time.perf_counter() - t_session >= cfg.run.max_time:
-                status = "max_time"
-                break
-            log_now = (st.step + 1) % cfg.run.log_every == 0 or st.step + 1 == cfg.run.max_steps
+        status = _loop(run, hooks, clock, stop, bar)
+    finally:
+        stop.restore()
+        if bar is not None:
+            bar.close()
+    return _finish(run, status, clock, stop.signal)
 
-            # ---- forward / backward over the micro-batches
-            opt.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for _ in range(cfg.optimization.grad_accum_steps):
-                batch = next(batches)
-                st.batches += 1
-                x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-                with run.precision.autocast():
-                    loss = loss_fn(model(x), y) / cfg.optimization.grad_accum_steps
-                run.precision.backward(loss)
-                step_loss += float(loss.detach())
-                st.tokens += y.size(0) * seq
-                tokens_window += y.size(0) * seq
-            if hooks.after_backward is not None:
-                hooks.after_backward(st.step, model)
 
-            # ---- unscale, check, clip, step
-            run.precision.unscale(opt, params)
-            grad_norm = float(global_grad_norm(params))
-            record: dict[str, Any] = {}
-            if not math.isfinite(grad_norm) or not math.isfinite(step_loss):
-                st.nonfinite_steps += 1
-                run.precision.skip()
+def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str:
+    cfg = run.cfg
+    data = batches(run)
+    checkpoint_due = False
+    while run.state.step < cfg.run.max_steps:
+        # ---- stop conditions (checked between steps, so the state is consistent)
+        if stop.signal is not None:
+            return "interrupted"
+        # max_time limits this session (a job's time slot); a rerun continues from the checkpoint.
+        if cfg.run.max_time and clock.since_session() >= cfg.run.max_time:
+            return "max_time"
+        st = run.state
+        log_now = (st.step + 1) % cfg.run.log_every == 0 or st.step + 1 == cfg.run.max_steps
+        at_start = (st.copy(), checkpoint.rng_state())
+        try:
+            # ---- one optimizer step
+            run.phase = "data"
+            out = train_step(run, data, hooks, log_now=log_now)
+            run.phase = "between"
+            account(st, out)
+            clock.steps += 1
+            if out.applied:
+                run.monitor.grad_norm(out.grad_norm)
+            else:
                 run.monitor.nonfinite_step()
                 run.monitor.event(
                     "nonfinite_step",
-                    step=st.step + 1,
-                    grad_norm=grad_norm,
-                    loss=step_loss,
+                    step=st.step,
+                    grad_norm=out.grad_norm,
+                    loss=out.loss,
                     loss_scale=run.precision.scale,
                 )
-                opt.zero_grad(set_to_none=True)
-            else:
-                run.monitor.grad_norm(grad_norm)
-                clip_scale = run.clipper(params, torch.tensor(grad_norm))
-                before = (
-                    {n: p.detach().float().clone() for n, p in model.named_parameters()}
-                    if log_now
-                    else {}
-                )
-                if log_now:
-                    g = torch.cat(
-                        [
-                            p.grad.detach().abs().flatten().float()
-                            for p in params
-                            if p.grad is not None
-                        ]
-                    )
-                    nz = g[g > 0]
-                    record.update(
-                        grad_abs_max=float(g.max()),
-                        grad_abs_min=float(nz.min()) if nz.numel() else 0.0,
-                        clip_scale=clip_scale,
-                    )
-                if telemetry:
-                    opt.telemetry_enabled = log_now  # type: ignore[attr-defined]
-                run.precision.step(opt)
-                if log_now:
-                    ratios = _update_ratios(before, model)
-            lr_used = opt.param_groups[0]["lr"]
-            run.scheduler.step()
-            st.step += 1
-            steps_window += 1
-            window.append(step_loss)
-            if math.isnan(first_loss):
-                first_loss = step_loss
-
+            reason = divergence(run, out)
             # ---- metrics
-            if log_now:
-                now = time.perf_counter()
-                dt = max(now - t_window, 1e-9)
-                finite = [v for v in window if math.isfinite(v)]
-                memory = memory_bytes()
-                record = {
-                    "step": st.step,
-                    "loss": statistics.fmean(finite) if finite else float("nan"),
-                    "lr": lr_used,
-                    "grad_norm": grad_norm,
-                    "steps_per_s": steps_window / dt,
-                    "tokens_per_s": tokens_window / dt,
-                    "step_time_s": dt / steps_window,
-                    "loss_scale": run.precision.scale,
-                    "nonfinite_steps": st.nonfinite_steps,
-                    "tokens": st.tokens,
-                    **record,
-                    "memory_rss_bytes": memory["rss"],
-                }
-                labelled: dict[str, dict[str, float]] = {"rootopt_memory_bytes": memory}
-                if "grad_abs_max" in record:
-                    labelled["rootopt_update_param_ratio"] = ratios
-                    vals = sorted(ratios.values())
-                    record["update_ratio_median"] = vals[len(vals) // 2]
-                    record["update_ratio_max"] = vals[-1]
-                tel = getattr(opt, "telemetry", None) if telemetry else None
-                if tel:
-                    labelled["rootopt_root_clip_fraction"] = {
-                        k: float(v["clip_fraction"]) for k, v in tel.items()
-                    }
-                    labelled["rootopt_root_eps"] = {k: float(v["eps"]) for k, v in tel.items()}
-                    record["root_clip_fraction"] = statistics.fmean(
-                        labelled["rootopt_root_clip_fraction"].values()
-                    )
-                    record["root_eps_mean"] = statistics.fmean(
-                        labelled["rootopt_root_eps"].values()
-                    )
-                    record["root_ortho_residual"] = statistics.fmean(
-                        float(v["ortho_residual"]) for v in tel.values()
-                    )
+            if log_now or reason:
+                record, labelled = build_record(run, out, clock)
                 run.monitor.log(record, labelled)
+                close_window(st, clock)
                 if bar is not None:
+                    loss = record["loss"]
                     bar.set_postfix(
-                        loss=f"{record['loss']:.3f}",
+                        loss=f"{loss:.3f}" if loss is not None else "nan",
                         lr=f"{record['lr']:.1e}",
-                        tok_s=f"{record['tokens_per_s']:.0f}",
                         refresh=False,
                     )
-                window, t_window, steps_window, tokens_window = [], now, 0, 0
+            if reason:
+                _diverged(run, reason)
             hist = cfg.monitoring.histogram_every
             if hist and st.step % hist == 0:
-                run.monitor.histograms(st.step, model)
+                run.monitor.histograms(st.step, run.model)
+            # ---- evaluation
             if (
                 cfg.run.eval_every
                 and st.step % cfg.run.eval_every == 0
                 and st.step < cfg.run.max_steps
             ):
                 val = evaluate(run)
-                run.monitor.log({"step": st.step, **val})
+                if val:
+                    run.monitor.log({"step": st.step, **val})
             if bar is not None:
                 bar.update(1)
-            st.elapsed = elapsed_before + time.perf_counter() - t_session
-            if st.step % cfg.checkpoint.every == 0 and st.step < cfg.run.max_steps:
-                last_ckpt = save_checkpoint(run, "periodic").name
-            if hooks.after_step is not None and hooks.after_step(st.step):
-                stop.signal = stop.signal or -1  # same path as SIGTERM: checkpoint, then stop
-    except torch.OutOfMemoryError:
-        run.monitor.event("oom", step=st.step + 1, batch_size=cfg.data.batch_size)
-        raise TrainingError(
-            f"out of memory at step {st.step + 1} (batch_size={cfg.data.batch_size}); reduce data.batch_size "
-            "(use optimization.grad_accum_steps to keep the global batch) or set model.activation_checkpointing=true"
-        ) from None
-    except RuntimeError as exc:
-        if "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower():
-            run.monitor.event("timeout", step=st.step + 1, detail=str(exc).splitlines()[0])
-            raise TrainingError(
-                f"collective timed out at step {st.step + 1}: {str(exc).splitlines()[0]}"
-            ) from None
-        raise
-    finally:
-        stop.restore()
-        if bar is not None:
-            bar.close()
+            st.elapsed = clock.elapsed0 + clock.since_session()
+            # ---- checkpoint (deferred while a divergence streak is open: never a bad one)
+            checkpoint_due = checkpoint_due or st.step % cfg.checkpoint.every == 0
+            if checkpoint_due and st.step < cfg.run.max_steps and healthy(st):
+                if not params_finite(run):
+                    _diverged(run, "parameters became non-finite")
+                save_checkpoint(run, "periodic")
+                checkpoint_due = False
+        except (ShardError, CorpusError, OSError, torch.OutOfMemoryError, RuntimeError) as exc:
+            if isinstance(exc, TrainingError):
+                raise
+            _fatal(run, exc, at_start)
+        if hooks.after_step is not None and hooks.after_step(run.state.step):
+            stop.signal = stop.signal or -1  # same path as SIGTERM: checkpoint, then stop
+    return "completed"
 
-    # ---- the end: evaluate, checkpoint, summarise
-    st.elapsed = elapsed_before + time.perf_counter() - t_session
-    if status == "completed":
-        val = evaluate(run)
-        if val:
-            run.monitor.log({"step": st.step, **val})
-    last_ckpt = save_checkpoint(run, status if status != "completed" else "final").name
-    session_s = time.perf_counter() - t_session
-    if main and cfg.monitoring.plot:
+
+def _progress_bar(run: Run) -> Any:
+    if not (run.info.is_main and run.cfg.monitoring.progress_bar):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=run.cfg.run.max_steps,
+        initial=run.state.step,
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def _diverged(run: Run, reason: str) -> None:
+    st = run.state
+    hint = "lower optimization.base_lr"
+    if run.precision.name == "fp16":
+        hint += " or check mixed_precision.loss_scale"
+    run.monitor.event(
+        "diverged",
+        step=st.step,
+        reason=reason,
+        precision=run.precision.name,
+        checkpoint=run.last_checkpoint,
+    )
+    _write_summary(run, "diverged", -1)
+    raise Diverged(f"diverged at step {st.step}: {reason}; {last_good(run)}; {hint}")
+
+
+def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, Any]]) -> None:
+    """Write an emergency checkpoint when the state is consistent, then raise one line."""
+    st = run.state
+    step_no = st.step + 1 if run.phase != "between" else st.step
+    kind, detail = _describe(exc)
+    if isinstance(exc, RuntimeError) and kind == "runtime":
+        raise exc  # not a known failure: keep the traceback
+    run.monitor.event(kind, step=step_no, detail=detail[:300])
+    note = ""
+    if run.phase == "update":
+        note = f"the step was mid-update, no emergency checkpoint; {last_good(run)}"
+    else:
+        if run.phase == "data":  # roll back to the start of the unfinished step
+            run.state = at_start[0]
+            checkpoint.set_rng_state(at_start[1])
+        run.phase = "between"
+        note = _emergency(run)
+    if kind == "oom":
+        b = run.cfg.data.batch_size
+        msg = (
+            f"out of memory at step {step_no} (batch_size={b}); reduce data.batch_size "
+            "(use optimization.grad_accum_steps to keep the global batch) or set "
+            f"model.activation_checkpointing=true; {note}"
+        )
+    elif kind == "timeout":
+        msg = f"collective timed out at step {step_no}: {detail}; {note}"
+    else:
+        msg = f"{detail} (at step {step_no}); {note}"
+    if isinstance(exc, (ShardError, CorpusError)):
+        raise ShardError(msg) from None
+    raise TrainingError(msg) from None
+
+
+def _describe(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "oom", str(exc).splitlines()[0] if str(exc) else "out of memory"
+    if isinstance(exc, (ShardError, CorpusError)):
+        return "data_error", str(exc)
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return "io_error", f"I/O error: {exc.strerror or exc}{where}"
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
+        return "timeout", text
+    return "runtime", text
+
+
+def _emergency(run: Run) -> str:
+    st = run.state
+    if run.last_checkpoint == f"ckpt-{st.step:08d}.pt":
+        return f"checkpoint {run.last_checkpoint} holds step {st.step}; rerun to resume"
+    if st.step == 0:
+        return "no step was completed, nothing to save"
+    if not (healthy(st) and params_finite(run)):
+        return f"a divergence streak is open, no emergency checkpoint; {last_good(run)}"
+    try:
+        path = save_checkpoint(run, "emergency")
+    except TrainingError as err:
+        return f"emergency checkpoint failed ({str(err).split(';')[0]}); {last_good(run)}"
+    return f"emergency checkpoint {path.name} written; rerun to resume"
+
+
+# --------------------------------------------------------------------------- the end
+
+
+def _finish(run: Run, status: str, clock: Clock, signum: int | None) -> Summary:
+    """Final checkpoint, final evaluation, summary."""
+    st, cfg = run.state, run.cfg
+    session_steps = st.step - clock.step0
+    st.elapsed = clock.elapsed0 + clock.since_session()
+    val: dict[str, float] = {}
+    if session_steps or status != "completed":
+        if run.last_checkpoint != f"ckpt-{st.step:08d}.pt" and st.step > 0:
+            if not params_finite(run):
+                _diverged(run, "parameters became non-finite")
+            save_checkpoint(run, status if status != "completed" else "final")
+        if status == "completed":
+            val = evaluate(run)
+            if val:
+                run.monitor.log({"step": st.step, **val})
+    if run.info.is_main and cfg.monitoring.plot:
         plot_loss(run.run_dir)
-    from rootopt.monitor import read_jsonl
+    return _write_summary(run, status, session_steps, val, clock, signum)
 
-    losses = [r["loss"] for r in read_jsonl(run.run_dir / "metrics.jsonl") if "loss" in r]
+
+def _write_summary(
+    run: Run,
+    status: str,
+    session_steps: int,
+    val: dict[str, float] | None = None,
+    clock: Clock | None = None,
+    signum: int | None = None,
+) -> Summary:
+    st = run.state
+    wall = clock.since_session() if clock is not None else 0.0
+    rows = read_jsonl(run.run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
+    vals = [r["val_loss"] for r in rows if isinstance(r.get("val_loss"), (int, float))]
     summary = Summary(
         status=status,
         steps=st.step,
-        wall_s=session_s,
-        steps_per_s=st.step / st.elapsed if st.elapsed else 0.0,
-        tokens_per_s=st.tokens / st.elapsed if st.elapsed else 0.0,
-        initial_loss=losses[0] if losses else first_loss,
+        session_steps=session_steps,
+        wall_s=wall,
+        steps_per_s=session_steps / wall if wall else 0.0,
+        tokens_per_s=(st.tokens - clock.tokens0) / wall if clock is not None and wall else 0.0,
+        initial_loss=losses[0] if losses else float("nan"),
         final_loss=losses[-1] if losses else float("nan"),
-        val_loss=val.get("val_loss", float("nan")),
+        val_loss=(val or {}).get("val_loss", vals[-1] if vals else float("nan")),
         nonfinite_steps=st.nonfinite_steps,
-        checkpoint=last_ckpt,
+        checkpoint=run.last_checkpoint,
         run_dir=str(run.run_dir),
         resumed_from=run.resumed_from,
+        signal=signum if signum and signum > 0 else 0,
     )
-    if main:
+    if run.info.is_main:
+        from rootopt.monitor import strict
+
         (run.run_dir / "summary.json").write_text(
-            json.dumps(summary.__dict__, indent=1) + "\n", encoding="utf-8"
+            json.dumps(strict(summary.__dict__), indent=1, allow_nan=False) + "\n",
+            encoding="utf-8",
         )
     return summary

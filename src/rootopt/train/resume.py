@@ -1,0 +1,288 @@
+"""Checkpoints of a run: ownership of the directory, saving, resuming, and stop signals.
+
+Ownership (docs/training.md, "Checkpoints and resume"): a run has an id (``run.json`` in its
+log dir). Its checkpoint directory carries ``owner.json`` with that id and is locked with
+``flock`` while the run lives; another run pointed at it is refused with one line, and
+pruning touches only this run's checkpoints, in the order they were written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from rootopt import checkpoint
+from rootopt._atomic import atomic_write
+from rootopt.checkpoint import CheckpointError
+from rootopt.config import Config, to_dict
+from rootopt.train.build import TrainingError
+from rootopt.train.state import Run, TrainState
+
+RUN_FILE = "run.json"
+# Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "metrics.superseded.jsonl",
+    "events.jsonl",
+    "summary.json",
+    "loss_curve.png",
+    "tensorboard",
+)
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def run_identity(cfg: Config, run_dir: Path, ckpt_dir: Path, data_dir: Path) -> str:
+    """This log dir's run id (created on first use; a new one after ``resume=restart``)."""
+    path = run_dir / RUN_FILE
+    have: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+            have = loaded if isinstance(loaded, dict) else {}
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise TrainingError(
+                f"{str(path)!r} is not a rootopt run file (unreadable JSON)"
+            ) from None
+    run_id = str(have.get("run_id", ""))
+    if cfg.checkpoint.resume == "restart" and (run_id or checkpoint.list_checkpoints(ckpt_dir)):
+        _archive(run_dir, ckpt_dir, run_id or "unknown")
+        run_id = ""
+    if not run_id:
+        run_id = uuid.uuid4().hex
+    data = {
+        "run_id": run_id,
+        "data_dir": str(data_dir.resolve()),
+        "log_dir": str(run_dir.resolve()),
+    }
+    if data != have:
+        atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())
+    return run_id
+
+
+def _archive(run_dir: Path, ckpt_dir: Path, old_id: str) -> Path:
+    """Move the previous run's outputs and checkpoints to ``previous/<time>-<id>/`` (never delete)."""
+    dest = run_dir / "previous" / f"{time.strftime('%Y%m%d-%H%M%S')}-{old_id[:12]}"
+    dest.mkdir(parents=True, exist_ok=False)
+    for name in RUN_OUTPUTS:
+        if (run_dir / name).exists():
+            shutil.move(str(run_dir / name), str(dest / name))
+    have = checkpoint.owner(ckpt_dir)
+    if have is not None and have.get("run_id") not in (old_id, None):
+        return dest  # not ours: claim() refuses it with one line
+    moved = dest / "checkpoints"
+    for p in checkpoint.list_checkpoints(ckpt_dir):
+        moved.mkdir(exist_ok=True)
+        for f in (p, p.with_suffix(".json")):
+            if f.exists():
+                shutil.move(str(f), str(moved / f.name))
+    (ckpt_dir / checkpoint.OWNER).unlink(missing_ok=True)
+    return dest
+
+
+def take_ownership(run: Run) -> None:
+    """Lock the checkpoint directory for this process and check that this run owns it."""
+    run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    lock = checkpoint.DirLock(run.ckpt_dir)
+    lock.acquire()
+    run.release = lock.release
+    try:
+        checkpoint.claim(run.ckpt_dir, run.run_id, str(run.run_dir.resolve()))
+        existing = checkpoint.list_checkpoints(run.ckpt_dir)
+        if run.cfg.checkpoint.resume == "never" and existing:
+            raise CheckpointError(
+                f"checkpoint.resume=never, but {str(run.ckpt_dir)!r} holds {len(existing)} "
+                f"checkpoint(s) of this run (newest {existing[-1].name}); use a new --log_dir, or "
+                "checkpoint.resume=restart to move the old run aside into "
+                f"{str(run.run_dir / 'previous')!r} and start over"
+            )
+    except BaseException:
+        lock.release()
+        raise
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest["splits"], sort_keys=True).encode()).hexdigest()
+
+
+def params_finite(run: Run) -> bool:
+    flags = [torch.isfinite(p.detach()).all() for p in run.model.parameters()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def save_checkpoint(run: Run, reason: str) -> Path:
+    """Write this run's checkpoint at the current step (state must be consistent)."""
+    payload = {
+        "reason": reason,
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.precision.state_dict(),
+        "clipper": run.clipper.state_dict(),
+        "rng": checkpoint.rng_state(),
+        "state": run.state.to_dict(),
+        "config": to_dict(run.cfg),
+        "data": {
+            "manifest_sha256": manifest_digest(run.manifest),
+            "path": str(run.data_dir.resolve()),
+            "rank": run.info.rank,
+            "world_size": run.info.world_size,
+        },
+    }
+    name = f"ckpt-{run.state.step:08d}.pt"
+    try:
+        path = checkpoint.save(
+            run.ckpt_dir,
+            run.state.step,
+            payload,
+            keep_last=run.cfg.checkpoint.keep_last,
+            run_id=run.run_id,
+        )
+    except OSError as exc:
+        raise TrainingError(
+            f"cannot write checkpoint {name} in {str(run.ckpt_dir)!r}: {exc.strerror or exc}; "
+            f"{last_good(run)}"
+        ) from None
+    run.last_checkpoint = path.name
+    run.monitor.event("checkpoint", step=run.state.step, reason=reason, path=path.name)
+    return path
+
+
+def last_good(run: Run) -> str:
+    if run.last_checkpoint:
+        return f"last checkpoint {run.last_checkpoint} is intact; rerun to resume from it"
+    return "no checkpoint of this run was written yet"
+
+
+# --------------------------------------------------------------------------- resuming
+
+
+def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
+    """Restore the newest valid checkpoint (``checkpoint.resume``), reporting corrupt ones."""
+    mode = run.cfg.checkpoint.resume
+    if mode in ("never", "restart"):
+        return
+    if mode == "auto":
+        found, skipped = checkpoint.newest_valid(run.ckpt_dir)
+        for line in skipped:
+            say(f"skipping invalid checkpoint: {line}")
+            run.monitor.event("checkpoint_invalid", detail=line)
+        if found is None:
+            return
+        path, state = found.path, found.state
+    else:
+        path = Path(mode)
+        try:
+            state = checkpoint.load(path)
+        except CheckpointError as exc:
+            raise TrainingError(f"checkpoint.resume: {exc}") from None
+    saved_run = state.get("run_id", "")
+    if mode == "auto" and saved_run and saved_run != run.run_id:
+        raise CheckpointError(
+            f"{path.name} in {str(run.ckpt_dir)!r} was written by another run (run id "
+            f"{str(saved_run)[:12]}); point checkpoint.dir at a directory of this run"
+        )
+    _check_compatible(run, path, state)
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    _restore_schedule(run, state, say)
+    run.precision.load_state_dict(state["scaler"])
+    run.clipper.load_state_dict(state["clipper"])
+    checkpoint.set_rng_state(state["rng"])
+    run.state = TrainState.from_dict(state["state"])
+    run.resumed_from = run.last_checkpoint = path.name
+    run.monitor.event("resume", step=run.state.step, path=path.name)
+    say(f"resumed from {path.name} at step {run.state.step}")
+
+
+def _check_compatible(run: Run, path: Path, state: dict[str, Any]) -> None:
+    """Everything that shapes the parameters must match; recomputation settings may change."""
+    saved_model = {
+        k: v for k, v in state["config"]["model"].items() if k != "activation_checkpointing"
+    }
+    wanted = {k: v for k, v in to_dict(run.cfg)["model"].items() if k != "activation_checkpointing"}
+    if saved_model != wanted:
+        diff = [
+            f"model.{k}: {saved_model.get(k)!r} → {v!r}"
+            for k, v in wanted.items()
+            if saved_model.get(k) != v
+        ]
+        raise TrainingError(
+            f"{path.name} was written for a different model ({'; '.join(diff)}); "
+            "use a new --log_dir or checkpoint.resume=restart"
+        )
+    if state["data"]["manifest_sha256"] != manifest_digest(run.manifest):
+        raise TrainingError(
+            f"{path.name} was written for different data shards; resume needs the same --data_path"
+        )
+
+
+def _restore_schedule(run: Run, state: dict[str, Any], say: Callable[[str], None]) -> None:
+    """Restore the schedule's position, keeping *this* config's schedule and base lr.
+
+    LambdaLR's state holds the multiplier's fields and the base lrs of the config that wrote
+    the checkpoint. The rerun's config wins (docs/training.md): a larger ``run.max_steps``
+    decays over the new length and a changed ``base_lr`` applies, from the very next step
+    (each group's lr is recomputed now, not one step later). An unchanged config gives
+    identical values, so the resume stays exact.
+    """
+    sched = run.scheduler
+    fields = [dict(fn.__dict__) for fn in sched.lr_lambdas]
+    base_lrs = list(sched.base_lrs)
+    sched.load_state_dict(state["scheduler"])
+    for fn, f in zip(sched.lr_lambdas, fields):
+        fn.__dict__.update(f)
+    old_base = list(sched.base_lrs)
+    sched.base_lrs = base_lrs
+    groups = run.optimizer.param_groups
+    if len(groups) != len(base_lrs):
+        raise TrainingError("the checkpoint's optimizer has a different number of param groups")
+    for g, base, fn in zip(groups, base_lrs, sched.lr_lambdas):
+        g["initial_lr"] = base
+        g["lr"] = base * fn(sched.last_epoch)
+    sched._last_lr = [float(g["lr"]) for g in groups]  # type: ignore[attr-defined]
+    if old_base != base_lrs:
+        say(
+            f"optimization.base_lr changed since the checkpoint ({old_base[0]:g} → "
+            f"{base_lrs[0]:g} for group 0); the new value applies from the next step"
+        )
+        run.monitor.event("base_lr_changed", old=old_base, new=base_lrs, step=run.state.step)
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (checkpoint, then stop) or a hook."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(ValueError):  # not the main thread: no handlers
+                    self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal is not None:  # second signal: give up immediately
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,111 @@
+"""What a run is made of: the components (:class:`Run`), the counters that say where it is
+(:class:`TrainState`), extension points (:class:`Hooks`) and the result (:class:`Summary`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rootopt.config import Config
+from rootopt.monitor import Monitor
+from rootopt.train.build import Precision, ProcessInfo
+from rootopt.train.schedule import GradClipper
+
+
+@dataclass
+class TrainState:
+    """Counters that, with the components' state dicts, define where a run is.
+
+    Everything here is saved in every checkpoint, including the open logging window (the
+    steps since the last metric record), so a resumed run writes the same records as an
+    uninterrupted one.
+    """
+
+    step: int = 0  # optimizer steps attempted (applied + skipped)
+    batches: int = 0  # micro-batches consumed by this rank: the data position
+    tokens: int = 0  # tokens (or samples) consumed by this rank
+    nonfinite_steps: int = 0
+    elapsed: float = 0.0  # training seconds over all sessions
+    # divergence policy (docs/training.md, "Divergence")
+    nonfinite_streak: int = 0
+    spike_streak: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+    # the open logging window: steps since the previous record
+    window_steps: int = 0
+    window_finite: int = 0
+    window_loss_sum: float = 0.0
+    window_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["recent_losses"] = list(self.recent_losses)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainState:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def copy(self) -> TrainState:
+        return TrainState.from_dict(self.to_dict())
+
+
+@dataclass
+class Hooks:
+    """Test and extension points; ``after_step`` returning True stops like a signal."""
+
+    after_backward: Callable[[int, nn.Module], None] | None = None
+    after_step: Callable[[int], bool] | None = None
+
+
+@dataclass
+class Run:
+    """Everything the loop uses, built by :func:`rootopt.train.loop.setup`."""
+
+    cfg: Config
+    info: ProcessInfo
+    device: torch.device
+    run_dir: Path
+    ckpt_dir: Path
+    data_dir: Path
+    manifest: dict[str, Any]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    clipper: GradClipper
+    precision: Precision
+    monitor: Monitor
+    routing: str
+    run_id: str
+    state: TrainState = field(default_factory=TrainState)
+    resumed_from: str = ""
+    last_checkpoint: str = ""  # newest checkpoint of this run known to be good
+    release: Callable[[], None] = lambda: None  # drops the checkpoint-directory lock
+    params: list[torch.Tensor] = field(default_factory=list)  # trainable parameters
+    telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
+    # "between" steps (state consistent), "data" (reading/forward/backward: model and
+    # optimizer untouched), "update" (optimizer/scaler/clipper may be half-updated)
+    phase: str = "between"
+
+
+@dataclass
+class Summary:
+    status: str  # completed | interrupted | max_time
+    steps: int  # total optimizer steps of the run
+    session_steps: int  # steps this process ran
+    wall_s: float
+    steps_per_s: float  # this session
+    tokens_per_s: float  # this session
+    initial_loss: float
+    final_loss: float
+    val_loss: float
+    nonfinite_steps: int
+    checkpoint: str
+    run_dir: str
+    resumed_from: str
+    signal: int = 0
