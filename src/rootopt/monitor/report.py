@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rootopt.monitor.metrics import read_jsonl
+from rootopt.monitor.metrics import read_jsonl, read_jsonl_checked
 
 # Seed 000 §8: symptom -> (likely cause, fix). Keys are what the report detects.
 TROUBLESHOOTING: dict[str, tuple[str, str, str]] = {
@@ -26,6 +26,23 @@ TROUBLESHOOTING: dict[str, tuple[str, str, str]] = {
         "NaN gradients",
         "mixed precision misconfigured",
         "enable dynamic loss scaling (mixed_precision.loss_scale=dynamic) or increase optimization.epsilon",
+    ),
+    # The same symptom in a run without fp16 scaling cannot come from the loss scale.
+    "nonfinite_fp32": (
+        "NaN/Inf gradients or loss (no fp16 loss scaling in this run)",
+        "learning rate too high or bad data",
+        "lower optimization.base_lr (and keep optimization.clip.mode=norm); check the shards with "
+        "rootopt data verify",
+    ),
+    "diverged": (
+        "the run stopped as diverged (run.max_nonfinite / loss-spike rule)",
+        "learning rate too high (or, with fp16, a loss scale that overflows)",
+        "lower optimization.base_lr and rerun: it resumes from the last good checkpoint",
+    ),
+    "incomplete_log": (
+        "metrics.jsonl holds unreadable lines",
+        "the run was killed while writing, or the disk filled up",
+        "free disk space; the records of a resumed run are rewritten from its checkpoint",
     ),
     "timeout": (
         "multi-GPU synchronisation timeout",
@@ -108,6 +125,23 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _precision(run_dir: Path, events: list[dict[str, Any]]) -> str:
+    """fp32 | bf16 | fp16 — from the run's start events, else its config.yaml."""
+    for e in reversed(events):
+        if e.get("event") == "start" and isinstance(e.get("precision"), str):
+            return str(e["precision"])
+    try:
+        import yaml
+
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        mp = cfg.get("mixed_precision", {}) if isinstance(cfg, dict) else {}
+        if not mp.get("enabled"):
+            return "fp32"
+        return str(mp.get("dtype", "auto"))
+    except (OSError, ValueError, AttributeError, ImportError):
+        return "unknown"
+
+
 def check_run(
     run_dir: str | Path,
     *,
@@ -117,15 +151,37 @@ def check_run(
     spike_factor: float = 1.3,
 ) -> Report:
     run_dir = Path(run_dir)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    if not run_dir.is_dir():
+        raise ValueError(f"{str(run_dir)!r} is not a directory")
+    if not max_slowdown > 0:
+        raise ValueError(f"--max-slowdown must be > 0; got {max_slowdown}")
+    if not 0 < update_band[0] < update_band[1]:
+        raise ValueError(
+            f"--update-band must be 0 < LO < HI; got {update_band[0]} {update_band[1]}"
+        )
+    if baseline is not None and not (Path(baseline) / "metrics.jsonl").is_file():
+        raise ValueError(
+            f"--baseline {str(baseline)!r} holds no metrics.jsonl (not a run directory)"
+        )
+    metrics, bad_lines = read_jsonl_checked(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
     if not metrics:
         raise ValueError(
             f"{str(run_dir)!r} holds no metrics.jsonl records; is it a rootopt run directory?"
         )
     rep = Report(run_dir)
+    rep.criteria.append(
+        Criterion(
+            "metrics log complete",
+            "FAIL" if bad_lines else "PASS",
+            f"{len(bad_lines)} unreadable line(s) in metrics.jsonl"
+            + (f" (line {bad_lines[0]})" if bad_lines else f", {len(metrics)} records"),
+        )
+    )
+    if bad_lines:
+        rep.symptoms.append("incomplete_log")
     train = _by_step(metrics, "loss")
-    losses = [float(r["loss"]) for r in train]
+    losses = [float(r["loss"]) if r["loss"] is not None else math.nan for r in train]
     finite = [v for v in losses if math.isfinite(v)]
 
     # 1. convergence: trending down
@@ -203,10 +259,26 @@ def check_run(
         )
     )
     if not ok:
-        rep.symptoms.append("nonfinite")
+        rep.symptoms.append(
+            "nonfinite" if _precision(run_dir, events) == "fp16" else "nonfinite_fp32"
+        )
+    diverged = [e for e in events if e.get("event") == "diverged"]
+    if diverged:
+        rep.criteria.append(
+            Criterion(
+                "not diverged",
+                "FAIL",
+                f"stopped at step {diverged[-1].get('step')}: {diverged[-1].get('reason')}",
+            )
+        )
+        rep.symptoms.append("diverged")
 
     # 5. stability: update magnitudes in range
-    ratios = [float(r["update_ratio_median"]) for r in train if "update_ratio_median" in r]
+    ratios = [
+        float(r["update_ratio_median"])
+        for r in train
+        if isinstance(r.get("update_ratio_median"), (int, float))
+    ]
     if ratios:
         lo, hi = update_band
         outside = [r for r in ratios if not (lo <= r <= hi)]
@@ -225,12 +297,22 @@ def check_run(
         )
 
     # 6. performance: step time vs a baseline run
-    step_times = [float(r["step_time_s"]) for r in train if "step_time_s" in r]
+    step_times = [
+        float(r["step_time_s"]) for r in train if isinstance(r.get("step_time_s"), (int, float))
+    ]
     mine = _median(step_times)
-    tok = _median([float(r["tokens_per_s"]) for r in train if "tokens_per_s" in r])
+    tok = _median(
+        [float(r["tokens_per_s"]) for r in train if isinstance(r.get("tokens_per_s"), (int, float))]
+    )
     if baseline is not None:
         base_rows = _by_step(read_jsonl(Path(baseline) / "metrics.jsonl"), "loss")
-        base = _median([float(r["step_time_s"]) for r in base_rows if "step_time_s" in r])
+        base = _median(
+            [
+                float(r["step_time_s"])
+                for r in base_rows
+                if isinstance(r.get("step_time_s"), (int, float))
+            ]
+        )
         if math.isfinite(base) and math.isfinite(mine):
             ratio = mine / base
             rep.criteria.append(

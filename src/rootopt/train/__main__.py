@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from rootopt.train.main import main
+import sys
+
+try:
+    from rootopt.train.main import main
+except KeyboardInterrupt:  # Ctrl-C while importing: one line, the SIGINT status
+    print("rootopt train: interrupted while starting; nothing was written", file=sys.stderr)
+    raise SystemExit(130) from None
 
 raise SystemExit(main())

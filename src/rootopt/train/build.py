@@ -34,6 +34,18 @@ class ProcessInfo:
         return self.rank == 0
 
 
+def _env_int(name: str, default: int = 0) -> int:
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            [f"environment: {name}={raw[:40]!r} is not an integer (set by the launcher)"]
+        ) from None
+
+
 def process_info(cfg: Config) -> ProcessInfo:
     """Rank and world size: an initialised process group, else the launcher's env, else config.
 
@@ -47,11 +59,11 @@ def process_info(cfg: Config) -> ProcessInfo:
             int(os.environ.get("LOCAL_RANK", 0)),
         )
     elif "WORLD_SIZE" in os.environ:
-        info = ProcessInfo(
-            int(os.environ.get("RANK", 0)),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ.get("LOCAL_RANK", 0)),
-        )
+        info = ProcessInfo(_env_int("RANK"), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK"))
+        if info.world_size < 1 or not 0 <= info.rank < info.world_size:
+            raise ConfigError(
+                [f"environment: RANK={info.rank} is not in [0, WORLD_SIZE={info.world_size})"]
+            )
     else:
         d = cfg.distributed
         if d.world_size > 1:

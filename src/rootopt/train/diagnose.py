@@ -7,6 +7,7 @@ loss-surface probe, each against its healthy band.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,21 @@ def _load(
     return load_config(config, overrides), None, Path("runs") / "diagnose"
 
 
+def _run_data(run_dir: Path | None, state: dict[str, Any] | None) -> Path | None:
+    """The shards a run trained on (its checkpoint, else its run.json), if it recorded them."""
+    if run_dir is None:
+        return None
+    recorded = (state or {}).get("data", {}).get("path")
+    if not recorded:
+        try:
+            recorded = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get(
+                "data_dir"
+            )
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+    return Path(recorded) if recorded else None
+
+
 def diagnose(
     run_dir: Path | None,
     *,
@@ -54,9 +70,9 @@ def diagnose(
 ) -> list[str]:
     cfg, state, where = _load(run_dir, config, list(overrides or []))
     torch.set_num_threads(max(1, cfg.run.threads or torch.get_num_threads()))
-    data_dir = (
-        Path(data_path) if data_path else resolve_data(cfg, where, None, ProcessInfo(0, 1, 0))
-    )
+    data_dir = Path(data_path) if data_path else _run_data(run_dir, state)
+    if data_dir is None:  # a fresh model, or a run that prepared its corpus into itself
+        data_dir = resolve_data(cfg, where, None, ProcessInfo(0, 1, 0))
     manifest = load_manifest(data_dir)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, manifest, cfg.data.seq_len)

@@ -46,6 +46,7 @@ from rootopt.train.records import (
 from rootopt.train.resume import (
     StopFlag,
     last_good,
+    last_good_after_divergence,
     maybe_resume,
     params_finite,
     run_identity,
@@ -217,6 +218,7 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
         )
     maybe_resume(run, say)
     run.monitor.supersede_after(run.state.step)
+    _flush_open_window(run)
     check_data(run)
     run.monitor.event("start", step=run.state.step, precision=run.precision.name)
     clock = Clock(run.state)
@@ -310,6 +312,24 @@ def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str
     return "completed"
 
 
+def _flush_open_window(run: Run) -> None:
+    """Write the record a failed log write left behind (emergency checkpoint at a log step)."""
+    st, r = run.state, run.cfg.run
+    if st.window_steps and (st.step % r.log_every == 0 or st.step == r.max_steps):
+        run.monitor.log(
+            {
+                "step": st.step,
+                "loss": st.window_loss_sum / st.window_finite if st.window_finite else None,
+                "steps": st.window_steps,
+                "finite_steps": st.window_finite,
+                "nonfinite_steps": st.nonfinite_steps,
+                "tokens": st.tokens,
+                "recovered": True,
+            }
+        )
+        close_window(st, Clock(st))
+
+
 def _progress_bar(run: Run) -> Any:
     if not (run.info.is_main and run.cfg.monitoring.progress_bar):
         return None
@@ -337,10 +357,12 @@ def _diverged(run: Run, reason: str) -> None:
         step=st.step,
         reason=reason,
         precision=run.precision.name,
-        checkpoint=run.last_checkpoint,
+        checkpoint=run.good_checkpoint,
+        trouble_since=st.trouble_since,
     )
+    kept = last_good_after_divergence(run)
     _write_summary(run, "diverged", -1)
-    raise Diverged(f"diverged at step {st.step}: {reason}; {last_good(run)}; {hint}")
+    raise Diverged(f"diverged at step {st.step}: {reason}; {kept}; {hint} and rerun to resume")
 
 
 def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, Any]]) -> None:

@@ -49,7 +49,17 @@ def _err(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    """Exit status: 0 done, 1 runtime failure (incl. divergence), 2 user error, 130 SIGINT,
+    143 SIGTERM (each after a checkpoint where one could be written)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # SIGINT before the loop's handler (imports, setup) or a second one
+        _err("interrupted; stopped without a final checkpoint (rerun to resume from the last one)")
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -79,22 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as exc:
         _err(str(exc))
         return 1
-    except KeyboardInterrupt:
-        _err("interrupted twice; stopped without a final checkpoint")
-        return 130
+    except OSError as exc:  # outside the loop (setup, final files): one line, naming the path
+        where = f" ({exc.filename})" if exc.filename else ""
+        _err(f"I/O error: {exc.strerror or exc}{where}")
+        return 1
+    total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
     print(
-        f"{summary.status}: {summary.steps} steps in {summary.wall_s:.1f} s this session "
-        f"({summary.steps_per_s:.2f} steps/s, {summary.tokens_per_s:.0f} tokens/s); "
+        f"{summary.status}: {summary.session_steps} steps in {summary.wall_s:.1f} s this session"
+        f"{total} ({summary.steps_per_s:.2f} steps/s, {summary.tokens_per_s:.0f} tokens/s); "
         f"loss {summary.initial_loss:.3f} → {summary.final_loss:.3f}"
         + (f", val {summary.val_loss:.3f}" if summary.val_loss == summary.val_loss else "")
         + f"; non-finite steps {summary.nonfinite_steps}"
     )
     print(
-        f"run dir: {summary.run_dir} (checkpoint {summary.checkpoint}; report: rootopt report {summary.run_dir})"
+        f"run dir: {summary.run_dir} (checkpoint {summary.checkpoint or 'none'}; "
+        f"report: rootopt report {summary.run_dir})"
     )
     if summary.status == "interrupted":
         print("stopped by signal after a checkpoint; run the same command to resume")
-        return 128 + int(signal.SIGTERM)
+        sig = summary.signal or int(signal.SIGTERM)
+        return 130 if sig == int(signal.SIGINT) else 128 + sig
     if summary.status == "max_time":
         print("stopped at run.max_time after a checkpoint; run the same command to continue")
     return 0

@@ -30,9 +30,13 @@ def account(st: TrainState, out: StepResult) -> None:
         st.window_finite += 1
         st.window_loss_sum += out.loss
         st.nonfinite_streak = 0
+        st.finite_run += 1
     else:
         st.nonfinite_steps += 1
         st.nonfinite_streak += 1
+        st.finite_run = 0
+        if st.trouble_since < 0:
+            st.trouble_since = st.step
 
 
 def divergence(run: Run, out: StepResult) -> str:
@@ -53,10 +57,15 @@ def divergence(run: Run, out: StepResult) -> str:
         )
     if not out.applied:
         return ""
-    if r.loss_spike_factor and len(st.recent_losses) >= r.loss_spike_window:
+    # active once the median rests on a few steps (a resumed run carries its history)
+    if r.loss_spike_factor and len(st.recent_losses) >= min(r.loss_spike_window, 10):
         median = statistics.median(st.recent_losses)
         spiking = out.loss > r.loss_spike_factor * median
         st.spike_streak = st.spike_streak + 1 if spiking else 0
+        if spiking:
+            st.finite_run = 0
+            if st.trouble_since < 0:
+                st.trouble_since = st.step
         if st.spike_streak >= r.loss_spike_patience:
             return (
                 f"loss {out.loss:.4g} above {r.loss_spike_factor:g}× the median {median:.4g} of the "
@@ -65,6 +74,8 @@ def divergence(run: Run, out: StepResult) -> str:
             )
     st.recent_losses.append(out.loss)
     del st.recent_losses[: -r.loss_spike_window]
+    if st.trouble_since >= 0 and st.finite_run >= r.loss_spike_window:
+        st.trouble_since = -1  # the episode is over: later checkpoints are good again
     return ""
 
 

@@ -145,6 +145,8 @@ def save_checkpoint(run: Run, reason: str) -> Path:
         },
     }
     name = f"ckpt-{run.state.step:08d}.pt"
+    in_episode = run.state.trouble_since >= 0
+    protect = run.ckpt_dir / run.good_checkpoint if in_episode and run.good_checkpoint else None
     try:
         path = checkpoint.save(
             run.ckpt_dir,
@@ -152,6 +154,7 @@ def save_checkpoint(run: Run, reason: str) -> Path:
             payload,
             keep_last=run.cfg.checkpoint.keep_last,
             run_id=run.run_id,
+            protect=protect,
         )
     except OSError as exc:
         raise TrainingError(
@@ -159,14 +162,51 @@ def save_checkpoint(run: Run, reason: str) -> Path:
             f"{last_good(run)}"
         ) from None
     run.last_checkpoint = path.name
-    run.monitor.event("checkpoint", step=run.state.step, reason=reason, path=path.name)
+    if in_episode:
+        run.suspect.append(path.name)
+    else:
+        run.good_checkpoint, run.suspect = path.name, []
+    run.monitor.event(
+        "checkpoint", step=run.state.step, reason=reason, path=path.name, suspect=in_episode
+    )
     return path
+
+
+def set_aside_suspects(run: Run) -> list[str]:
+    """Move checkpoints written inside the diverging episode to ``checkpoints/diverged/``."""
+    moved = []
+    dest = run.ckpt_dir / "diverged"
+    for name in run.suspect:
+        if name == run.good_checkpoint:
+            continue
+        src = run.ckpt_dir / name
+        if src.exists():
+            dest.mkdir(exist_ok=True)
+            for f in (src, src.with_suffix(".json")):
+                if f.exists():
+                    shutil.move(str(f), str(dest / f.name))
+            moved.append(name)
+    run.suspect = []
+    run.last_checkpoint = run.good_checkpoint
+    return moved
 
 
 def last_good(run: Run) -> str:
     if run.last_checkpoint:
         return f"last checkpoint {run.last_checkpoint} is intact; rerun to resume from it"
     return "no checkpoint of this run was written yet"
+
+
+def last_good_after_divergence(run: Run) -> str:
+    moved = set_aside_suspects(run)
+    note = ""
+    if moved:
+        note = (
+            f" ({', '.join(moved)} written after the trouble began: moved to checkpoints/diverged/)"
+        )
+    if run.good_checkpoint:
+        return f"last good checkpoint {run.good_checkpoint} is kept{note}"
+    return f"no good checkpoint of this run was written yet{note}"
 
 
 # --------------------------------------------------------------------------- resuming
@@ -206,6 +246,8 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
     checkpoint.set_rng_state(state["rng"])
     run.state = TrainState.from_dict(state["state"])
     run.resumed_from = run.last_checkpoint = path.name
+    if run.state.trouble_since < 0:
+        run.good_checkpoint = path.name
     run.monitor.event("resume", step=run.state.step, path=path.name)
     say(f"resumed from {path.name} at step {run.state.step}")
 

@@ -35,6 +35,11 @@ class TrainState:
     nonfinite_streak: int = 0
     spike_streak: int = 0
     recent_losses: list[float] = field(default_factory=list)
+    # an open "trouble episode": from the first non-finite or spiking step until
+    # run.loss_spike_window finite steps in a row; checkpoints written inside one are
+    # suspect (never replace the last good one, moved aside if the run diverges)
+    trouble_since: int = -1
+    finite_run: int = 0
     # the open logging window: steps since the previous record
     window_steps: int = 0
     window_finite: int = 0
@@ -84,7 +89,9 @@ class Run:
     run_id: str
     state: TrainState = field(default_factory=TrainState)
     resumed_from: str = ""
-    last_checkpoint: str = ""  # newest checkpoint of this run known to be good
+    last_checkpoint: str = ""  # newest checkpoint of this run written (or resumed from)
+    good_checkpoint: str = ""  # newest one written outside a trouble episode
+    suspect: list[str] = field(default_factory=list)  # written inside the open episode
     release: Callable[[], None] = lambda: None  # drops the checkpoint-directory lock
     params: list[torch.Tensor] = field(default_factory=list)  # trainable parameters
     telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
