@@ -90,3 +90,18 @@ def test_loads_with_weights_only(tmp_path: Path) -> None:
     )
     with pytest.raises(checkpoint.CheckpointError, match="cannot be loaded"):
         checkpoint.load(path)
+
+
+def test_load_maps_the_file_once_without_a_copy(tmp_path: Path) -> None:
+    """The checksum and the tensors come from one mapping: no bytes copy of the file."""
+    import tracemalloc
+
+    big = {"w": torch.randn(1024, 1024)}  # 4 MiB
+    path = checkpoint.save(tmp_path, 1, {"model": big}, keep_last=1)
+    size = path.stat().st_size
+    tracemalloc.start()
+    state = checkpoint.load(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert torch.equal(state["model"]["w"], big["w"])
+    assert peak < size / 8, (peak, size)

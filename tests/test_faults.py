@@ -539,3 +539,64 @@ def test_sigkill_at_random_points_resumes_identically(shards: Path, tmp_path: Pa
 @pytest.mark.slow
 def test_sigkill_battery_extended(shards: Path, tmp_path: Path) -> None:
     _battery(shards, tmp_path, ["step", "time"] * 6, seed=11)
+
+
+# --------------------------------------------------------------------------- memory and smaller bugs
+
+
+def test_log_step_statistics_use_per_tensor_reductions() -> None:
+    from rootopt.train.step import RATIO_SAMPLE, grad_stats, param_sample, update_ratios
+
+    model = torch.nn.Sequential(torch.nn.Linear(600, 500), torch.nn.Linear(500, 3))
+    model(torch.randn(4, 600)).sum().backward()
+    params = list(model.parameters())
+    stats = grad_stats(params)
+    flat = torch.cat([p.grad.abs().flatten() for p in params if p.grad is not None])
+    assert stats["grad_abs_max"] == float(flat.max())
+    assert stats["grad_abs_min"] == float(flat[flat > 0].min())
+    snap = param_sample(model)
+    assert len(snap) == len(params)
+    assert all(t.numel() <= RATIO_SAMPLE for t, _ in snap.values())  # bounded, not a clone
+    small = dict(model.named_parameters())["1.weight"]
+    assert snap["1.weight"][1] == 1  # small tensors: every entry (exact)
+    with torch.no_grad():
+        small.mul_(1.5)
+    ratios = update_ratios(snap, model)
+    assert ratios["1.weight"] == pytest.approx(0.5, rel=1e-6)
+    assert ratios["0.weight"] == 0.0
+
+
+def test_resolve_data_prepares_again_when_its_settings_change(tmp_path: Path) -> None:
+    from rootopt.train.build import ProcessInfo
+    from rootopt.train.data import resolve_data
+
+    info = ProcessInfo(0, 1, 0)
+    base = ["data.corpus=kjv", "data.seq_len=16", "data.samples_per_shard=500"]
+    out = resolve_data(load_config(None, [*base, "data.max_bytes=20000"]), tmp_path, None, info)
+    first = load_manifest(out)
+    again = resolve_data(load_config(None, [*base, "data.max_bytes=20000"]), tmp_path, None, info)
+    assert load_manifest(again) == first  # unchanged settings: reused
+    bigger = load_manifest(
+        resolve_data(load_config(None, [*base, "data.max_bytes=40000"]), tmp_path, None, info)
+    )
+    assert bigger["text_bytes"] == 40000 > first["text_bytes"]
+    other = load_manifest(
+        resolve_data(
+            load_config(None, [*base, "data.max_bytes=40000", "data.val_fraction=0.2"]),
+            tmp_path,
+            None,
+            info,
+        )
+    )
+    n_val = sum(e["samples"] for e in other["splits"]["val"])
+    assert n_val > sum(e["samples"] for e in bigger["splits"]["val"])
+
+
+def test_diagnose_uses_the_runs_own_data(shards: Path, tmp_path: Path) -> None:
+    from rootopt.train.diagnose import diagnose
+
+    run = tmp_path / "run"
+    train(load_config(None, [*FAST, "run.max_steps=5"]), run, str(shards), say=_quiet)
+    lines = diagnose(run)
+    assert lines[0].startswith("diagnostics at step 5 (checkpoint)")
+    assert not (run / "data").exists()  # nothing prepared into the run dir
