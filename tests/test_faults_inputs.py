@@ -155,6 +155,15 @@ def test_vocab_smaller_than_the_data(
     assert "model.vocab_size: 100 is smaller than the data's vocabulary (256" in _line(capsys)
 
 
+def test_model_larger_than_memory_is_refused_before_allocating(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--data_path", str(shards), "--log_dir", str(tmp_path / "r"), *TINY]
+    assert train_main([*args, "model.d_model=65536", "model.n_heads=2", "model.n_kv_heads=1"]) == 2
+    line = _line(capsys)
+    assert "model: d_model=65536" in line and "GiB" in line
+
+
 def test_prometheus_port_in_use_and_bad_host(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

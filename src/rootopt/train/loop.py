@@ -12,6 +12,7 @@ emergency checkpoint when the state is consistent, then stops with one line.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -103,6 +104,17 @@ def _model(cfg: Config, manifest: dict[str, Any], device: torch.device) -> torch
             ]
         )
     try:
+        need = _training_bytes(cfg, manifest)
+        have = _physical_memory()
+        if device.type == "cpu" and have and need > have:
+            m = cfg.model
+            raise ConfigError(
+                [
+                    f"model: d_model={m.d_model}, n_layers={m.n_layers} needs about "
+                    f"{need / 2**30:.1f} GiB for parameters, gradients and optimizer state; "
+                    f"this machine has {have / 2**30:.1f} GiB"
+                ]
+            )
         return build_model(cfg.model, manifest, cfg.data.seq_len).to(device)
     except ValueError as exc:
         raise ConfigError([str(exc)]) from None
@@ -114,6 +126,20 @@ def _model(cfg: Config, manifest: dict[str, Any], device: torch.device) -> torch
                 f"vocab_size={m.vocab_size}): {str(exc).splitlines()[0][:100]}"
             ]
         ) from None
+
+
+def _training_bytes(cfg: Config, manifest: dict[str, Any]) -> int:
+    """fp32 parameters + gradients + two optimizer moments, counted on the meta device."""
+    with torch.device("meta"):
+        model = build_model(cfg.model, manifest, cfg.data.seq_len)
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _monitor(cfg: Config, run_dir: Path, is_main: bool) -> Monitor:
