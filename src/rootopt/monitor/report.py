@@ -260,7 +260,7 @@ def check_run(
     )
     if not ok:
         rep.symptoms.append(
-            "nonfinite" if _precision(run_dir, events) == "fp16" else "nonfinite_fp32"
+            "nonfinite_fp32" if _precision(run_dir, events) in ("fp32", "bf16") else "nonfinite"
         )
     diverged = [e for e in events if e.get("event") == "diverged"]
     if diverged:
