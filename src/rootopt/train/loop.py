@@ -226,7 +226,8 @@ def train(
     hooks = hooks or Hooks()
     run = setup(cfg, run_dir, data_path)
     try:
-        take_ownership(run)
+        if run.info.is_main:  # rank 0 owns the run's files; other ranks only read them
+            take_ownership(run)
         return _train(run, hooks, say)
     finally:
         run.monitor.close()

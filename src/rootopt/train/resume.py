@@ -232,7 +232,7 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
         except CheckpointError as exc:
             raise TrainingError(f"checkpoint.resume: {exc}") from None
     saved_run = state.get("run_id", "")
-    if mode == "auto" and saved_run and saved_run != run.run_id:
+    if mode == "auto" and run.run_id and saved_run and saved_run != run.run_id:
         raise CheckpointError(
             f"{path.name} in {str(run.ckpt_dir)!r} was written by another run (run id "
             f"{str(saved_run)[:12]}); point checkpoint.dir at a directory of this run"
