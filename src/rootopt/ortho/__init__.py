@@ -8,7 +8,15 @@ import torch
 from torch import Tensor
 
 from rootopt.coeffs import CoefficientSpec, resolve
-from rootopt.ortho.newton_schulz import NORM_EPS, newton_schulz
+from rootopt.ortho.newton_schulz import (
+    GRAM_DTYPES,
+    NORM_EPS,
+    Coefficients,
+    Selector,
+    gram_newton_schulz,
+    newton_schulz,
+    prefer_gram,
+)
 from rootopt.ortho.polar import qr_direction, svd_polar
 
 Method = Literal["newton_schulz", "svd", "qr"]
@@ -48,11 +56,16 @@ def orthogonalize(
 
 
 __all__ = [
+    "GRAM_DTYPES",
     "METHODS",
     "NORM_EPS",
+    "Coefficients",
     "Method",
+    "Selector",
+    "gram_newton_schulz",
     "newton_schulz",
     "orthogonalize",
+    "prefer_gram",
     "qr_direction",
     "svd_polar",
 ]
