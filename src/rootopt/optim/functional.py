@@ -111,13 +111,13 @@ def _quantile_select(x: Tensor, lo: int, frac: float) -> Tensor:
 
 
 def _bracket(x: Tensor, lo: int) -> tuple[Tensor, Tensor]:
-    """Per row of ``x`` (``(R, N)``), two values ``a <= s_lo`` and ``b >= s_hi`` that hold
+    """Per row of ``|x|`` (``x``: ``(R, N)``), two values ``a <= s_lo`` and ``b >= s_hi`` that hold
     the wanted order statistics with high probability: order statistics of a fixed
     random sample (the same indices for every row, so one gather serves the stack)."""
     n = x.size(-1)
     gen = torch.Generator(device=x.device).manual_seed(0x5EED)
     idx = torch.randint(0, n, (_BRACKET_SAMPLES,), generator=gen, device=x.device)
-    sample = x[:, idx].sort(dim=-1).values
+    sample = x[:, idx].abs().sort(dim=-1).values
     p = lo / max(n - 1, 1)
     # 6 binomial standard deviations of the sample rank, plus slack for ties.
     margin = 6.0 * math.sqrt(_BRACKET_SAMPLES * p * (1 - p)) + 16
@@ -127,55 +127,42 @@ def _bracket(x: Tensor, lo: int) -> tuple[Tensor, Tensor]:
     return sample[:, ia : ia + 1], sample[:, ib : ib + 1]
 
 
-def _quantile_bracket_rows(x: Tensor, lo: int, frac: float) -> Tensor:
-    """The order statistics ``lo``/``lo+1`` of every row of ``x`` (``(R, N)``, non-negative
-    float32), interpolated: one selection for the whole stack.
+def _quantile_bracket_rows(v: Tensor, lo: int, frac: float) -> Tensor:
+    """The order statistics ``lo``/``lo+1`` of ``|v|`` for every row of ``v`` (``(R, N)``,
+    float32), interpolated, with one comparison pass over the whole stack and no
+    materialised ``|v|``.
 
-    A sampled bracket ``[a, b]`` per row (:func:`_bracket`); one comparison pass over the
-    stack keeps the side of the bracket that holds the smaller share of the entries
-    (``x >= a`` for upper quantiles), a compaction gathers those candidates, and one sort
-    of the few percent inside ``[a, b]`` — keyed by (row, value bits), so one sort serves
-    every row — gives the order statistics exactly. Each row's bracket is checked (never
-    assumed); rows whose bracket missed, or holds a large share of the row (heavy ties,
-    e.g. an all-zero gradient), are recomputed by the plain selection. The check is a
-    host synchronisation, so this path is used on the CPU only.
+    A sampled bracket ``[a, b]`` per row (:func:`_bracket`); one pass over the stack marks
+    the side of the bracket that holds the smaller share of the entries (``|v| >= a`` for
+    upper quantiles, about ``(1 - q) N`` per row), a compaction per row gathers them, and
+    the few percent inside ``[a, b]`` give the order statistics by ``kthvalue`` on that
+    small set, exactly. Each row's bracket is checked (never assumed); rows whose bracket
+    missed, or holds a large share of the row (heavy ties, e.g. an all-zero gradient),
+    are recomputed by the plain selection. Sizes are read on the host, so this path is
+    used on the CPU only.
     """
-    R, n = x.shape
+    R, n = v.shape
     hi = lo + 1 if (frac > 0.0 and lo + 1 < n) else lo
-    a, b = _bracket(x, lo)
-    rows = torch.arange(R, device=x.device)
-    if 2 * lo >= n:
-        side = x >= a  # the upper side: about (1 - q) N entries per row
-        count = side.sum(-1)
-        cand = x[side]  # row-major: grouped by row
-        row = rows.repeat_interleave(count)
-        below = n - count
-        keep = cand <= b[row, 0]
-    else:
-        side = x <= b
-        count = side.sum(-1)
-        cand = x[side]
-        row = rows.repeat_interleave(count)
-        low = cand < a[row, 0]
-        below = torch.bincount(row[low], minlength=R)
-        keep = ~low
-    inside = cand[keep]
-    irow = row[keep]
-    icount = torch.bincount(irow, minlength=R)
-    ok = (below <= lo) & (below + icount > hi) & (icount <= n // 8)
-    if inside.numel() == 0:
-        return _quantile_select(x, lo, frac)
-    # Non-negative float32 values order like their bit patterns: sort (row, bits) keys.
-    key = (irow << 32) | inside.view(torch.int32).to(torch.int64)
-    vals = (key.sort().values & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-    start = torch.cumsum(icount, 0) - icount
-    last = inside.numel() - 1
-    v_lo = vals[(start + lo - below).clamp(0, last)]
-    v_hi = vals[(start + hi - below).clamp(0, last)]
-    out = _interpolate(v_lo, v_hi, frac).unsqueeze(-1)
-    if not bool(ok.all()):
-        bad = (~ok).nonzero().squeeze(-1)
-        out[bad] = _quantile_select(x[bad], lo, frac)
+    a, b = _bracket(v, lo)
+    upper = 2 * lo >= n
+    side = (v >= a) | (v <= -a) if upper else (v <= b) & (v >= -b)
+    out = torch.empty((R, 1), dtype=torch.float32, device=v.device)
+    for r in range(R):
+        seg = torch.masked_select(v[r], side[r]).abs_()
+        if upper:
+            below = n - seg.numel()
+            inside = seg[seg <= b[r, 0]]
+        else:
+            low = seg < a[r, 0]
+            below = int(low.sum())
+            inside = seg[~low]
+        m = inside.numel()
+        if not (below <= lo and below + m > hi) or m > n // 8:
+            out[r] = _quantile_select(v[r : r + 1].abs(), lo, frac)[0]
+            continue
+        v_lo = torch.kthvalue(inside, lo - below + 1).values
+        v_hi = v_lo if hi == lo else torch.kthvalue(inside, hi - below + 1).values
+        out[r, 0] = _interpolate(v_lo, v_hi, frac)
     return out
 
 
@@ -191,17 +178,17 @@ def abs_quantile(M: Tensor, q: float) -> Tensor:
     docs/performance.md).
     ``M``: ``(m, n)`` or ``(B, m, n)``; returns float32 of shape ``(1, 1)`` / ``(B, 1, 1)``.
     """
-    x = M.detach().float().abs().flatten(-2)  # (..., N); one pass for a float32 M
-    n = x.size(-1)
+    v = M.detach().float().flatten(-2)  # (..., N); a view for a float32 M
+    n = v.size(-1)
     if n == 0:
         raise ValueError("abs_quantile of an empty matrix")
     pos = q * (n - 1)
     lo = min(math.floor(pos), n - 1)
     frac = pos - lo
-    if x.device.type == "cpu" and n >= BRACKET_MIN_ENTRIES:
-        out = _quantile_bracket_rows(x.reshape(-1, n), lo, frac).reshape(*x.shape[:-1], 1)
+    if v.device.type == "cpu" and n >= BRACKET_MIN_ENTRIES:
+        out = _quantile_bracket_rows(v.reshape(-1, n), lo, frac).reshape(*v.shape[:-1], 1)
     else:
-        out = _quantile_select(x, lo, frac)
+        out = _quantile_select(v.abs(), lo, frac)
     return out.unsqueeze(-1)
 
 
