@@ -32,7 +32,8 @@ def child(count: int, rows: int, cols: int, steps: int, options: dict[str, objec
     params = [torch.nn.Parameter(torch.randn(rows, cols) * 0.02) for _ in range(count)]
     for p in params:
         p.grad = torch.randn(rows, cols)
-    opt = rootopt.ROOT(params, **options)  # type: ignore[arg-type]
+    # A shape-free coefficient set: what is measured is the step, not a coefficient lookup.
+    opt = rootopt.ROOT(params, ns_coefficients="muon", **options)  # type: ignore[arg-type]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for _ in range(steps):
         opt.step()
