@@ -10,7 +10,8 @@ Notation follows the paper (arXiv 2511.20626) and the official example code:
     p    = p (1 - lr wd) - lr * s(rows, cols) * U
 
 Everything here is tensor-in / tensor-out; the :class:`rootopt.ROOT` class only manages
-state and calls these.
+state and calls these. :func:`root_update_` is the whole update for one parameter, one
+matrix at a time (the reference every fast path is tested against).
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rootopt.coeffs import Coeff
-from rootopt.ortho import newton_schulz, qr_direction, svd_polar
+from rootopt.ortho import (
+    Coefficients,
+    Selector,
+    gram_newton_schulz,
+    newton_schulz,
+    prefer_gram,
+    qr_direction,
+    svd_polar,
+)
 
 # Added to the quantile so that an all-zero matrix has a positive threshold (official code).
 THRESHOLD_EPS = 1e-9
@@ -102,32 +110,60 @@ def _quantile_select(x: Tensor, lo: int, frac: float) -> Tensor:
     return _interpolate(v_lo, torch.where(ties, v_lo, above), frac)
 
 
-def _quantile_bracket_row(x: Tensor, lo: int, frac: float) -> Tensor:
-    """The same order statistics for one row, by bracketing: a fixed random sample gives
-    two values ``a <= s_lo <= s_hi <= b`` with high probability; counting the entries
-    below ``a`` and selecting inside ``[a, b]`` (a few percent of the row) is exact. If
-    the bracket misses — it is checked, never assumed — fall back to full selection.
-    Needs host synchronisation, so it is used on the CPU only."""
-    n = x.numel()
-    hi = lo + 1 if (frac > 0.0 and lo + 1 < n) else lo
+def _bracket(x: Tensor, lo: int) -> tuple[Tensor, Tensor]:
+    """Per row of ``|x|`` (``x``: ``(R, N)``), two values ``a <= s_lo`` and ``b >= s_hi`` that hold
+    the wanted order statistics with high probability: order statistics of a fixed
+    random sample (the same indices for every row, so one gather serves the stack)."""
+    n = x.size(-1)
     gen = torch.Generator(device=x.device).manual_seed(0x5EED)
     idx = torch.randint(0, n, (_BRACKET_SAMPLES,), generator=gen, device=x.device)
-    sample = x[idx].sort().values
+    sample = x[:, idx].abs().sort(dim=-1).values
     p = lo / max(n - 1, 1)
     # 6 binomial standard deviations of the sample rank, plus slack for ties.
     margin = 6.0 * math.sqrt(_BRACKET_SAMPLES * p * (1 - p)) + 16
     r = p * (_BRACKET_SAMPLES - 1)
-    a = sample[max(0, math.floor(r - margin))]
-    b = sample[min(_BRACKET_SAMPLES - 1, math.ceil(r + margin))]
-    below = int((x < a).sum())
-    inside = x[(x >= a) & (x <= b)]
-    # A missed bracket, or one holding a large share of the row (heavy ties, e.g. an
-    # all-zero gradient), goes to the plain selection instead.
-    if not (below <= lo and below + inside.numel() > hi) or inside.numel() > n // 8:
-        return _quantile_select(x.unsqueeze(0), lo, frac).squeeze(0)
-    vals = inside.sort().values
-    v_lo = vals[lo - below]
-    return _interpolate(v_lo, vals[hi - below], frac).reshape(1)
+    ia = max(0, math.floor(r - margin))
+    ib = min(_BRACKET_SAMPLES - 1, math.ceil(r + margin))
+    return sample[:, ia : ia + 1], sample[:, ib : ib + 1]
+
+
+def _quantile_bracket_rows(v: Tensor, lo: int, frac: float) -> Tensor:
+    """The order statistics ``lo``/``lo+1`` of ``|v|`` for every row of ``v`` (``(R, N)``,
+    float32), interpolated, with one comparison pass over the whole stack and no
+    materialised ``|v|``.
+
+    A sampled bracket ``[a, b]`` per row (:func:`_bracket`); one pass over the stack marks
+    the side of the bracket that holds the smaller share of the entries (``|v| >= a`` for
+    upper quantiles, about ``(1 - q) N`` per row), a compaction per row gathers them, and
+    the few percent inside ``[a, b]`` give the order statistics by ``kthvalue`` on that
+    small set, exactly. Each row's bracket is checked (never assumed); rows whose bracket
+    missed, or holds a large share of the row (heavy ties, e.g. an all-zero gradient),
+    are recomputed by the plain selection. Sizes are read on the host, so this path is
+    used on the CPU only.
+    """
+    R, n = v.shape
+    hi = lo + 1 if (frac > 0.0 and lo + 1 < n) else lo
+    a, b = _bracket(v, lo)
+    upper = 2 * lo >= n
+    side = (v >= a) | (v <= -a) if upper else (v <= b) & (v >= -b)
+    out = torch.empty((R, 1), dtype=torch.float32, device=v.device)
+    for r in range(R):
+        seg = torch.masked_select(v[r], side[r]).abs_()
+        if upper:
+            below = n - seg.numel()
+            inside = seg[seg <= b[r, 0]]
+        else:
+            low = seg < a[r, 0]
+            below = int(low.sum())
+            inside = seg[~low]
+        m = inside.numel()
+        if not (below <= lo and below + m > hi) or m > n // 8:
+            out[r] = _quantile_select(v[r : r + 1].abs(), lo, frac)[0]
+            continue
+        v_lo = torch.kthvalue(inside, lo - below + 1).values
+        v_hi = v_lo if hi == lo else torch.kthvalue(inside, hi - below + 1).values
+        out[r, 0] = _interpolate(v_lo, v_hi, frac)
+    return out
 
 
 def abs_quantile(M: Tensor, q: float) -> Tensor:
@@ -137,23 +173,22 @@ def abs_quantile(M: Tensor, q: float) -> Tensor:
     interpolation between the order statistics at ``floor(q (N-1))`` and the next one,
     but without torch.quantile's 2**24-element limit and without a full sort. On CUDA
     (and for small matrices): one ``kthvalue`` selection plus one masked minimum, no host
-    synchronisation. On the CPU for large matrices: a sampled bracket, checked, then a
-    selection inside it (about 2x faster than ``kthvalue``; same result bit for bit).
+    synchronisation. On the CPU for large matrices: a sampled bracket, checked, then one
+    selection inside it for the whole stack (same result bit for bit; see
+    docs/performance.md).
     ``M``: ``(m, n)`` or ``(B, m, n)``; returns float32 of shape ``(1, 1)`` / ``(B, 1, 1)``.
     """
-    x = M.detach().abs().float().flatten(-2)  # (..., N)
-    n = x.size(-1)
+    v = M.detach().float().flatten(-2)  # (..., N); a view for a float32 M
+    n = v.size(-1)
     if n == 0:
         raise ValueError("abs_quantile of an empty matrix")
     pos = q * (n - 1)
     lo = min(math.floor(pos), n - 1)
     frac = pos - lo
-    if x.device.type == "cpu" and n >= BRACKET_MIN_ENTRIES:
-        rows = x.reshape(-1, n)
-        out = torch.stack([_quantile_bracket_row(r, lo, frac) for r in rows])
-        out = out.reshape(*x.shape[:-1], 1)
+    if v.device.type == "cpu" and n >= BRACKET_MIN_ENTRIES:
+        out = _quantile_bracket_rows(v.reshape(-1, n), lo, frac).reshape(*v.shape[:-1], 1)
     else:
-        out = _quantile_select(x, lo, frac)
+        out = _quantile_select(v.abs(), lo, frac)
     return out.unsqueeze(-1)
 
 
@@ -170,8 +205,21 @@ def clip_outliers(M: Tensor, q: float | None) -> tuple[Tensor, Tensor | None]:
     if q is None:
         return M, None
     eps = abs_quantile(M, q) + THRESHOLD_EPS
-    B = torch.minimum(torch.maximum(M, -eps), eps)
+    # One pass: clamp takes per-matrix tensor bounds.
+    B = torch.clamp(M, -eps, eps)
     return B, eps
+
+
+def clip_outliers_(M: Tensor, q: float | None, *, out: Tensor) -> tuple[Tensor, Tensor | None]:
+    """:func:`clip_outliers` writing ``B`` into ``out`` (which may be ``M`` itself: then
+    the clamp is in place and no new matrix is allocated). Returns ``(out, eps)``."""
+    if q is None:
+        if out is not M:
+            out.copy_(M)
+        return out, None
+    eps = abs_quantile(M, q) + THRESHOLD_EPS
+    torch.clamp(M, -eps, eps, out=out)
+    return out, eps
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,14 +227,25 @@ def clip_outliers(M: Tensor, q: float | None) -> tuple[Tensor, Tensor | None]:
 # ---------------------------------------------------------------------------------------
 def orthogonal_direction(
     B: Tensor,
-    schedule: Sequence[Coeff],
+    schedule: Coefficients,
     *,
     method: OrthoMethod,
     dtype: torch.dtype,
+    gram: bool | None = None,
+    select: Selector | None = None,
 ) -> Tensor:
-    """U for a matrix or a stack of matrices; returned as float32."""
+    """U for a matrix or a stack of matrices; returned as float32.
+
+    ``schedule``: K ``(a, b, c)`` tuples or a ``(K, 3)`` / ``(K, batch, 3)`` tensor;
+    ``select`` picks per-matrix coefficients from ``||X₀X₀ᵀ||_F²`` (see
+    :mod:`rootopt.ortho.newton_schulz`). ``gram``: Newton–Schulz in Gram space
+    (``None``: :func:`rootopt.ortho.prefer_gram` decides by shape and dtype).
+    """
     if method == "newton_schulz":
-        U = newton_schulz(B, schedule, dtype=dtype)
+        if gram is None:
+            gram = prefer_gram(B.size(-2), B.size(-1), dtype)
+        ns = gram_newton_schulz if gram else newton_schulz
+        U = ns(B, schedule, dtype=dtype, select=select)
     elif method == "svd":
         U = svd_polar(B, dtype=torch.float32)
     elif method == "qr":
@@ -222,6 +281,102 @@ def robust_scale(
     ratio = U.norm(dim=dims, keepdim=True) / S.norm(dim=dims, keepdim=True).clamp_min(1e-30)
     scaled: Tensor = S * ratio
     return scaled
+
+
+# ---------------------------------------------------------------------------------------
+# the whole update, one parameter at a time (the reference)
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RootTrace:
+    """What one :func:`root_update_` computed, for telemetry (``(batch, rows, cols)``)."""
+
+    M: Tensor  # the vector that was thresholded (Nesterov vector or momentum)
+    B: Tensor  # its soft-threshold residual
+    eps: Tensor | None  # per-matrix threshold, (batch, 1, 1); None without suppression
+    U: Tensor  # the orthogonal direction (after robust scaling, if on)
+    step: Tensor  # the applied orthogonal step lr * s(rows, cols) * U, shaped like param
+
+
+def root_update_(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    step: int,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    coefficients: Coefficients,
+    outlier_quantile: float | None,
+    ortho_method: OrthoMethod = "newton_schulz",
+    ns_dtype: torch.dtype = torch.float32,
+    gram: bool | None = None,
+    select: Selector | None = None,
+    lr_scale: LrScale = "moonlight",
+    nd_view: NDView = "auto",
+    robust_mean: Tensor | None = None,
+    robust_sq: Tensor | None = None,
+    robust_window: int = 100,
+    robust_lambda: float = 0.1,
+) -> RootTrace:
+    """One ROOT step for one parameter, in place on ``param``, ``momentum_buffer`` (and the
+    robust statistics), one matrix at a time — the readable ground truth.
+
+    ``step`` is this step's count (1 on the first step). Follows the paper's official
+    code (arXiv 2511.20626; reference numerics in docs/performance.md):
+
+    1. momentum (sum form): ``buf = mu buf + g``; ``v = g + mu buf`` (Nesterov) or ``buf``;
+    2. threshold, per matrix: ``eps = quantile(|v|, q) + 1e-9``, ``B = clamp(v, -eps, eps)``;
+    3. orthogonalize, per matrix: ``U = NS_K(B)`` (or SVD / QR);
+    4. decoupled decay with the unscaled lr: ``p = p (1 - lr wd)``;
+    5. scaled step: ``p = p - lr s(rows, cols) U``.
+
+    With ``robust_mean``/``robust_sq`` (seed 002's option, :func:`robust_scale`) their EMAs
+    are updated in step 1 and ``U`` is rescaled before step 4. State is float32; a
+    low-precision parameter is updated in float32 and written back.
+    """
+    g = grad.float()
+    # 1. momentum
+    momentum_buffer.mul_(momentum).add_(g)
+    v = g.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
+    robust = robust_mean is not None and robust_sq is not None
+    beta = 1.0 - 1.0 / robust_window
+    if robust_mean is not None and robust_sq is not None:
+        robust_mean.lerp_(g, 1 - beta)
+        robust_sq.mul_(beta).addcmul_(g, g, value=1 - beta)
+    # 2-3. threshold and orthogonalize each matrix of the parameter's view
+    view = matrix_view(param.shape, nd_view)
+    M = v.reshape(view.batch, view.rows, view.cols)
+    Bs, Us, epss = [], [], []
+    for i in range(view.batch):
+        B_i, eps_i = clip_outliers(M[i], outlier_quantile)
+        U_i = orthogonal_direction(
+            B_i, coefficients, method=ortho_method, dtype=ns_dtype, gram=gram, select=select
+        )
+        Bs.append(B_i)
+        Us.append(U_i)
+        if eps_i is not None:
+            epss.append(eps_i)
+    U = torch.stack(Us)
+    if robust:
+        assert robust_mean is not None and robust_sq is not None
+        U = robust_scale(
+            U,
+            robust_mean.reshape(U.shape),
+            robust_sq.reshape(U.shape),
+            bias_correction=1.0 - beta**step,
+            lam=robust_lambda,
+        )
+    # 4-5. decoupled decay, then the scaled orthogonal step
+    update = U.reshape(param.shape).mul(lr * lr_scale_factor(view.rows, view.cols, lr_scale))
+    p32 = param if param.dtype == torch.float32 else param.float()
+    p32.mul_(1 - lr * weight_decay)
+    p32.sub_(update)
+    if p32 is not param:
+        param.copy_(p32)
+    eps = torch.stack(epss) if epss else None
+    return RootTrace(M, torch.stack(Bs), eps, U, update)
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,12 +28,13 @@ from rootopt.optim.functional import (
     OrthoMethod,
     adamw_update_,
     adamw_update_foreach_,
-    clip_outliers,
+    clip_outliers_,
     lr_scale_factor,
     matrix_telemetry,
     matrix_view,
     orthogonal_direction,
     robust_scale,
+    root_update_,
 )
 from rootopt.ortho import METHODS
 
@@ -46,6 +47,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
+
+
+# Most bytes of float32 matrices the batched path stacks at once (docs/performance.md).
+DEFAULT_BUCKET_BYTES = 32 << 20
+GRAM_MODES = ("auto", "on", "off")
 
 
 class NonFiniteGradientError(ValueError):
@@ -115,6 +121,11 @@ def _check_options(g: dict[str, Any]) -> None:
         raise bad("adamw_eps", "must be >= 0")
     if not isinstance(g["batched"], bool):
         raise bad("batched", "must be True or False")
+    if g.get("ns_gram", "auto") not in GRAM_MODES:
+        raise bad("ns_gram", f"choose one of {GRAM_MODES}")
+    b = g.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        raise bad("bucket_bytes", "must be an integer >= 0 (0: no limit)")
     if g.get("algorithm") not in (None, "root", "adamw"):
         raise bad("algorithm", "choose 'root' or 'adamw'")
 
@@ -154,6 +165,10 @@ class ROOT(Optimizer):
             (off by default), see :func:`rootopt.optim.functional.robust_scale`.
         adamw_betas, adamw_eps: the internal AdamW's constants.
         batched: stack same-shape matrices (fast path) instead of the reference loop.
+        ns_gram: ``"auto"`` runs Newton–Schulz in Gram space where it was measured to pay
+            and hold (:func:`rootopt.ortho.prefer_gram`), ``"on"``/``"off"`` force it.
+        bucket_bytes: most bytes of float32 matrices stacked at once by the batched path
+            (0: no limit); bounds its temporary memory.
         telemetry: record per-matrix diagnostics in ``self.telemetry`` after each step.
         record_spectra: with telemetry, also the normalised singular values of ``B``.
         nonfinite: ``"error"`` raises :class:`NonFiniteGradientError` before anything is
@@ -182,6 +197,8 @@ class ROOT(Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         batched: bool = True,
+        ns_gram: Literal["auto", "on", "off"] = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         telemetry: bool = False,
         record_spectra: bool = False,
         nonfinite: NonFinite = "error",
@@ -204,6 +221,8 @@ class ROOT(Optimizer):
             adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, list) else adamw_betas,
             adamw_eps=adamw_eps,
             batched=batched,
+            ns_gram=ns_gram,
+            bucket_bytes=bucket_bytes,
         )
         _check_options(defaults)
         if nonfinite not in ("error", "skip"):
@@ -323,9 +342,9 @@ class ROOT(Optimizer):
         finite: list[bool] = [True] * len(entries)
         if entries:
             dev = entries[0][2].grad.device  # type: ignore[union-attr]
-            flags = torch.stack(
-                [torch.isfinite(e[2].grad).all().to(dev) for e in entries]  # type: ignore[arg-type]
-            )
+            # min and max of each gradient in one pass (NaN propagates, Inf shows): cheaper
+            # than isfinite().all(), which materialises masks.
+            flags = torch.stack([_finite(cast(Tensor, e[2].grad)).to(dev) for e in entries])
             finite = [bool(f) for f in flags.tolist()]  # the one host sync of the step
         bad = [e[3] for e, ok in zip(entries, finite) if not ok]
         if bad and self.nonfinite == "error":
@@ -401,15 +420,10 @@ class ROOT(Optimizer):
     # ----------------------------------------------------------------------------------
     # ROOT part
     # ----------------------------------------------------------------------------------
-    def _momentum(self, group: dict[str, Any], p: Tensor) -> Tensor:
-        """Update the momentum state of ``p``; return the vector to orthogonalize."""
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            if group["robust_scaling"]:
-                state["robust_mean"] = torch.zeros_like(p, dtype=torch.float32)
-                state["robust_sq"] = torch.zeros_like(p, dtype=torch.float32)
+    def _momentum(self, group: dict[str, Any], p: Tensor, out: Tensor | None = None) -> Tensor:
+        """Create state if needed, update the momentum (and robust statistics) of ``p``;
+        return the vector to orthogonalize (written into ``out`` when given)."""
+        state = self._init_root_state(group, p)
         state["step"] += 1
         g = cast(Tensor, p.grad).float()
         mu = group["momentum"]
@@ -419,7 +433,21 @@ class ROOT(Optimizer):
             beta = 1.0 - 1.0 / group["robust_window"]
             state["robust_mean"].lerp_(g, 1 - beta)
             state["robust_sq"].mul_(beta).addcmul_(g, g, value=1 - beta)
-        return g.add(buf, alpha=mu) if group["nesterov"] else buf
+        if out is None:
+            return g.add(buf, alpha=mu) if group["nesterov"] else buf
+        if group["nesterov"]:
+            return torch.add(g, buf, alpha=mu, out=out.view(p.shape))
+        return out.view(p.shape).copy_(buf)
+
+    def _init_root_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        state: dict[str, Any] = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            if group["robust_scaling"]:
+                state["robust_mean"] = torch.zeros_like(p, dtype=torch.float32)
+                state["robust_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
 
     def _apply(self, group: dict[str, Any], p: Tensor, view: MatrixView, U: Tensor) -> Tensor:
         """Robust scaling (optional), decoupled decay, scaled step. Returns the applied
@@ -458,53 +486,150 @@ class ROOT(Optimizer):
                 M, B, eps, U, step, p, spectra=self.record_spectra
             )
 
+    @staticmethod
+    def _gram(group: dict[str, Any]) -> bool | None:
+        mode = group.get("ns_gram", "auto")
+        return None if mode == "auto" else mode == "on"
+
     def _root_reference(
         self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]
     ) -> None:
-        """One parameter, one matrix at a time: the readable ground truth."""
-        q = group["outlier_quantile"]
+        """One parameter, one matrix at a time: :func:`root_update_`, the ground truth."""
         dtype = _DTYPES[group["ns_dtype"]]
         for _, p, name in entries:
-            v = self._momentum(group, p)
+            state = self._init_root_state(group, p)
+            state["step"] += 1
             view = matrix_view(p.shape, group["nd_view"])
-            sched = self._schedule(group, view.rows, view.cols)
-            M = v.reshape(view.batch, view.rows, view.cols)
-            Bs, Us, epss = [], [], []
-            for i in range(view.batch):
-                B_i, eps_i = clip_outliers(M[i], q)
-                U_i = orthogonal_direction(B_i, sched, method=group["ortho_method"], dtype=dtype)
-                Bs.append(B_i)
-                Us.append(U_i)
-                epss.append(eps_i)
-            U = torch.stack(Us)
-            step = self._apply(group, p, view, U)
+            robust = group["robust_scaling"]
+            trace = root_update_(
+                p,
+                cast(Tensor, p.grad),
+                state["momentum_buffer"],
+                step=state["step"],
+                lr=float(group["lr"]),
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"],
+                coefficients=self._schedule(group, view.rows, view.cols),
+                outlier_quantile=group["outlier_quantile"],
+                ortho_method=group["ortho_method"],
+                ns_dtype=dtype,
+                gram=self._gram(group),
+                lr_scale=group["lr_scale"],
+                nd_view=group["nd_view"],
+                robust_mean=state["robust_mean"] if robust else None,
+                robust_sq=state["robust_sq"] if robust else None,
+                robust_window=group["robust_window"],
+                robust_lambda=group["robust_lambda"],
+            )
             if self.telemetry_enabled:
-                eps = None if q is None else torch.stack(cast(list[Tensor], epss))
-                self._record(name, M, torch.stack(Bs), eps, U, step, p)
+                self._record(name, trace.M, trace.B, trace.eps, trace.U, trace.step, p)
 
     def _root_batched(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
-        """Stack all matrices of one shape (across parameters and stacks) and clip +
-        orthogonalize them in one batched call per shape."""
+        """Stack the matrices of one shape (across parameters and stacks) and clip +
+        orthogonalize them with one selection and one batched iteration per bucket.
+
+        Buckets hold at most ``bucket_bytes`` of float32 matrices (a larger parameter
+        goes alone and is processed in chunks of that size), and a bucket's momentum is
+        computed only when the bucket is processed, so temporaries stay bounded by the
+        budget instead of growing with the model (docs/performance.md, "Memory")."""
         q = group["outlier_quantile"]
         dtype = _DTYPES[group["ns_dtype"]]
-        buckets: dict[
-            tuple[int, int, torch.device], list[tuple[Tensor, str, MatrixView, Tensor]]
-        ] = {}
+        budget = int(group.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+        gram = self._gram(group)
+        method = group["ortho_method"]
+        lr = float(group["lr"])
+        by_shape: dict[tuple[int, int, torch.device], list[tuple[Tensor, str, MatrixView]]] = {}
         for _, p, name in entries:
-            v = self._momentum(group, p)
             view = matrix_view(p.shape, group["nd_view"])
-            M = v.reshape(view.batch, view.rows, view.cols)
-            buckets.setdefault((view.rows, view.cols, p.device), []).append((p, name, view, M))
-        for (rows, cols, _), items in buckets.items():
+            by_shape.setdefault((view.rows, view.cols, p.device), []).append((p, name, view))
+        for (rows, cols, device), items in by_shape.items():
             sched = self._schedule(group, rows, cols)
-            M_all = items[0][3] if len(items) == 1 else torch.cat([it[3] for it in items])
-            B_all, eps_all = clip_outliers(M_all, q)
-            U_all = orthogonal_direction(B_all, sched, method=group["ortho_method"], dtype=dtype)
-            start = 0
-            for p, name, view, M in items:
-                sl = slice(start, start + view.batch)
-                start += view.batch
-                step = self._apply(group, p, view, U_all[sl])
+            matrix_bytes = rows * cols * 4
+            per_chunk = max(1, budget // matrix_bytes) if budget > 0 else 1 << 62
+            scale = lr * lr_scale_factor(rows, cols, group["lr_scale"])
+            for bucket in _buckets(items, per_chunk):
+                n = sum(view.batch for _, _, view in bucket)
+                M_all = torch.empty((n, rows, cols), dtype=torch.float32, device=device)
+                start = 0
+                for p, _, view in bucket:
+                    self._momentum(group, p, out=M_all[start : start + view.batch])
+                    start += view.batch
+                # Clip in place unless telemetry needs M; one chunk per budget.
+                U_all = torch.empty_like(M_all) if n > per_chunk else None
+                B_all, eps_all, U_parts = M_all, [], []
                 if self.telemetry_enabled:
-                    eps = None if eps_all is None else eps_all[sl]
-                    self._record(name, M, B_all[sl], eps, U_all[sl], step, p)
+                    B_all = torch.empty_like(M_all)
+                for c0 in range(0, n, per_chunk):
+                    sl = slice(c0, min(n, c0 + per_chunk))
+                    B, eps = clip_outliers_(M_all[sl], q, out=B_all[sl])
+                    U = orthogonal_direction(B, sched, method=method, dtype=dtype, gram=gram)
+                    if eps is not None:
+                        eps_all.append(eps)
+                    if U_all is not None:
+                        U_all[sl] = U
+                    else:
+                        U_parts.append(U)
+                U_done = U_all if U_all is not None else U_parts[0]
+                self._apply_bucket(group, bucket, U_done, scale, lr)
+                if self.telemetry_enabled:
+                    eps_cat = torch.cat(eps_all) if eps_all else None
+                    start = 0
+                    for p, name, view in bucket:
+                        sl = slice(start, start + view.batch)
+                        start += view.batch
+                        step = U_done[sl].reshape(p.shape) * scale
+                        e = None if eps_cat is None else eps_cat[sl]
+                        self._record(name, M_all[sl], B_all[sl], e, U_done[sl], step, p)
+
+    def _apply_bucket(
+        self,
+        group: dict[str, Any],
+        bucket: list[tuple[Tensor, str, MatrixView]],
+        U_all: Tensor,
+        scale: float,
+        lr: float,
+    ) -> None:
+        """Decay and scaled step for every parameter of a bucket (``_foreach`` for dense
+        float32 parameters without robust scaling; :meth:`_apply` otherwise)."""
+        fast_p, fast_u = [], []
+        start = 0
+        for p, _, view in bucket:
+            U = U_all[start : start + view.batch]
+            start += view.batch
+            if group["robust_scaling"] or p.dtype != torch.float32:
+                self._apply(group, p, view, U)
+            else:
+                fast_p.append(p)
+                fast_u.append(U.reshape(p.shape))
+        if fast_p:
+            torch._foreach_mul_(fast_p, 1 - lr * group["weight_decay"])
+            torch._foreach_add_(fast_p, fast_u, alpha=-scale)
+
+
+def _finite(g: Tensor) -> Tensor:
+    """True when every entry of ``g`` is finite, as a 0-d bool tensor (no host sync)."""
+    if g.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=g.device)
+    lo, hi = torch.aminmax(g)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def _buckets(
+    items: list[tuple[Tensor, str, MatrixView]], per_bucket: int
+) -> list[list[tuple[Tensor, str, MatrixView]]]:
+    """Consecutive runs of ``items`` holding at most ``per_bucket`` matrices (a parameter
+    with more matrices than that forms a bucket of its own)."""
+    out: list[list[tuple[Tensor, str, MatrixView]]] = []
+    cur: list[tuple[Tensor, str, MatrixView]] = []
+    count = 0
+    for item in items:
+        b = item[2].batch
+        if cur and count + b > per_bucket:
+            out.append(cur)
+            cur, count = [], 0
+        cur.append(item)
+        count += b
+    if cur:
+        out.append(cur)
+    return out

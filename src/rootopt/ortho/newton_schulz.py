@@ -1,13 +1,37 @@
-"""Newton–Schulz orthogonalization (2-D and batched 3-D).
+"""Newton–Schulz orthogonalization (2-D and batched 3-D), plain and in Gram space.
 
-For ``G = U S Vᵀ`` the iteration drives every singular value of ``X = G / ||G||_F``
-towards 1 while keeping ``U`` and ``V``: ``A = X Xᵀ; X <- a X + (b A + c A²) X``.
-It runs on the wide orientation (rows <= cols) so the Gram matrix is the small one.
+For ``G = U S Vᵀ`` the iteration drives every singular value of ``X = G / (||G||_F + eps)``
+towards 1 while keeping ``U`` and ``V``: ``A = X Xᵀ; X <- a X + (b A + c A²) X``. It runs
+on the wide orientation (rows <= cols, ``X`` is ``m x n`` with ``m <= n``) so the Gram
+matrix is the small one.
+
+Two ways to run the same K steps (see docs/performance.md for the cost model and the
+measured accuracy):
+
+* :func:`newton_schulz` (plain): ``K (4 m² n + 2 m³)`` flops.
+* :func:`gram_newton_schulz`: every iterate is ``X_k = Q_k X₀`` with ``Q_k`` a polynomial
+  in ``A₀ = X₀ X₀ᵀ``; with ``Z_k = a_k I + b_k A_k + c_k A_k²`` the recursion is
+  ``Q_{k+1} = Z_k Q_k`` and ``A_{k+1} = X_{k+1} X_{k+1}ᵀ = Z_k A_k Z_k``. The K steps then
+  run on ``m x m`` matrices and ``X₀`` is touched twice (``A₀`` and ``Q_K X₀``): about
+  ``4 m² n + 8 K m³`` flops, fewer than the plain iteration once ``n >= 2 m``. The squared
+  spectrum costs precision in low-precision dtypes; :func:`prefer_gram` encodes where it
+  was measured to hold.
+
+Both fold the Frobenius normalisation into the first small matrix: ``||G||_F² =
+trace(G Gᵀ)`` comes with the first Gram matrix, so no separate pass over ``G`` computes it
+and ``X₀`` is never materialised.
+
+Coefficients: a schedule (a sequence of K ``(a, b, c)`` floats), or a float tensor of shape
+``(K, 3)`` (per step) or ``(K, batch, 3)`` (per step and per matrix of a stack). With
+``select``, a callable receiving the per-matrix statistic ``s = ||X₀ X₀ᵀ||_F²`` (shape
+``(batch,)``, ``X₀`` Frobenius-normalised; ``1/s`` is the stable rank of ``X₀ X₀ᵀ``'s
+square root) and returning a ``(K, batch, 3)`` tensor, the coefficients are chosen per
+matrix from the first Gram matrix without a host synchronisation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -17,35 +41,198 @@ from rootopt.coeffs import Coeff
 # Frobenius-normalisation guard, as the official ROOT code: X / (||X||_F + eps).
 NORM_EPS = 1e-7
 
+# Coefficients as accepted by every iteration here.
+Coefficients = Sequence[Coeff] | Tensor
+# ``select(s)`` with ``s = ||X₀ X₀ᵀ||_F²`` of shape ``(batch,)`` -> ``(K, batch, 3)``.
+Selector = Callable[[Tensor], Tensor]
 
-def newton_schulz(
-    G: Tensor,
-    schedule: Sequence[Coeff],
-    *,
-    dtype: torch.dtype = torch.float32,
-    eps: float = NORM_EPS,
-) -> Tensor:
-    """Apply the quintic iterations of ``schedule`` to ``G`` (shape ``(m, n)`` or ``(B, m, n)``).
+# Dtypes in which the normalisation is folded into the small matrix (their range holds
+# the un-normalised Gram matrix); float16 normalises X first.
+_FOLD_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
-    Each matrix in a batch is normalised by its own Frobenius norm. Returns a tensor of
-    ``dtype`` with ``G``'s shape.
-    """
+# Below this short side the Gram form saves too little to pay for its extra launches.
+GRAM_MIN_SIDE = 64
+# The Gram form is used by default from this aspect ratio n/m on (its flops are
+# 4 m² n + 8 K m³ against K (4 m² n + 2 m³): fewer from n ≈ 1.5 m at K = 5; from 2 m
+# on the gain is large enough to survive the smaller matmuls' lower efficiency).
+GRAM_MIN_ASPECT = 2.0
+# Iteration dtypes for which the Gram form is the default: it matched the plain iteration
+# on every spectrum family and was faster. In bfloat16 it is as accurate (its m x m
+# recursion runs in float32) but not faster on CPU, so it is opt-in there
+# (docs/performance.md, section 4).
+GRAM_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+
+
+def prefer_gram(rows: int, cols: int, dtype: torch.dtype) -> bool:
+    """Whether the Gram-space iteration is the default for this shape and dtype."""
+    m, n = min(rows, cols), max(rows, cols)
+    return dtype in GRAM_DTYPES and m >= GRAM_MIN_SIDE and n >= GRAM_MIN_ASPECT * m
+
+
+def _wide(G: Tensor, dtype: torch.dtype, eps: float, name: str) -> tuple[Tensor, bool, bool]:
+    """``(X, transposed, folded)``: ``G`` in ``dtype`` on its wide orientation; already
+    Frobenius-normalised unless ``folded`` (then the caller folds it in)."""
     if G.ndim not in (2, 3):
-        raise ValueError(f"newton_schulz expects a 2-D or 3-D tensor, got shape {tuple(G.shape)}")
+        raise ValueError(f"{name} expects a 2-D or 3-D tensor, got shape {tuple(G.shape)}")
     transpose = G.size(-2) > G.size(-1)
     X = G.to(dtype)
     if transpose:
         X = X.mT
-    # Norm in fp32 at least: a bf16 sum over millions of squares loses digits.
-    norm = X.float().square().sum(dim=(-2, -1), keepdim=True).sqrt()
-    X = (X.float() / (norm + eps)).to(dtype)
-    # addmm/baddbmm fold the scalar combinations into the matmuls:
-    #   B = b A + c A A,   X = a X + B X
+    if dtype in _FOLD_DTYPES:
+        return X, transpose, True
+    # Norm in fp32 at least: a low-precision sum over millions of squares loses digits.
+    norm = torch.linalg.vector_norm(X.float(), dim=(-2, -1), keepdim=True)
+    return (X.float() / (norm + eps)).to(dtype), transpose, False
+
+
+def _first_gram(X: Tensor, eps: float, folded: bool) -> tuple[Tensor, Tensor]:
+    """``(A₀, inv)``: the Gram matrix of the normalised ``X₀`` and ``1/(||X||_F + eps)``
+    (shape ``(..., 1, 1)``, float32 or float64) by which ``X`` is still to be scaled."""
+    A = X @ X.mT
+    acc = torch.float64 if X.dtype == torch.float64 else torch.float32
+    if not folded:
+        return A, torch.ones((*X.shape[:-2], 1, 1), dtype=acc, device=X.device)
+    sq = torch.diagonal(A, dim1=-2, dim2=-1).to(acc).sum(-1)[..., None, None]
+    inv = 1.0 / (sq.sqrt() + eps)
+    return (A * (inv * inv)).to(X.dtype), inv
+
+
+def _coefficient_rows(
+    coefficients: Coefficients, select: Selector | None, A: Tensor
+) -> Sequence[Coeff] | Tensor:
+    """The coefficients to use: the schedule, or a ``(K, batch, 3)`` / ``(K, 3)`` tensor."""
+    batch = A.size(0) if A.ndim == 3 else 1
+    if select is not None:
+        s = A.float().square().sum(dim=(-2, -1)).reshape(batch)
+        C = select(s)
+        if not isinstance(C, Tensor) or C.ndim != 3 or C.size(1) != batch or C.size(2) != 3:
+            got = tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__
+            raise ValueError(f"select must return a (K, {batch}, 3) tensor, got {got}")
+        coefficients = C
+    if isinstance(coefficients, Tensor):
+        C = coefficients
+        ok = (C.ndim == 2 and C.size(1) == 3) or (
+            C.ndim == 3 and C.size(1) in (1, batch) and C.size(2) == 3
+        )
+        if not ok or C.size(0) < 1 or not C.is_floating_point():
+            raise ValueError(
+                f"coefficient tensor must be float (K, 3) or (K, {batch}, 3), got "
+                f"{C.dtype} {tuple(C.shape)}"
+            )
+        return C.to(device=A.device)
+    sched: list[Coeff] = []
+    for t in coefficients:
+        if len(t) != 3:
+            raise ValueError(f"each Newton–Schulz step needs (a, b, c), got {t!r}")
+        sched.append((float(t[0]), float(t[1]), float(t[2])))
+    if not sched:
+        raise ValueError("Newton–Schulz needs at least one (a, b, c) step")
+    return sched
+
+
+def _step_coeffs(
+    C: Sequence[Coeff] | Tensor, k: int, A: Tensor
+) -> tuple[float | Tensor, float | Tensor, float | Tensor]:
+    """Step ``k``'s ``(a, b, c)``: floats, or tensors that broadcast against ``A``."""
+    if not isinstance(C, Tensor):
+        return C[k]
+    row = C[k].to(torch.float64 if A.dtype == torch.float64 else torch.float32)
+    if row.ndim == 2:  # (batch, 3): one triple per matrix
+        shape = (row.size(0), 1, 1) if A.ndim == 3 else (1, 1)
+        if A.ndim == 2 and row.size(0) != 1:
+            raise ValueError(f"per-matrix coefficients of batch {row.size(0)} for one matrix")
+        return tuple(row[:, j].reshape(shape) for j in range(3))  # type: ignore[return-value]
+    return row[0], row[1], row[2]
+
+
+def _poly(A: Tensor, a: float | Tensor, b: float | Tensor, c: float | Tensor) -> Tensor:
+    """``a I + b A + c A²`` (an ``m x m`` matrix per stack entry)."""
+    if isinstance(a, float) and isinstance(b, float) and isinstance(c, float):
+        mm = torch.addmm if A.ndim == 2 else torch.baddbmm
+        Z = mm(A, A, A, beta=b, alpha=c)
+        Z.diagonal(dim1=-2, dim2=-1).add_(a)
+        return Z
+    assert isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(c, Tensor)
+    # Small-matrix arithmetic in (at least) float32, cast back for the big matmul.
+    acc = torch.float64 if A.dtype == torch.float64 else torch.float32
+    Z = torch.addcmul(A.to(acc) * b, (A @ A).to(acc), c)
+    Z.diagonal(dim1=-2, dim2=-1).add_(a if a.ndim == 0 else a.squeeze(-1))
+    return Z.to(A.dtype)
+
+
+def newton_schulz(
+    G: Tensor,
+    coefficients: Coefficients,
+    *,
+    dtype: torch.dtype = torch.float32,
+    eps: float = NORM_EPS,
+    select: Selector | None = None,
+) -> Tensor:
+    """Apply the quintic iterations of ``coefficients`` to ``G`` (``(m, n)`` or ``(B, m, n)``).
+
+    Each matrix in a batch is normalised by its own Frobenius norm. Returns a tensor of
+    ``dtype`` with ``G``'s shape.
+    """
+    X, transpose, folded = _wide(G, dtype, eps, "newton_schulz")
+    A, inv = _first_gram(X, eps, folded)
+    C = _coefficient_rows(coefficients, select, A)
     mm = torch.addmm if X.ndim == 2 else torch.baddbmm
-    for a, b, c in schedule:
-        A = X @ X.mT
-        B = mm(A, A, A, beta=b, alpha=c)
-        X = mm(X, B, X, beta=a)
+    for k in range(len(C)):
+        if k > 0:
+            A = X @ X.mT
+        a, b, c = _step_coeffs(C, k, A)
+        if k > 0 and isinstance(a, float) and isinstance(b, float) and isinstance(c, float):
+            # addmm/baddbmm fold the scalar combinations into the matmuls:
+            #   B = b A + c A A,   X = a X + B X
+            B = mm(A, A, A, beta=b, alpha=c)
+            X = mm(X, B, X, beta=a)
+        else:
+            # X_{k+1} = (a I + b A + c A²) X_k; at k = 0 the normalisation 1/||G|| rides
+            # on the small matrix instead of a pass over G.
+            Z = _poly(A, a, b, c)
+            if k == 0 and folded:
+                Z = (Z * inv).to(X.dtype)
+            X = Z @ X
+    if transpose:
+        X = X.mT
+    return X.contiguous()
+
+
+def gram_newton_schulz(
+    G: Tensor,
+    coefficients: Coefficients,
+    *,
+    dtype: torch.dtype = torch.float32,
+    eps: float = NORM_EPS,
+    select: Selector | None = None,
+) -> Tensor:
+    """The same iteration as :func:`newton_schulz`, run on the ``m x m`` Gram matrix.
+
+    ``X_K = Q_K X₀`` with ``Q_{k+1} = Z_k Q_k``, ``A_{k+1} = Z_k A_k Z_k``,
+    ``Z_k = a_k I + b_k A_k + c_k A_k²`` (all polynomials in ``A₀``, so they commute).
+    Equal to the plain iteration in exact arithmetic; see docs/performance.md for its
+    measured accuracy per dtype and spectrum family.
+    """
+    X, transpose, folded = _wide(G, dtype, eps, "gram_newton_schulz")
+    # The m x m recursion runs in float32 at least: rounding A₀ to bfloat16 turns tiny
+    # eigenvalues negative, and Z A Z then amplifies them every step (measured: errors
+    # of 1e1-1e6 on low-rank spectra; docs/performance.md). Only the two big products
+    # (A₀ from X₀ and Q_K X₀) see X₀'s own dtype.
+    acc = torch.float64 if X.dtype == torch.float64 else torch.float32
+    A, inv = _first_gram(X.to(acc), eps, folded)
+    C = _coefficient_rows(coefficients, select, A)
+    K = len(C)
+    Q: Tensor | None = None
+    for k in range(K):
+        a, b, c = _step_coeffs(C, k, A)
+        Z = _poly(A, a, b, c)
+        Q = Z if Q is None else Z @ Q
+        if k < K - 1:
+            A = Z @ A @ Z
+    assert Q is not None
+    if folded:
+        Q = Q * inv
+    X = Q.to(X.dtype) @ X
     if transpose:
         X = X.mT
     return X.contiguous()
