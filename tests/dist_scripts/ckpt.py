@@ -62,5 +62,6 @@ def run(out_dir: str, ck_dir: str, layout: str, steps: int) -> dict[str, Any]:
 if __name__ == "__main__":
     out, ck, layout, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     init_distributed(backend="gloo", timeout_s=120)
-    write(out, f"ckpt-{layout}-w{dist.get_world_size()}", run(out, ck, layout, steps))
+    res = run(out, ck, layout, steps)
+    write(out, f"ckpt-{res['saved']}", res)
     shutdown()

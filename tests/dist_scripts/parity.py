@@ -3,6 +3,7 @@ FSDP2), owner quantiles, NS work per rank, eager state, lr-0 no-op, missing grad
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -16,6 +17,7 @@ import rootopt.dist.root as droot
 from rootopt.dist import DistributedROOT, init_distributed, shutdown, wrap_model
 
 STEPS = 4
+DEVICE = torch.device("cpu")
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,7 @@ def reference(steps: int) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict
 
 def train(mode: str, steps: int, **opt_kw: Any) -> tuple[torch.nn.Module, DistributedROOT]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
+    model = make_model().to(DEVICE)
     if mode == "ddp":
         model = wrap_model(model, "ddp", find_unused_parameters=True)
     elif mode == "fsdp":
@@ -50,7 +52,7 @@ def train(mode: str, steps: int, **opt_kw: Any) -> tuple[torch.nn.Module, Distri
     inner = model.module if mode == "ddp" and world > 1 else model
     opt = DistributedROOT(groups(inner), **HYPER, **opt_kw)
     for step in range(steps):
-        ids, x, y = global_batch(step)
+        ids, x, y = (t.to(DEVICE) for t in global_batch(step))
         sl = torch.tensor_split(torch.arange(ids.numel()), world)[rank]
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(ids[sl], x[sl]), y[sl]).backward()
@@ -61,7 +63,7 @@ def train(mode: str, steps: int, **opt_kw: Any) -> tuple[torch.nn.Module, Distri
 def max_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> float:
     named = dict(model.named_parameters())
     assert sorted(named) == sorted(ref), (sorted(named), sorted(ref))
-    return max(float((full(named[n]).detach() - ref[n]).abs().max()) for n in ref)
+    return max(float((full(named[n]).detach().cpu() - ref[n]).abs().max()) for n in ref)
 
 
 def state_diff(opt: DistributedROOT, model: torch.nn.Module, ref: dict[str, Any]) -> float:
@@ -72,15 +74,19 @@ def state_diff(opt: DistributedROOT, model: torch.nn.Module, ref: dict[str, Any]
             continue
         for k, v in ref[n].items():
             if isinstance(v, torch.Tensor):
-                worst = max(worst, float((full(st[k]) - v).abs().max()))
+                worst = max(worst, float((full(st[k]).cpu() - v).abs().max()))
             elif st[k] != v:
                 return float("inf")
     return worst
 
 
 def main() -> None:
+    global DEVICE
     out_dir = sys.argv[1]
-    init_distributed(backend="gloo", timeout_s=120)
+    backend = sys.argv[2] if len(sys.argv) > 2 else "gloo"
+    if backend == "nccl":
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    init_distributed(backend=backend, timeout_s=120)  # type: ignore[arg-type]
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_params, ref_state, ref_eps = reference(STEPS)
     init = {n: p.detach().clone() for n, p in make_model().named_parameters()}
@@ -126,7 +132,7 @@ def main() -> None:
     res["ref_eps_w1"] = [ref_eps[f"{s}:w1"] for s in range(STEPS)]
 
     # eager state, lr-0 step with zero gradients changes nothing, a rank without a grad
-    model = wrap_model(make_model(), "fsdp")
+    model = wrap_model(make_model().to(DEVICE), "fsdp")
     opt = DistributedROOT(groups(model), **{**HYPER, "lr": 0.0})
     res["eager_state"] = all(len(opt.state[p]) > 0 for g in opt.param_groups for p in g["params"])
     before = {n: full(p).detach().clone() for n, p in model.named_parameters()}
@@ -136,7 +142,7 @@ def main() -> None:
     res["lr0_change"] = max(
         float((full(p).detach() - before[n]).abs().max()) for n, p in model.named_parameters()
     )
-    ids, x, y = global_batch(0)
+    ids, x, y = (t.to(DEVICE) for t in global_batch(0))
     opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"] = 0.01
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(ids, x), y).backward()

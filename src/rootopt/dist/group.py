@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -165,3 +166,16 @@ def collective(
         raise CollectiveError(
             f"rank {rank}/{size}: collective {name!r} failed after {elapsed:.1f} s: {first}"
         ) from exc
+
+
+def abort(exc: BaseException, code: int = 1) -> NoReturn:
+    """Print ``exc`` as one line on stderr and end the process at once.
+
+    After a collective timed out the process group still has an operation in flight and
+    cannot be shut down cleanly (destroying it may block or abort), so a rank that lost
+    its peers leaves through ``os._exit``; torchrun then stops (or restarts) the others.
+    """
+    print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
