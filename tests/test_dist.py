@@ -209,25 +209,17 @@ def test_two_node_launch_on_localhost(tmp_path: Path) -> None:
     """Two torchrun invocations (--nnodes 2, --node_rank 0/1) rendezvous over loopback;
     the world-2 run equals the single-process reference."""
     port = free_port()
-    procs = [
-        torchrun(
-            "parity.py",
-            1,
-            str(tmp_path),
-            extra=[
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-id",
-                "two-node-test",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-            ],
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
+
+    def launch_args(node: int) -> list[str]:
+        return [
+            "--nnodes", "2",
+            "--node_rank", str(node),
+            "--rdzv-backend", "c10d",
+            "--rdzv-id", "two-node-test",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+        ]  # fmt: skip
+
+    procs = [torchrun("parity.py", 1, str(tmp_path), extra=launch_args(n)) for n in (0, 1)]
     outs = [finish(p) for p in procs]
     for rc, out in outs:
         assert rc == 0, out[-6000:]
