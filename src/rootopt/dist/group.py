@@ -121,8 +121,10 @@ def world(group: dist.ProcessGroup | None = None) -> WorldInfo:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if one is running."""
+    """Wait for every rank (so no peer still has a collective in flight towards this
+    one), then destroy the default process group, if one is running."""
     if dist.is_available() and dist.is_initialized():
+        collective("barrier before shutdown", dist.barrier)
         dist.destroy_process_group()
 
 
