@@ -83,7 +83,7 @@ class StepStats:
 
     ns_matrices: int = 0  # matrices thresholded + orthogonalized on this rank
     ns_cost: float = 0.0  # their estimated multiply-adds (owners.ns_cost)
-    ns_seconds: float = 0.0
+    ns_seconds: float = 0.0  # NaN on the plain single-process step (not timed apart)
     bytes_sent: int = 0  # per rank, payload only (collective algorithms add their own)
     bytes_received: int = 0
     collectives: dict[str, int] = field(default_factory=dict)
@@ -196,6 +196,7 @@ class DistributedROOT(ROOT):
         self.stats = StepStats()
         if info.world_size == 1 and not self._sharded_any():
             self._count_plain()
+            self.stats.ns_seconds = float("nan")
             return super().step(closure)
         if self.telemetry_enabled:
             raise ValueError(
