@@ -177,6 +177,10 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         assert r["eager_state"] is True
         assert r["lr0_change"] == 0.0
         assert r["missing_grad_ok"] is True
+        assert r["fsdp_vs_ddp"] < TOL  # FSDP2 equals DDP
+        # NaN on rank 0 only: all ranks agree to refuse, nothing is updated anywhere
+        assert r["nan_refused"].startswith("non-finite gradient (NaN/Inf) in parameter w1")
+        assert r["nan_change"] == 0.0
     # every matrix orthogonalized exactly once per step, by exactly one rank, cost-balanced
     assert sum(r["ns_matrices"] for r in res) == 6
     assert sum(r["fsdp_ns_matrices"] for r in res) == 6
@@ -289,3 +293,52 @@ def test_nccl_two_gpus_match_single_process(tmp_path: Path) -> None:
     rc, out = finish(torchrun("parity.py", 2, str(tmp_path), "nccl"))
     assert rc == 0, out[-6000:]
     _check_parity(results(tmp_path, "parity", 2), 2)
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoint publication rules (in-process, no process group)
+# ---------------------------------------------------------------------------------------
+def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
+    from rootopt.dist import checkpoint as dck
+
+    model = common.make_model()
+    opt = DistributedROOT(common.groups(model), **common.HYPER)
+    ck = tmp_path / "ck"
+    first = dck.save(ck, 3, model, opt, extra={"data_step": 3})
+    assert first == ck / "dcp-00000003" and dck.inspect(first).valid
+    # never overwritten
+    marker = (first / "rootopt.json").read_bytes()
+    with pytest.raises(dck.DistCheckpointError, match="already exists"):
+        dck.save(ck, 3, model, opt)
+    assert (first / "rootopt.json").read_bytes() == marker
+    # a crash mid-save leaves a hidden partial directory; a newer directory without the
+    # marker (torn copy) and a user's own file are not checkpoints
+    (ck / ".dcp-00000007.partial-abc").mkdir()
+    (ck / "dcp-00000009").mkdir()
+    (ck / "dcp-00000009" / ".metadata").write_bytes(b"x")
+    (ck / "notes.txt").write_text("mine")
+    infos = {c.step: c for c in dck.list_checkpoints(ck)}
+    assert sorted(infos) == [3, 9]
+    assert infos[3].valid and not infos[9].valid
+    assert "rootopt.json unreadable" in infos[9].reason
+    assert dck.latest(ck) == first
+    with pytest.raises(dck.DistCheckpointError, match="dcp-00000009"):
+        dck.load(ck / "dcp-00000009", model, opt)
+    # prune keeps the newest valid ones and touches nothing else
+    dck.save(ck, 5, model, opt)
+    dck.save(ck, 6, model, opt)
+    gone = dck.prune(ck, keep_last=2)
+    assert gone == [first]
+    left = sorted(p.name for p in ck.iterdir())
+    assert left == [
+        ".dcp-00000007.partial-abc",
+        "dcp-00000005",
+        "dcp-00000006",
+        "dcp-00000009",
+        "notes.txt",
+    ]
+    assert (ck / "notes.txt").read_text() == "mine"
+    step, extra = dck.load(dck.latest(ck), model, opt)  # type: ignore[arg-type]
+    assert step == 6 and extra == {}
+    with pytest.raises(ValueError, match="step"):
+        dck.save(ck, -1, model, opt)

@@ -94,6 +94,7 @@ def main() -> None:
     res: dict[str, Any] = {"world": world, "moved": moved}
 
     model, opt = train("ddp", STEPS)
+    ddp_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     res["ddp_param_diff"] = max_diff(model, ref_params)
     res["ddp_state_diff"] = state_diff(opt, model, ref_state)
     res["ns_matrices"] = opt.stats.ns_matrices
@@ -117,6 +118,7 @@ def main() -> None:
     model, opt = train("fsdp", STEPS)
     droot.clip_outliers = plain_clip  # type: ignore[assignment]
     res["fsdp_param_diff"] = max_diff(model, ref_params)
+    res["fsdp_vs_ddp"] = max_diff(model, ddp_params)
     res["fsdp_state_diff"] = state_diff(opt, model, ref_state)
     res["fsdp_ns_matrices"] = opt.stats.ns_matrices
     w1 = dict(model.named_parameters())["w1"]
@@ -150,6 +152,22 @@ def main() -> None:
         model.w4.grad = None  # this rank has no gradient for w4: it must not skip a collective
     opt.step()
     res["missing_grad_ok"] = all(bool(torch.isfinite(full(p)).all()) for p in model.parameters())
+    # a NaN gradient on one rank only: every rank refuses the step, nothing changes
+    model = make_model()
+    opt = DistributedROOT(groups(model), **HYPER)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids, x, y = global_batch(0)
+    torch.nn.functional.mse_loss(model(ids, x), y).backward()
+    if rank == 0:
+        model.w1.grad[0, 0] = float("nan")
+    try:
+        opt.step()
+        res["nan_refused"] = ""
+    except rootopt.NonFiniteGradientError as exc:
+        res["nan_refused"] = str(exc)
+    res["nan_change"] = max(
+        float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
+    )
     write(out_dir, "parity", res)
     shutdown()
 
