@@ -169,7 +169,13 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         # the reference moved the parameters far more than the tolerance: a wrong but
         # non-zero update cannot pass
         assert r["moved"] > 1e-2
-        for key in ("ddp_param_diff", "avg_param_diff", "fsdp_param_diff"):
+        assert r["fsdp_rounds"] == 4
+        for key in (
+            "ddp_param_diff",
+            "avg_param_diff",
+            "fsdp_param_diff",
+            "fsdp_rounds_param_diff",
+        ):
             assert r[key] < TOL, (key, r[key])
         for key in ("ddp_state_diff", "fsdp_state_diff"):
             assert r[key] < TOL, (key, r[key])

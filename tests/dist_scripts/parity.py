@@ -119,6 +119,10 @@ def main() -> None:
     droot.clip_outliers = plain_clip  # type: ignore[assignment]
     res["fsdp_param_diff"] = max_diff(model, ref_params)
     res["fsdp_vs_ddp"] = max_diff(model, ddp_params)
+    # one matrix shape per round: the return all-to-all of a round overlaps the next
+    model, opt = train("fsdp", STEPS, bucket_bytes=256)
+    res["fsdp_rounds_param_diff"] = max_diff(model, ref_params)
+    res["fsdp_rounds"] = opt.stats.collectives.get("all_to_all", 0) // 2
     res["fsdp_state_diff"] = state_diff(opt, model, ref_state)
     res["fsdp_ns_matrices"] = opt.stats.ns_matrices
     w1 = dict(model.named_parameters())["w1"]

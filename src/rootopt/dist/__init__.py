@@ -9,12 +9,14 @@ from __future__ import annotations
 from rootopt.dist.group import (
     CollectiveError,
     CollectiveTimeoutError,
+    PendingCollective,
     WorldInfo,
     abort,
     collective,
     init_distributed,
     resolve_backend,
     shutdown,
+    start_collective,
     world,
 )
 from rootopt.dist.model import unwrap_model, wrap_model
@@ -25,6 +27,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "DistributedROOT",
+    "PendingCollective",
     "StepStats",
     "WorldInfo",
     "abort",
@@ -35,6 +38,7 @@ __all__ = [
     "ns_cost",
     "resolve_backend",
     "shutdown",
+    "start_collective",
     "unwrap_model",
     "world",
     "wrap_model",

@@ -132,6 +132,68 @@ def collective_timeout_s() -> float:
     return _TIMEOUT_S
 
 
+class PendingCollective:
+    """A collective in flight; :meth:`wait` applies the timeout rules of
+    :func:`collective`."""
+
+    def __init__(self, name: str, work: Any, limit: float, rank: int, size: int) -> None:
+        self.name = name
+        self.work = work
+        self.limit = limit
+        self.rank = rank
+        self.size = size
+        self.start = time.monotonic()
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            # measured from the wait, so that overlapped compute does not count
+            begin = time.monotonic()
+            self.work.wait(datetime.timedelta(seconds=self.limit))
+        except Exception as exc:
+            raise _failure(
+                self.name, exc, time.monotonic() - begin, self.limit, self.rank, self.size
+            ) from exc
+        finally:
+            self.work = None
+
+
+def _failure(
+    name: str, exc: BaseException, elapsed: float, limit: float, rank: int, size: int
+) -> CollectiveError:
+    if elapsed >= 0.99 * limit:
+        return CollectiveTimeoutError(
+            f"rank {rank}/{size}: collective {name!r} did not complete within {limit:g} s "
+            "(distributed.timeout_s); a peer rank is hung or has died"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CollectiveError(
+        f"rank {rank}/{size}: collective {name!r} failed after {elapsed:.1f} s: {first}"
+    )
+
+
+def start_collective(
+    name: str,
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    timeout_s: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> PendingCollective:
+    """Start ``fn(*args, async_op=True, group=group, **kwargs)``; wait on the result."""
+    limit = _TIMEOUT_S if timeout_s is None else float(timeout_s)
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    start = time.monotonic()
+    try:
+        work = fn(*args, async_op=True, group=group, **kwargs)
+    except Exception as exc:
+        raise _failure(name, exc, time.monotonic() - start, limit, rank, size) from exc
+    return PendingCollective(name, work, limit, rank, size)
+
+
 def collective(
     name: str,
     fn: Callable[..., Any],
@@ -145,29 +207,11 @@ def collective(
     with ``Work.wait(timeout)``, torch.distributed's own timeout mechanism.
 
     When the wait gives up after the timeout, one :class:`CollectiveTimeoutError` line
-    names this rank, the operation ``name`` and the timeout (a peer rank is hung or gone); any
-    other failure becomes a :class:`CollectiveError` naming rank and operation. Which of
-    the two it is follows from the elapsed time, not from the exception's text.
+    names this rank, the operation ``name`` and the timeout (a peer rank is hung or gone);
+    any other failure becomes a :class:`CollectiveError` naming rank and operation. Which
+    of the two it is follows from the elapsed time, not from the exception's text.
     """
-    limit = _TIMEOUT_S if timeout_s is None else float(timeout_s)
-    rank = dist.get_rank(group)
-    size = dist.get_world_size(group)
-    start = time.monotonic()
-    try:
-        work = fn(*args, async_op=True, group=group, **kwargs)
-        if work is not None:
-            work.wait(datetime.timedelta(seconds=limit))
-    except Exception as exc:
-        elapsed = time.monotonic() - start
-        if elapsed >= 0.99 * limit:
-            raise CollectiveTimeoutError(
-                f"rank {rank}/{size}: collective {name!r} did not complete within {limit:g} s "
-                "(distributed.timeout_s); a peer rank is hung or has died"
-            ) from exc
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CollectiveError(
-            f"rank {rank}/{size}: collective {name!r} failed after {elapsed:.1f} s: {first}"
-        ) from exc
+    start_collective(name, fn, *args, timeout_s=timeout_s, group=group, **kwargs).wait()
 
 
 def abort(exc: BaseException, code: int = 1) -> NoReturn:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rootopt.dist.group import collective, world
+from rootopt.dist.group import PendingCollective, collective, start_collective, world
 from rootopt.dist.owners import assign_owners, chunk_rows, ns_cost
 from rootopt.optim.functional import (
     MatrixView,
@@ -450,7 +450,9 @@ class DistributedROOT(ROOT):
 
     def _root_replicated(self, tasks: list[_Task], rank: int, world_size: int) -> None:
         """Owners orthogonalize; ``all_gather_single`` of the updates, one per round;
-        every rank applies every update to its full copy."""
+        every rank applies every update to its full copy. Rounds run one after another:
+        with two gloo collectives in flight at once, ranks were seen to abort
+        ("terminate called without an active exception"), so nothing overlaps yet."""
         loads = [0.0] * world_size
         dev = _local(tasks[0].p).device
         for rnd in self._rounds(tasks):
@@ -467,15 +469,27 @@ class DistributedROOT(ROOT):
                 send[off : off + t.numel] = U.reshape(-1)
                 off += t.numel
             recv = torch.empty(width * world_size, dtype=torch.float32, device=dev)
-            collective(
+            work = start_collective(
                 "all_gather ROOT updates", _all_gather_fn, recv, send, group=self.process_group
             )
             self.stats.count("all_gather", 4 * width, 4 * width * (world_size - 1))
-            offs = [q * width for q in range(world_size)]
-            for t, o in zip(rnd, owners):
-                U = recv[offs[o] : offs[o] + t.numel]
-                offs[o] += t.numel
-                self._apply_local(t, U)
+            self._finish_gather(work, recv, rnd, owners, width, world_size)
+
+    def _finish_gather(
+        self,
+        work: PendingCollective,
+        recv: Tensor,
+        rnd: list[_Task],
+        owners: list[int],
+        width: int,
+        world_size: int,
+    ) -> None:
+        work.wait()
+        offs = [q * width for q in range(world_size)]
+        for t, o in zip(rnd, owners):
+            U = recv[offs[o] : offs[o] + t.numel]
+            offs[o] += t.numel
+            self._apply_local(t, U)
 
     def _root_sharded(self, tasks: list[_Task]) -> None:
         """FSDP2 parameters: shards → owner (all_to_all_single), whole-matrix threshold +
@@ -551,7 +565,7 @@ class DistributedROOT(ROOT):
                     back.append(U.reshape(t.p.shape)[row0 : row0 + t.splits[s]].reshape(-1))
             send2 = torch.cat(back) if back else torch.zeros(0, device=dev)
             recv2 = torch.empty(sum(in_splits), dtype=torch.float32, device=dev)
-            collective(
+            work = start_collective(
                 "all_to_all ROOT updates to shards",
                 dist.all_to_all_single,
                 recv2,
@@ -565,12 +579,22 @@ class DistributedROOT(ROOT):
                 4 * (sum(out_splits) - out_splits[rank]),
                 4 * (sum(in_splits) - in_splits[rank]),
             )
-            off = 0
-            for d in range(world_size):
-                for t in by_owner[d]:
-                    n = t.splits[rank] * t.rest
-                    self._apply_local(t, recv2[off : off + n])
-                    off += n
+            self._finish_scatter(work, recv2, by_owner, rank)
+
+    def _finish_scatter(
+        self,
+        work: PendingCollective,
+        recv2: Tensor,
+        by_owner: list[list[_Task]],
+        rank: int,
+    ) -> None:
+        work.wait()
+        off = 0
+        for tasks in by_owner:
+            for t in tasks:
+                n = t.splits[rank] * t.rest
+                self._apply_local(t, recv2[off : off + n])
+                off += n
 
 
 def _all_gather_fn(out: Tensor, inp: Tensor, *, async_op: bool, group: Any) -> Any:
