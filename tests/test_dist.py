@@ -348,3 +348,27 @@ def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
     assert step == 6 and extra == {}
     with pytest.raises(ValueError, match="step"):
         dck.save(ck, -1, model, opt)
+
+
+# ---------------------------------------------------------------------------------------
+# process-group helpers (in-process)
+# ---------------------------------------------------------------------------------------
+def test_backend_resolution_and_single_process_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rootopt.dist import init_distributed, resolve_backend, world
+
+    monkeypatch.setattr("rootopt.dist.group._TIMEOUT_S", 1800.0)  # restored afterwards
+    assert resolve_backend("auto", "cpu") == "gloo"
+    assert resolve_backend("gloo", "cpu") == "gloo"
+    if not torch.cuda.is_available():
+        assert resolve_backend("auto") == "gloo"
+        with pytest.raises(ValueError, match="nccl needs a CUDA device"):
+            resolve_backend("nccl")
+    with pytest.raises(ValueError, match="'mpi' is unknown"):
+        resolve_backend("mpi")  # type: ignore[arg-type]
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    info = init_distributed(backend="auto", timeout_s=5)  # no launcher: no process group
+    assert (info.rank, info.world_size, info.backend, info.is_main) == (0, 1, None, True)
+    assert world() == info
+    with pytest.raises(ValueError, match="timeout_s"):
+        init_distributed(timeout_s=0)
