@@ -372,3 +372,14 @@ def test_backend_resolution_and_single_process_world(monkeypatch: pytest.MonkeyP
     assert world() == info
     with pytest.raises(ValueError, match="timeout_s"):
         init_distributed(timeout_s=0)
+
+
+@pytest.mark.slow
+def test_dead_rank_is_reported_without_waiting_for_the_timeout(tmp_path: Path) -> None:
+    rc, out = finish(torchrun("hang.py", 2, str(tmp_path), "60", "die"), timeout=120)
+    assert rc != 0
+    rec = json.loads((tmp_path / "hang-rank0.json").read_text())
+    assert rec["error"] in out.splitlines()
+    assert rec["type"] == "CollectiveError"
+    assert rec["error"].startswith("rank 0/2: collective 'all_reduce gradient flags' failed")
+    assert rec["elapsed"] < 30  # well before the 60 s timeout
