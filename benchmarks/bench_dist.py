@@ -1,0 +1,268 @@
+"""Distributed ROOT: per-rank step time, Newton–Schulz time and work, bytes moved per
+step and peak memory, at several world sizes (CPU processes with gloo, or GPUs with NCCL).
+
+Designs compared, each in its own torchrun launch (so peak memory is per design):
+  * ``root``      DistributedROOT, replicated (DDP) layout: owners by NS cost, updates
+                  gathered with all_gather_single.
+  * ``fsdp``      DistributedROOT on FSDP2-sharded parameters: shards to owners and
+                  updates back with all_to_all_single.
+  * ``broadcast`` rank 0 thresholds + orthogonalizes every matrix and broadcasts the
+                  updates; the other ranks wait (the design this replaces).
+  * ``adamw``     plain DDP AdamW (torch.optim.AdamW, foreach).
+Gradient synchronisation (DDP's all-reduce, FSDP2's reduce-scatter) is the same for every
+design and is not part of the step; its bytes are reported analytically (ring all-reduce:
+2·(W−1)/W·P·4 per rank). Bytes of a design are the payload this rank sends / receives in
+the optimizer step.
+
+Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs root fsdp broadcast adamw]
+       [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_step import transformer_matrices  # noqa: E402
+
+DESIGNS = ("root", "fsdp", "broadcast", "adamw")
+
+
+# ---------------------------------------------------------------------------------------
+# worker (one rank)
+# ---------------------------------------------------------------------------------------
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    root, adamw = [], []
+    for n, p in model.named_parameters():
+        (root if p.ndim == 2 and not n.startswith("wte") else adamw).append(p)
+    return [{"params": root, "algorithm": "root"}, {"params": adamw, "algorithm": "adamw"}]
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    from rootopt.dist import DistributedROOT, init_distributed, ns_cost, shutdown, wrap_model
+    from rootopt.optim.functional import clip_outliers, orthogonal_direction
+
+    info = init_distributed(backend=args.backend, timeout_s=600)
+    dev = torch.device("cuda", info.local_rank) if args.backend == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = transformer_matrices(args.d_model, args.layers, args.vocab).to(dev)
+    full_grads = {n: torch.randn_like(p) * 1e-2 for n, p in model.named_parameters()}
+    if args.design == "fsdp":
+        model = wrap_model(model, "fsdp")
+    params = dict(model.named_parameters())
+    p_root = sum(p.numel() for g in _groups(model)[:1] for p in g["params"])
+    p_all = sum(p.numel() for p in params.values())
+    stats: dict[str, Any] = {}
+
+    def set_grads() -> None:
+        for n, p in params.items():
+            g = full_grads[n]
+            if args.design == "fsdp":
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            else:
+                p.grad = g.clone()
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if args.design in ("root", "fsdp"):
+        opt: torch.optim.Optimizer = DistributedROOT(_groups(model), lr=1e-3)
+
+        def step() -> None:
+            opt.step()
+            s = opt.stats  # type: ignore[attr-defined]
+            stats.update(
+                ns_s=s.ns_seconds,
+                ns_matrices=s.ns_matrices,
+                ns_cost=s.ns_cost,
+                sent=s.bytes_sent,
+                received=s.bytes_received,
+            )
+
+    elif args.design == "adamw":
+        opt = torch.optim.AdamW(params.values(), lr=1e-3, betas=(0.9, 0.95), foreach=True)
+
+        def step() -> None:
+            opt.step()
+            stats.update(ns_s=0.0, ns_matrices=0, ns_cost=0.0, sent=0, received=0)
+
+    else:  # broadcast: rank 0 orthogonalizes everything, then one broadcast
+        opt = DistributedROOT(_groups(model), lr=1e-3)  # for momentum, AdamW and schedules
+        root_group = opt.param_groups[0]
+        mats = root_group["params"]
+        buf = torch.empty(sum(p.numel() for p in mats), device=dev)
+
+        def step() -> None:
+            t0 = time.perf_counter()
+            n_ns, cost = 0, 0.0
+            if info.rank == 0:
+                off = 0
+                for p in mats:
+                    st = opt.state[p]
+                    st["momentum_buffer"].mul_(0.95).add_(p.grad)
+                    v = p.grad.add(st["momentum_buffer"], alpha=0.95)
+                    B, _ = clip_outliers(v, 0.9)
+                    sched = opt._schedule(root_group, *p.shape)
+                    U = orthogonal_direction(B, sched, method="newton_schulz", dtype=torch.float32)
+                    buf[off : off + p.numel()] = U.reshape(-1)
+                    off += p.numel()
+                    n_ns += 1
+                    cost += ns_cost(1, p.shape[0], p.shape[1], root_group["ns_steps"])
+                sync()
+            ns = time.perf_counter() - t0
+            if info.world_size > 1:
+                dist.broadcast(buf, src=0)
+            off = 0
+            for p in mats:
+                p.data.mul_(1 - 1e-4).sub_(buf[off : off + p.numel()].view_as(p), alpha=1e-3)
+                off += p.numel()
+            nbytes = buf.numel() * 4
+            stats.update(
+                ns_s=ns,
+                ns_matrices=n_ns,
+                ns_cost=cost,
+                sent=nbytes * (info.world_size - 1) if info.rank == 0 else 0,
+                received=0 if info.rank == 0 or info.world_size == 1 else nbytes,
+            )
+
+    times, ns_times = [], []
+    for i in range(args.warmup + args.steps):
+        set_grads()
+        if info.world_size > 1:
+            dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            ns_times.append(stats["ns_s"])
+    rec = {
+        "design": args.design,
+        "world": info.world_size,
+        "rank": info.rank,
+        "step_ms": 1e3 * statistics.median(times),
+        "ns_ms": 1e3 * statistics.median(ns_times),
+        "ns_matrices": stats["ns_matrices"],
+        "ns_cost": stats["ns_cost"],
+        "bytes_sent": stats["sent"],
+        "bytes_received": stats["received"],
+        "grad_allreduce_bytes": int(2 * (info.world_size - 1) / info.world_size * p_all * 4),
+        "root_params": p_root,
+        "all_params": p_all,
+        "peak_rss_mib": _peak_rss_mib(),
+        "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None,
+    }
+    with open(Path(args.out) / f"rank{info.rank}.json", "w") as fh:
+        json.dump(rec, fh)
+    shutdown()
+
+
+# ---------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(args: argparse.Namespace, design: str, world: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc_per_node", str(world),
+            "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            str(Path(__file__).resolve()), "--worker", "--design", design, "--out", out,
+            "--d-model", str(args.d_model), "--layers", str(args.layers),
+            "--vocab", str(args.vocab), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--backend", args.backend,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        src = HERE.parent / "src"
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-8000:])
+            raise SystemExit(f"bench_dist: {design} at world {world} failed (rc {proc.returncode})")
+        recs = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+    if len(recs) != world:
+        raise SystemExit(f"bench_dist: {design} at world {world}: {len(recs)} rank results")
+    return recs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS))
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--design", default="root", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    rows: list[dict[str, Any]] = []
+    for world in args.worlds:
+        for design in args.designs:
+            rows.extend(launch(args, design, world))
+    head = (
+        f"{'design':<10}{'W':>3}{'rank':>5}{'step ms':>10}{'NS ms':>9}{'NS mats':>8}"
+        f"{'NS work':>9}{'sent MiB':>10}{'recv MiB':>10}{'grad AR MiB':>12}{'peak RSS MiB':>13}"
+    )
+    print(
+        f"d_model={args.d_model} layers={args.layers} vocab={args.vocab} backend={args.backend} "
+        f"threads/rank={args.threads} steps={args.steps} (median) torch={torch.__version__}"
+    )
+    print(head)
+    mib = 2.0**20
+    for r in rows:
+        total_cost = sum(
+            x["ns_cost"] for x in rows if x["design"] == r["design"] and x["world"] == r["world"]
+        )
+        share = r["ns_cost"] / total_cost if total_cost else float("nan")
+        print(
+            f"{r['design']:<10}{r['world']:>3}{r['rank']:>5}{r['step_ms']:>10.1f}{r['ns_ms']:>9.1f}"
+            f"{r['ns_matrices']:>8}{share:>9.2f}{r['bytes_sent'] / mib:>10.2f}"
+            f"{r['bytes_received'] / mib:>10.2f}{r['grad_allreduce_bytes'] / mib:>12.2f}"
+            f"{r['peak_rss_mib']:>13.0f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

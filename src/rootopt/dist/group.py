@@ -1,0 +1,227 @@
+"""Process-group helpers: start from the launcher's environment, describe the world, and
+run collectives under a timeout that turns a hung peer into one clear error line.
+
+Everything works without a process group: :func:`world` then reports rank 0 of 1 and the
+optimizer falls back to the plain single-process step (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn
+
+import torch
+import torch.distributed as dist
+
+Backend = Literal["auto", "gloo", "nccl"]
+
+# The environment torchrun (and the Kubeflow PyTorchJob operator) sets for every worker.
+_ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank; the message names the rank and the operation."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within the process group's timeout."""
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Where this process sits: global rank/world, the rank on its node, and its node."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // max(self.local_world_size, 1)
+
+
+# Default timeout of collectives issued through :func:`collective`; set by init_distributed.
+_TIMEOUT_S: float = 1800.0
+
+
+def resolve_backend(backend: Backend, device: torch.device | str | None = None) -> str:
+    """``auto`` → ``nccl`` when the device is CUDA (or, with no device given, when CUDA is
+    available), ``gloo`` otherwise. ``nccl`` without CUDA is a user error."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"distributed.backend: {backend!r} is unknown; choose auto, gloo or nccl")
+    dev_type = torch.device(device).type if device is not None else None
+    cuda = torch.cuda.is_available() if dev_type is None else dev_type == "cuda"
+    if backend == "auto":
+        return "nccl" if cuda else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("distributed.backend: nccl needs a CUDA device; use gloo or auto on CPU")
+    return backend
+
+
+def launched_by_torchrun() -> bool:
+    """True when the launcher's rendezvous environment is present."""
+    return all(k in os.environ for k in _ENV_KEYS)
+
+
+def init_distributed(
+    *,
+    backend: Backend = "auto",
+    init_method: str = "env://",
+    timeout_s: float = 1800.0,
+    device: torch.device | str | None = None,
+) -> WorldInfo:
+    """Start the default process group from torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), once.
+
+    Without that environment and with ``init_method='env://'`` nothing is started and the
+    world is rank 0 of 1. ``timeout_s`` is the process group's collective timeout and the
+    default of :func:`collective`. On NCCL the process binds ``cuda:LOCAL_RANK`` first.
+    """
+    global _TIMEOUT_S
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"distributed.timeout_s: must be > 0, got {timeout_s!r}")
+    _TIMEOUT_S = float(timeout_s)
+    if dist.is_available() and dist.is_initialized():
+        return world()
+    if init_method == "env://" and not launched_by_torchrun():
+        return world()
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build of PyTorch")
+    name = resolve_backend(backend, device)
+    if name == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=name,
+        init_method=init_method,
+        timeout=datetime.timedelta(seconds=float(timeout_s)),
+    )
+    return world()
+
+
+def world(group: dist.ProcessGroup | None = None) -> WorldInfo:
+    """Rank and world of ``group`` (the default group); rank 0 of 1 without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return WorldInfo(0, 1, 0, 1, None)
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(local_world, 1)))
+    return WorldInfo(rank, size, local_rank, local_world, str(dist.get_backend(group)))
+
+
+def shutdown() -> None:
+    """Wait for every rank (so no peer still has a collective in flight towards this
+    one), then destroy the default process group, if one is running."""
+    if dist.is_available() and dist.is_initialized():
+        collective("barrier before shutdown", dist.barrier)
+        dist.destroy_process_group()
+
+
+def collective_timeout_s() -> float:
+    return _TIMEOUT_S
+
+
+class PendingCollective:
+    """A collective in flight; :meth:`wait` applies the timeout rules of
+    :func:`collective`."""
+
+    def __init__(self, name: str, work: Any, limit: float, rank: int, size: int) -> None:
+        self.name = name
+        self.work = work
+        self.limit = limit
+        self.rank = rank
+        self.size = size
+        self.start = time.monotonic()
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            # measured from the wait, so that overlapped compute does not count
+            begin = time.monotonic()
+            self.work.wait(datetime.timedelta(seconds=self.limit))
+        except Exception as exc:
+            raise _failure(
+                self.name, exc, time.monotonic() - begin, self.limit, self.rank, self.size
+            ) from exc
+        finally:
+            self.work = None
+
+
+def _failure(
+    name: str, exc: BaseException, elapsed: float, limit: float, rank: int, size: int
+) -> CollectiveError:
+    if elapsed >= 0.99 * limit:
+        return CollectiveTimeoutError(
+            f"rank {rank}/{size}: collective {name!r} did not complete within {limit:g} s "
+            "(distributed.timeout_s); a peer rank is hung or has died"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CollectiveError(
+        f"rank {rank}/{size}: collective {name!r} failed after {elapsed:.1f} s: {first}"
+    )
+
+
+def start_collective(
+    name: str,
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    timeout_s: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> PendingCollective:
+    """Start ``fn(*args, async_op=True, group=group, **kwargs)``; wait on the result."""
+    limit = _TIMEOUT_S if timeout_s is None else float(timeout_s)
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    start = time.monotonic()
+    try:
+        work = fn(*args, async_op=True, group=group, **kwargs)
+    except Exception as exc:
+        raise _failure(name, exc, time.monotonic() - start, limit, rank, size) from exc
+    return PendingCollective(name, work, limit, rank, size)
+
+
+def collective(
+    name: str,
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    timeout_s: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> None:
+    """Run collective ``fn(*args, async_op=True, group=group, **kwargs)`` and wait for it
+    with ``Work.wait(timeout)``, torch.distributed's own timeout mechanism.
+
+    When the wait gives up after the timeout, one :class:`CollectiveTimeoutError` line
+    names this rank, the operation ``name`` and the timeout (a peer rank is hung or gone);
+    any other failure becomes a :class:`CollectiveError` naming rank and operation. Which
+    of the two it is follows from the elapsed time, not from the exception's text.
+    """
+    start_collective(name, fn, *args, timeout_s=timeout_s, group=group, **kwargs).wait()
+
+
+def abort(exc: BaseException, code: int = 1) -> NoReturn:
+    """Print ``exc`` as one line on stderr and end the process at once.
+
+    After a collective timed out the process group still has an operation in flight and
+    cannot be shut down cleanly (destroying it may block or abort), so a rank that lost
+    its peers leaves through ``os._exit``; torchrun then stops (or restarts) the others.
+    """
+    print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,67 @@
+"""Cross-world-size checkpoint step: load the newest checkpoint (if any), check it against
+the single-process reference, train, save. Usage: ckpt.py OUT CKPT_DIR LAYOUT STEPS."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import HYPER, global_batch, groups, make_model, write
+from parity import full, reference
+
+from rootopt.dist import DistributedROOT, init_distributed, shutdown, unwrap_model, wrap_model
+from rootopt.dist import checkpoint as dck
+
+
+def compare(model: torch.nn.Module, opt: DistributedROOT, step: int) -> dict[str, float]:
+    ref_params, ref_state, _ = reference(step)
+    named = dict(unwrap_model(model).named_parameters())
+    pd = max(float((full(named[n]).detach() - ref_params[n]).abs().max()) for n in ref_params)
+    sd = 0.0
+    steps_equal = True
+    for n, st in ref_state.items():
+        for k, v in st.items():
+            got = opt.state[named[n]][k]
+            if isinstance(v, torch.Tensor):
+                sd = max(sd, float((full(got) - v).abs().max()))
+            else:
+                steps_equal &= got == v
+    return {"param_diff": pd, "state_diff": sd, "steps_equal": float(steps_equal)}
+
+
+def run(out_dir: str, ck_dir: str, layout: str, steps: int) -> dict[str, Any]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = wrap_model(make_model(), layout, find_unused_parameters=True)  # type: ignore[arg-type]
+    opt = DistributedROOT(groups(unwrap_model(model)), **HYPER)
+    res: dict[str, Any] = {"world": world, "layout": layout}
+    start = 0
+    path = dck.latest(ck_dir)
+    if path is not None:
+        start, extra = dck.load(path, model, opt)
+        res["loaded_step"] = start
+        res["extra_ok"] = float(extra.get("data_step") == start)
+        res["after_load"] = compare(model, opt, start)
+    for step in range(start, start + steps):
+        ids, x, y = global_batch(step)
+        sl = torch.tensor_split(torch.arange(ids.numel()), world)[rank]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(ids[sl], x[sl]), y[sl]).backward()
+        opt.step()
+    end = start + steps
+    res["after_train"] = compare(model, opt, end)
+    saved = dck.save(
+        ck_dir, end, model, opt, extra={"data_step": end, "rng": torch.get_rng_state()}
+    )
+    res["saved"] = saved.name
+    return res
+
+
+if __name__ == "__main__":
+    out, ck, layout, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    init_distributed(backend="gloo", timeout_s=120)
+    res = run(out, ck, layout, steps)
+    write(out, f"ckpt-{res['saved']}", res)
+    shutdown()

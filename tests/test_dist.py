@@ -1,0 +1,385 @@
+"""Distributed ROOT on CPU with gloo, in real processes launched by torchrun.
+
+Each launch runs a batch of checks (process start is slow) and writes one JSON per rank;
+the assertions are here. Every launch has a timeout so that a hang fails fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import rootopt
+from rootopt.dist import DistributedROOT, assign_owners, chunk_rows, ns_cost
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import common  # noqa: E402
+
+LAUNCH_TIMEOUT_S = 240
+TOL = 2e-6  # float32 round-off after a few steps; a wrong update is off by ~1e-2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT_DIR / "src"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def torchrun(
+    script: str, nproc: int, *args: str, extra: list[str] | None = None
+) -> subprocess.Popen[str]:
+    port = free_port()
+    launch = extra or [
+        "--nnodes", "1",
+        "--rdzv-backend", "c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+    ]  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        *launch,
+        "--nproc_per_node", str(nproc),
+        str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=ROOT_DIR, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {timeout} s (hang?)\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def run_ok(script: str, nproc: int, *args: str) -> None:
+    rc, out = finish(torchrun(script, nproc, *args))
+    assert rc == 0, out[-6000:]
+
+
+def results(out_dir: Path, name: str, world: int) -> list[dict[str, Any]]:
+    files = sorted(out_dir.glob(f"{name}-rank*.json"))
+    assert len(files) == world, [f.name for f in files]
+    return [json.loads(f.read_text()) for f in files]
+
+
+# ---------------------------------------------------------------------------------------
+# in-process: owners, world size 1
+# ---------------------------------------------------------------------------------------
+def test_owners_balance_cost_not_count() -> None:
+    # one big matrix and many small ones: by count rank 0 would get the big one plus
+    # half of the small ones; by cost the big one is alone on its rank
+    costs = [ns_cost(1, 512, 512, 5)] + [ns_cost(1, 64, 64, 5)] * 8
+    owners = assign_owners(costs, 2)
+    assert owners[0] not in owners[1:]
+    loads = [0.0, 0.0]
+    assert assign_owners(costs, 2, loads) == owners
+    assert sum(loads) == pytest.approx(sum(costs))
+    # LPT bound: the busiest rank carries at most the mean plus the largest task
+    big = [float(c) for c in range(1, 40)]
+    loads3 = [0.0] * 3
+    assign_owners(big, 3, loads3)
+    assert max(loads3) <= sum(big) / 3 + max(big)
+    assert ns_cost(1, 10, 33, 5) == ns_cost(1, 33, 10, 5) == 5 * 100 * 76
+
+
+def test_chunk_rows_matches_torch_chunk() -> None:
+    for rows in (0, 1, 2, 5, 10, 18, 33):
+        for world in (1, 2, 3, 4, 8):
+            got = chunk_rows(rows, world)
+            ref = [c.shape[0] for c in torch.arange(rows).chunk(world)] if rows else []
+            ref += [0] * (world - len(ref))
+            assert got == ref, (rows, world)
+            assert sum(got) == rows
+
+
+def test_world_one_is_the_plain_step() -> None:
+    """No process group: DistributedROOT's step is rootopt.ROOT's, bit for bit."""
+    a, b = common.make_model(), common.make_model()
+    opt_a = rootopt.ROOT(common.groups(a), **common.HYPER)
+    opt_b = DistributedROOT(common.groups(b), **common.HYPER)
+    for step in range(3):
+        ids, x, y = common.global_batch(step)
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(ids, x), y).backward()
+            o.step()
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert sorted(pa) == sorted(pb)
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
+    assert opt_b.stats.ns_matrices == 6  # w4, w1, 2 x w3, w2, w5 (unused: no gradient)
+
+
+def test_state_is_created_eagerly_and_lr0_is_a_noop() -> None:
+    model = common.make_model()
+    opt = DistributedROOT(common.groups(model), **{**common.HYPER, "lr": 0.0})
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len(list(model.parameters()))
+    assert all(opt.state[p] for p in params)
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+        ({"bucket_bytes": 1.5}, "bucket_bytes"),
+        ({"average_grads": "yes"}, "average_grads"),
+    ],
+)
+def test_bad_options(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DistributedROOT(common.make_model().parameters(), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# torchrun launches
+# ---------------------------------------------------------------------------------------
+def _check_parity(res: list[dict[str, Any]], world: int) -> None:
+    assert [r["world"] for r in res] == [world] * world
+    for r in res:
+        # the reference moved the parameters far more than the tolerance: a wrong but
+        # non-zero update cannot pass
+        assert r["moved"] > 1e-2
+        assert r["fsdp_rounds"] == 4
+        for key in (
+            "ddp_param_diff",
+            "avg_param_diff",
+            "fsdp_param_diff",
+            "fsdp_rounds_param_diff",
+        ):
+            assert r[key] < TOL, (key, r[key])
+        for key in ("ddp_state_diff", "fsdp_state_diff"):
+            assert r[key] < TOL, (key, r[key])
+        assert r["fsdp_state_sharded"] is True
+        assert r["eager_state"] is True
+        assert r["lr0_change"] == 0.0
+        assert r["missing_grad_ok"] is True
+        assert r["fsdp_vs_ddp"] < TOL  # FSDP2 equals DDP
+        # NaN on rank 0 only: all ranks agree to refuse, nothing is updated anywhere
+        assert r["nan_refused"].startswith("non-finite gradient (NaN/Inf) in parameter w1")
+        assert r["nan_change"] == 0.0
+    # every matrix orthogonalized exactly once per step, by exactly one rank, cost-balanced
+    assert sum(r["ns_matrices"] for r in res) == 6
+    assert sum(r["fsdp_ns_matrices"] for r in res) == 6
+    costs = [r["ns_cost"] for r in res]
+    biggest = ns_cost(1, 33, 16, 5)
+    assert max(costs) <= sum(costs) / world + biggest
+    if world > 1:
+        assert all(r["ns_matrices"] < 6 for r in res)
+    # the (10 x 33) matrix is split unevenly (rows % world != 0) yet its owner's threshold
+    # equals the single-process one: the quantile uses the whole matrix, no padding
+    assert sorted(r["w1_local_rows"] for r in res) == sorted(chunk_rows(10, world))
+    owners = [r for r in res if r["owner_eps_w1"]]
+    assert len(owners) == 1
+    got, ref = owners[0]["owner_eps_w1"], owners[0]["ref_eps_w1"]
+    assert len(got) == len(ref) == 4
+    for g, e in zip(got, ref):
+        assert g == pytest.approx(e, rel=1e-5)
+    # tiny buckets: one all_gather round per matrix shape group
+    assert all(r["avg_rounds"] == 4 for r in res)
+
+
+def test_three_ranks_uneven_match_single_process(tmp_path: Path) -> None:
+    """DDP, own all-reduce and FSDP2 at world 3 (10 and 33 rows, a 2-row and a 1-row
+    matrix) equal single-process ROOT on the same global batch."""
+    run_ok("parity.py", 3, str(tmp_path))
+    _check_parity(results(tmp_path, "parity", 3), 3)
+
+
+def test_two_node_launch_on_localhost(tmp_path: Path) -> None:
+    """Two torchrun invocations (--nnodes 2, --node_rank 0/1) rendezvous over loopback;
+    the world-2 run equals the single-process reference."""
+    port = free_port()
+
+    def launch_args(node: int) -> list[str]:
+        return [
+            "--nnodes", "2",
+            "--node_rank", str(node),
+            "--rdzv-backend", "c10d",
+            "--rdzv-id", "two-node-test",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+        ]  # fmt: skip
+
+    procs = [torchrun("parity.py", 1, str(tmp_path), extra=launch_args(n)) for n in (0, 1)]
+    outs = [finish(p) for p in procs]
+    for rc, out in outs:
+        assert rc == 0, out[-6000:]
+    _check_parity(results(tmp_path, "parity", 2), 2)
+
+
+def test_checkpoint_reshards_across_world_sizes(tmp_path: Path) -> None:
+    """Saved at 2 (DDP) → loaded at 1 (no process group) → saved → loaded at 3 (FSDP2,
+    sharded state) → saved → loaded at 2 (DDP): after every load and every step the
+    parameters and optimizer state equal an uninterrupted single-process run."""
+    import ckpt
+
+    from rootopt.dist import checkpoint as dck
+
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    out.mkdir()
+    run_ok("ckpt.py", 2, str(out), str(ck), "ddp", "2")
+    one = ckpt.run(str(out), str(ck), "none", 1)
+    run_ok("ckpt.py", 3, str(out), str(ck), "fsdp", "1")
+    run_ok("ckpt.py", 2, str(out), str(ck), "ddp", "1")
+    first = results(out, "ckpt-dcp-00000002", 2)
+    fsdp = results(out, "ckpt-dcp-00000004", 3)
+    last = results(out, "ckpt-dcp-00000005", 2)
+    assert [r.get("loaded_step") for r in first] == [None, None]
+    assert one["loaded_step"] == 2 and one["saved"] == "dcp-00000003"
+    assert [r["loaded_step"] for r in fsdp] == [3, 3, 3]
+    assert [r["loaded_step"] for r in last] == [4, 4]
+    for r in first:
+        assert r["after_train"]["param_diff"] < TOL
+    for r in [one, *fsdp, *last]:
+        assert r["extra_ok"] == 1.0
+        for phase in ("after_load", "after_train"):
+            assert r[phase]["param_diff"] < TOL, (r["world"], phase, r[phase])
+            assert r[phase]["state_diff"] < TOL, (r["world"], phase, r[phase])
+            assert r[phase]["steps_equal"] == 1.0
+    infos = dck.list_checkpoints(ck)
+    assert [c.step for c in infos] == [2, 3, 4, 5]
+    assert all(c.valid for c in infos)
+    assert dck.latest(ck) == ck / "dcp-00000005"
+    assert not [p for p in ck.iterdir() if p.name.startswith(".")]  # no temp dir left
+
+
+def test_hung_rank_stops_with_one_line(tmp_path: Path) -> None:
+    """The last rank never reaches the step's collective; rank 0 stops after the
+    collective timeout with one line naming its rank and the operation."""
+    start = time.monotonic()
+    rc, out = finish(torchrun("hang.py", 2, str(tmp_path), "3"), timeout=120)
+    assert rc != 0
+    rec = json.loads((tmp_path / "hang-rank0.json").read_text())
+    assert rec["type"] == "CollectiveTimeoutError"
+    assert rec["error"].startswith("rank 0/2: collective 'all_reduce gradient flags'")
+    assert "within 3 s" in rec["error"]
+    assert 2.9 <= rec["elapsed"] < 30
+    assert rec["error"] in out.splitlines()
+    assert time.monotonic() - start < 100
+
+
+@pytest.mark.slow
+def test_four_ranks_match_single_process(tmp_path: Path) -> None:
+    run_ok("parity.py", 4, str(tmp_path))
+    _check_parity(results(tmp_path, "parity", 4), 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_nccl_two_gpus_match_single_process(tmp_path: Path) -> None:
+    rc, out = finish(torchrun("parity.py", 2, str(tmp_path), "nccl"))
+    assert rc == 0, out[-6000:]
+    _check_parity(results(tmp_path, "parity", 2), 2)
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoint publication rules (in-process, no process group)
+# ---------------------------------------------------------------------------------------
+def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
+    from rootopt.dist import checkpoint as dck
+
+    model = common.make_model()
+    opt = DistributedROOT(common.groups(model), **common.HYPER)
+    ck = tmp_path / "ck"
+    first = dck.save(ck, 3, model, opt, extra={"data_step": 3})
+    assert first == ck / "dcp-00000003" and dck.inspect(first).valid
+    # never overwritten
+    marker = (first / "rootopt.json").read_bytes()
+    with pytest.raises(dck.DistCheckpointError, match="already exists"):
+        dck.save(ck, 3, model, opt)
+    assert (first / "rootopt.json").read_bytes() == marker
+    # a crash mid-save leaves a hidden partial directory; a newer directory without the
+    # marker (torn copy) and a user's own file are not checkpoints
+    (ck / ".dcp-00000007.partial-abc").mkdir()
+    (ck / "dcp-00000009").mkdir()
+    (ck / "dcp-00000009" / ".metadata").write_bytes(b"x")
+    (ck / "notes.txt").write_text("mine")
+    infos = {c.step: c for c in dck.list_checkpoints(ck)}
+    assert sorted(infos) == [3, 9]
+    assert infos[3].valid and not infos[9].valid
+    assert "rootopt.json unreadable" in infos[9].reason
+    assert dck.latest(ck) == first
+    with pytest.raises(dck.DistCheckpointError, match="dcp-00000009"):
+        dck.load(ck / "dcp-00000009", model, opt)
+    # prune keeps the newest valid ones and touches nothing else
+    dck.save(ck, 5, model, opt)
+    dck.save(ck, 6, model, opt)
+    gone = dck.prune(ck, keep_last=2)
+    assert gone == [first]
+    left = sorted(p.name for p in ck.iterdir())
+    assert left == [
+        ".dcp-00000007.partial-abc",
+        "dcp-00000005",
+        "dcp-00000006",
+        "dcp-00000009",
+        "notes.txt",
+    ]
+    assert (ck / "notes.txt").read_text() == "mine"
+    step, extra = dck.load(dck.latest(ck), model, opt)  # type: ignore[arg-type]
+    assert step == 6 and extra == {}
+    with pytest.raises(ValueError, match="step"):
+        dck.save(ck, -1, model, opt)
+
+
+# ---------------------------------------------------------------------------------------
+# process-group helpers (in-process)
+# ---------------------------------------------------------------------------------------
+def test_backend_resolution_and_single_process_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rootopt.dist import init_distributed, resolve_backend, world
+
+    monkeypatch.setattr("rootopt.dist.group._TIMEOUT_S", 1800.0)  # restored afterwards
+    assert resolve_backend("auto", "cpu") == "gloo"
+    assert resolve_backend("gloo", "cpu") == "gloo"
+    if not torch.cuda.is_available():
+        assert resolve_backend("auto") == "gloo"
+        with pytest.raises(ValueError, match="nccl needs a CUDA device"):
+            resolve_backend("nccl")
+    with pytest.raises(ValueError, match="'mpi' is unknown"):
+        resolve_backend("mpi")  # type: ignore[arg-type]
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    info = init_distributed(backend="auto", timeout_s=5)  # no launcher: no process group
+    assert (info.rank, info.world_size, info.backend, info.is_main) == (0, 1, None, True)
+    assert world() == info
+    with pytest.raises(ValueError, match="timeout_s"):
+        init_distributed(timeout_s=0)
+
+
+@pytest.mark.slow
+def test_dead_rank_is_reported_without_waiting_for_the_timeout(tmp_path: Path) -> None:
+    rc, out = finish(torchrun("hang.py", 2, str(tmp_path), "60", "die"), timeout=120)
+    assert rc != 0
+    rec = json.loads((tmp_path / "hang-rank0.json").read_text())
+    assert rec["error"] in out.splitlines()
+    assert rec["type"] == "CollectiveError"
+    assert rec["error"].startswith("rank 0/2: collective 'all_reduce gradient flags' failed")
+    assert rec["elapsed"] < 30  # well before the 60 s timeout
