@@ -139,9 +139,11 @@ def main() -> None:
         print(f"train loss every 5 steps: {' '.join(f'{x:.3f}' for x in logs)}")
         print(f"final train loss (last 5 steps) {logs[-1]:.3f}  eval loss {ev:.3f}")
         if args.resume_at:
+            assert trainer.model is not None
             full = {k: v.clone() for k, v in trainer.model.state_dict().items()}
             ckpt = str(Path(out) / f"checkpoint-{args.resume_at}")
             resumed, _ = run(out, args.steps, resume=ckpt)
+            assert resumed.model is not None
             diff = max(
                 (full[k] - v).abs().max().item() for k, v in resumed.model.state_dict().items()
             )

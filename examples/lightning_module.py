@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,10 +35,12 @@ class DigitsModule(L.LightningModule):
     def __init__(self, lr: float = 3e-3, warmup: int = 20, total: int = 300) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.lr, self.warmup, self.total = lr, warmup, total
         self.net = MLPClassifier(64, 128, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        out: torch.Tensor = self.net(x)
+        return out
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], idx: int) -> torch.Tensor:
         x, y = batch
@@ -51,16 +54,16 @@ class DigitsModule(L.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, y))
         self.log("val_acc", (logits.argmax(-1) == y).float().mean())
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        groups, report = rootopt.param_groups(self, lr=hp.lr, weight_decay=0.01)
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        groups, report = rootopt.param_groups(self, lr=self.lr, weight_decay=0.01)
         print(report)
-        opt = rootopt.ROOT(groups, lr=hp.lr)
+        opt = rootopt.ROOT(groups, lr=self.lr)
+        warmup, total = self.warmup, self.total
 
         def warmup_cosine(step: int) -> float:
-            if step < hp.warmup:
-                return (step + 1) / hp.warmup
-            t = min(1.0, (step - hp.warmup) / max(1, hp.total - hp.warmup))
+            if step < warmup:
+                return (step + 1) / warmup
+            t = min(1.0, (step - warmup) / max(1, total - warmup))
             return 0.5 * (1 + math.cos(math.pi * t))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
