@@ -196,3 +196,18 @@ def test_trainer_resume_from_checkpoint_is_exact(tmp_path: Path) -> None:
     for pid, st in sa["state"].items():
         for key, v in st.items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb["state"][pid][key])), key
+
+
+def test_import_rootopt_and_hf_do_not_import_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rootopt; assert 'rootopt.hf' not in sys.modules; "
+        "rootopt.hf.optimizer_cls_and_kwargs(lr=1e-3); "
+        "print(sorted(m for m in ('transformers', 'lightning', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
