@@ -164,7 +164,8 @@ class VocabFirst(nn.Module):
         super().__init__()
         self.to_logits = nn.Linear(16, 40, bias=False)
         self.tok = nn.Embedding(40, 16)
-        self.mix = nn.Linear(16, 16)
+        self.pos = nn.Embedding(16, 16)  # positions: a table, not the vocabulary
+        self.mix = nn.Linear(16, 16)  # projects to 16 = the position table's size
         self.norm = nn.LayerNorm(16)
 
 

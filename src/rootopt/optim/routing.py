@@ -120,7 +120,23 @@ def _input_embeddings(model: nn.Module) -> list[nn.Embedding | nn.EmbeddingBag]:
 
 
 def _vocab_sizes(model: nn.Module) -> set[int]:
-    sizes = {m.num_embeddings for m in _input_embeddings(model)}
+    """The token vocabulary: ``get_input_embeddings()`` (Hugging Face), else the largest
+    embedding table (position tables are smaller and often equal ``d_model``), plus
+    ``config.vocab_size``."""
+    sizes: set[int] = set()
+    get_in = getattr(model, "get_input_embeddings", None)
+    emb = None
+    if callable(get_in):
+        try:
+            emb = get_in()
+        except (NotImplementedError, AttributeError):
+            emb = None
+    if isinstance(emb, (nn.Embedding, nn.EmbeddingBag)):
+        sizes.add(emb.num_embeddings)
+    else:
+        tables = [m.num_embeddings for m in _input_embeddings(model)]
+        if tables:
+            sizes.add(max(tables))
     cfg = getattr(model, "config", None)
     v = getattr(cfg, "vocab_size", None)
     if isinstance(v, int) and not isinstance(v, bool):
@@ -142,7 +158,7 @@ def find_output_layers(model: nn.Module) -> dict[str, str]:
 
     In order: (1) the module ``model.get_output_embeddings()`` returns (Hugging Face
     models, PEFT models pass it through); (2) the last Linear-like module projecting to
-    the vocabulary (an input embedding's ``num_embeddings`` or ``config.vocab_size``);
+    the vocabulary (the token embedding's ``num_embeddings`` or ``config.vocab_size``);
     (3) the model's last parameter-owning module, when it is Linear-like (the last layer
     of an MLP classifier, a ``fc``/``out`` head). Weights tied to an input embedding are
     recognised per parameter (:attr:`ParamInfo.tied_to_embedding`). Adapter modules
