@@ -211,3 +211,16 @@ def test_import_rootopt_and_hf_do_not_import_transformers() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_prebuilt_optimizer_path(tmp_path: Path) -> None:
+    """The documented alternative for transformers without factories."""
+    model = gpt2()
+    opt = rootopt.hf.create_optimizer(model, lr=1e-3, weight_decay=0.0, ns_steps=3)
+    routed = {n for g in opt.param_groups if g["algorithm"] == "adamw" for n in g["param_names"]}
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= routed
+    assert all(g["weight_decay"] == 0.0 for g in opt.param_groups)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, None))
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    assert trainer.optimizer is opt and trainer.lr_scheduler is not None
