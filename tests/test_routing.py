@@ -72,12 +72,165 @@ def test_custom_rules_and_options() -> None:
     rules = [Rule("everything_adamw", lambda i: True, "adamw")]
     groups, report = param_groups(model, rules=rules)
     assert {r.algorithm for r in report.routes} == {"adamw"}
-    groups, _ = param_groups(model, ns_steps=7, lora_lr_multiplier=2.0, head_names=("nothing",))
+    groups, _ = param_groups(
+        model, ns_steps=7, lora_lr_multiplier=2.0, head_names=("nothing",), detect_heads=False
+    )
     assert all(g["ns_steps"] == 7 for g in groups)
     head = next(g for g in groups if "lm_head.weight" in g["param_names"])
-    assert head["algorithm"] == "root"  # no longer recognised as a head
+    assert head["algorithm"] == "root"  # neither by name nor by structure
+    # by structure alone (it projects to the vocabulary and is the last layer)
+    _, report = param_groups(model, head_names=("nothing",))
+    assert report.by_name()["lm_head.weight"].algorithm == "adamw"
 
 
 def test_unmatched_parameter_is_an_error() -> None:
     with pytest.raises(ValueError, match="no routing rule matches parameter experts"):
         param_groups(Model(tied=False), rules=[Rule("none", lambda i: False, "root")])
+
+
+def test_frozen_parameters_left_out_by_default() -> None:
+    model = Model(tied=False)
+    for p in (*model.tok.parameters(), *model.attn.base.parameters()):
+        p.requires_grad_(False)
+    groups, report = param_groups(model)
+    in_groups = {n for g in groups for n in g["param_names"]}
+    assert in_groups.isdisjoint({"tok.weight", "attn.base.weight", "attn.base.bias"})
+    assert [n for n, _ in report.frozen] == ["tok.weight", "attn.base.weight", "attn.base.bias"]
+    assert sum(k for _, k in report.frozen) == 50 * 16 + 16 * 16 + 16
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(report.counts().values()) == trainable
+    assert "3 frozen tensors (1,072 elements) left out" in str(report)
+
+    groups, report = param_groups(model, include_frozen=True)
+    ids = sorted(id(p) for g in groups for p in g["params"])
+    assert ids == sorted(id(p) for p in model.parameters())
+    base = report.by_name()["attn.base.weight"]
+    assert base.algorithm == "root" and not base.trainable and "frozen" in base.notes()
+    assert sum(report.counts().values()) == trainable  # shares count trained elements only
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no trainable parameters \(13 frozen; pass include"):
+        param_groups(model)
+
+
+def test_package_mlp_classifier_head_found_by_structure() -> None:
+    from rootopt.train.model import MLPClassifier
+
+    model = MLPClassifier(20, 32, 4)
+    groups, report = param_groups(model)
+    r = report.by_name()
+    assert r["net.4.weight"].algorithm == "adamw" and r["net.4.weight"].rule == "output_head"
+    assert r["net.4.weight"].head == "last layer"
+    assert r["net.0.weight"].algorithm == r["net.2.weight"].algorithm == "root"
+    assert [n for g in groups if g["algorithm"] == "root" for n in g["param_names"]] == [
+        "net.0.weight",
+        "net.2.weight",
+    ]
+
+
+class OutLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.hidden = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 3)
+
+
+class OutFirst(nn.Module):
+    """The head is registered before the body and is not the last layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(32, 3)
+        self.inp = nn.Linear(8, 32)
+        self.hidden = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+
+
+def test_head_called_out() -> None:
+    r = param_groups(OutLast())[1].by_name()
+    assert (r["out.weight"].algorithm, r["out.weight"].head) == ("adamw", "last layer")
+    assert r["hidden.weight"].algorithm == "root" and r["inp.weight"].algorithm == "root"
+    r = param_groups(OutFirst())[1].by_name()
+    assert (r["out.weight"].algorithm, r["out.weight"].head) == ("adamw", "name 'out'")
+    assert r["hidden.weight"].algorithm == "root"  # the last Linear is not a head here
+
+
+class VocabFirst(nn.Module):
+    """Untied output projection registered first, under an unrecognised name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_logits = nn.Linear(16, 40, bias=False)
+        self.tok = nn.Embedding(40, 16)
+        self.pos = nn.Embedding(16, 16)  # positions: a table, not the vocabulary
+        self.mix = nn.Linear(16, 16)  # projects to 16 = the position table's size
+        self.norm = nn.LayerNorm(16)
+
+
+def test_output_layer_found_by_vocabulary_size() -> None:
+    r = param_groups(VocabFirst())[1].by_name()
+    assert r["to_logits.weight"].algorithm == "adamw"
+    assert r["to_logits.weight"].head == "projects to vocabulary (40)"
+    assert r["mix.weight"].algorithm == "root"
+    r = param_groups(VocabFirst(), detect_heads=False)[1].by_name()
+    assert r["to_logits.weight"].algorithm == "root"
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.norm = nn.LayerNorm(16)
+
+
+def test_fused_qkv_reported() -> None:
+    groups, report = param_groups(Attn())
+    r = report.by_name()
+    qkv = r["mha.in_proj_weight"]
+    assert (qkv.algorithm, qkv.fused, qkv.split, qkv.matrix) == (
+        "root",
+        "qkv",
+        (16, 16, 16),
+        "48x16",
+    )
+    assert r["mha.out_proj.weight"].fused == "" and r["mha.out_proj.weight"].algorithm == "root"
+    assert "fused qkv [16+16+16]" in str(report)
+    assert report.as_dict()[0]["layout"] == "out,in"
+    assert not any("transposed" in g for g in groups)  # only Conv1D weights get the flag
+
+
+class PeftLike(nn.Module):
+    """PEFT's parameter naming without PEFT: embedding LoRA, DoRA magnitude, a
+    modules_to_save copy of the head (the real library is tested in
+    tests/test_integrations_peft.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Module()
+        self.emb.base_layer = nn.Embedding(30, 8)
+        self.emb.lora_embedding_A = nn.ParameterDict({"default": nn.Parameter(torch.zeros(2, 30))})
+        self.emb.lora_embedding_B = nn.ParameterDict({"default": nn.Parameter(torch.zeros(8, 2))})
+        self.proj = nn.Linear(8, 8)
+        self.proj.lora_magnitude_vector = nn.ModuleDict({"default": nn.Linear(1, 8, bias=False)})
+        self.lm_head = nn.Module()
+        self.lm_head.original_module = nn.Linear(8, 30, bias=False)
+        self.lm_head.modules_to_save = nn.ModuleDict({"default": nn.Linear(8, 30, bias=False)})
+        self.lm_head.original_module.requires_grad_(False)
+
+
+def test_peft_naming_routes() -> None:
+    groups, report = param_groups(PeftLike(), lr=1e-3, lora_lr_multiplier=4.0)
+    r = report.by_name()
+    for n in ("emb.lora_embedding_A.default", "emb.lora_embedding_B.default"):
+        assert (r[n].algorithm, r[n].rule, r[n].lr_mult) == ("adamw", "lora", 4.0)
+    mag = r["proj.lora_magnitude_vector.default.weight"]
+    assert (mag.algorithm, mag.rule, mag.lr_mult) == ("adamw", "dora_magnitude", 4.0)
+    copy = r["lm_head.modules_to_save.default.weight"]
+    assert (copy.algorithm, copy.rule) == ("adamw", "output_head")
+    assert "lm_head.original_module.weight" not in r
+    assert [n for n, _ in report.frozen] == ["lm_head.original_module.weight"]
+    assert r["proj.weight"].algorithm == "root"
+    lora = next(g for g in groups if "emb.lora_embedding_A.default" in g["param_names"])
+    assert lora["lr"] == pytest.approx(4e-3)
