@@ -435,7 +435,7 @@ def markdown(results: dict[str, Any], plots: list[str], img_prefix: str = "") ->
         lines += [
             "## Robustness to gradient corruption",
             "",
-            f"Task {rob['task']}, {rob['seeds']} seeds, no gradient clipping, lr per optimizer: "
+            f"Task {rob['task']}, {rob['steps']} steps (own warmup + cosine), {rob['seeds']} seeds, no gradient clipping, lr per optimizer: "
             + ", ".join(f"{o} {v:.3g} ({rob['lr_source'][o]})" for o, v in rob["lr"].items())
             + f"; wall {rob['wall_s']:.0f} s. Cells: mean final val loss of non-diverged runs "
             "(fraction diverged).",

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,10 @@ WEIGHT_DECAY = 0.1
 # lr grid: multiples of each optimizer's registry lr, half a decade apart (same budget for all).
 FULL_GRID = (10**-0.5, 1.0, 10**0.5, 10.0)
 QUICK_GRID = (1.0,)
-ROBUST_OPTIMIZERS = ("adamw", "momentum", "lamb", "muon", "root", "root-no-suppression")
+ROBUST_OPTIMIZERS = ("adamw", "momentum", "muon", "root", "root-no-suppression")
+# Robustness runs are shorter than the convergence runs (their own warmup + cosine over these
+# steps): the suite compares optimizers under the same stress, not against the clean suite.
+ROBUST_STEPS = 100
 ROBUST_CONDITIONS: tuple[tuple[str, Corruption, float], ...] = (
     ("clean", Corruption(), 1.0),
     ("t(2) noise ×2", Corruption("student_t", scale=2.0, df=2), 1.0),
@@ -259,7 +262,20 @@ def robustness(cfg: BenchConfig, conv: dict[str, Any] | None) -> dict[str, Any]:
         return REGISTRY[opt].lr, "registry default"
 
     specs = [
-        _spec(cfg, "robustness", task, opt, lr_of(opt)[0], seed, clip=None, corruption=c, lr_mult=m)
+        replace(
+            _spec(
+                cfg,
+                "robustness",
+                task,
+                opt,
+                lr_of(opt)[0],
+                seed,
+                clip=None,
+                corruption=c,
+                lr_mult=m,
+            ),
+            steps=cfg.steps(task) if cfg.quick else ROBUST_STEPS,
+        )
         for _, c, m in conditions
         for opt in opts
         for seed in range(seeds)
@@ -281,6 +297,7 @@ def robustness(cfg: BenchConfig, conv: dict[str, Any] | None) -> dict[str, Any]:
             }
     return {
         "task": task,
+        "steps": specs[0].steps if specs else 0,
         "seeds": seeds,
         "clip": None,
         "lr": {o: lr_of(o)[0] for o in opts},
