@@ -144,7 +144,7 @@ def plot_robustness(rob: dict[str, Any], path: Path) -> None:
         xs = [i + (k - (len(opts) - 1) / 2) * w for i in range(len(conds))]
         loss = [rob["table"][c][o]["final_val_loss"][0] for c in conds]
         err = [rob["table"][c][o]["final_val_loss"][1] for c in conds]
-        div = [rob["table"][c][o]["diverged_fraction"] for c in conds]
+        div = [rob["table"][c][o]["diverged_fraction"] or 0.0 for c in conds]
         axes[0].bar(
             xs,
             [v if math.isfinite(v) else 0 for v in loss],
@@ -353,6 +353,9 @@ def robustness_md(rob: dict[str, Any]) -> list[str]:
         for o in opts:
             e = rob["table"][c][o]
             m = e["final_val_loss"][0]
+            if not e["runs"]:
+                row.append("not run")
+                continue
             row.append(
                 (f"{m:.3f}" if math.isfinite(m) else "—") + f" ({e['diverged_fraction']:.0%} div)"
             )

@@ -276,8 +276,13 @@ def run_many(
     label: str,
     show: bool = True,
     on_result: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Run every spec not already finished under ``out_dir``; returns all results in order."""
+    compute: bool = True,
+) -> list[dict[str, Any] | None]:
+    """Run every spec not already finished under ``out_dir``; returns all results in order.
+
+    ``compute=False``: run nothing; specs without a finished result give ``None`` (a report
+    of a partly finished suite).
+    """
     import multiprocessing as mp
 
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
@@ -289,6 +294,10 @@ def run_many(
             results[s.run_id] = r
         else:
             todo.append(s)
+    if not compute:
+        if show and todo:
+            print(f"[{label}] {len(todo)} runs not finished; left out", file=sys.stderr)
+        return [results.get(s.run_id) for s in specs]
     prog = Progress(len(todo), label, show)
     if show and len(results):
         print(f"[{label}] {len(results)} finished runs reused, {len(todo)} to run", file=sys.stderr)

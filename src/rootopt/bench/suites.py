@@ -55,6 +55,7 @@ class BenchConfig:
     progress: bool = True
     grid: Sequence[float] = field(default_factory=lambda: FULL_GRID)
     reduce_costly: bool = False  # run REDUCED_TASKS with CORE_OPTIMIZERS only
+    finished_only: bool = False  # report the finished runs, run nothing
 
     def optimizers_for(self, task: str) -> list[str]:
         if self.reduce_costly and task in REDUCED_TASKS:
@@ -132,12 +133,22 @@ def convergence(cfg: BenchConfig) -> dict[str, Any]:
     order = sorted(sweep, key=lambda s: (TASKS[s.task].kind != "lm", s.optimizer != "shampoo"))
     by_id = {
         r["run_id"]: r
-        for r in run_many(order, cfg.out, workers=cfg.workers, label="lr sweep", show=cfg.progress)
+        for r in run_many(
+            order,
+            cfg.out,
+            workers=cfg.workers,
+            label="lr sweep",
+            show=cfg.progress,
+            compute=not cfg.finished_only,
+        )
+        if r is not None
     }
-    sweep_res = [by_id[s.run_id] for s in sweep]
+    sweep_res = [by_id.get(s.run_id) for s in sweep]
     best: dict[tuple[str, str], float] = {}
     grid_rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for s, r in zip(sweep, sweep_res):
+        if r is None:
+            continue
         grid_rows.setdefault(s.task, {}).setdefault(s.optimizer, []).append(
             {
                 "lr": s.lr,
@@ -157,14 +168,29 @@ def convergence(cfg: BenchConfig) -> dict[str, Any]:
         for task in cfg.tasks
         for opt in cfg.optimizers_for(task)
         for seed in range(cfg.seeds)
+        if (task, opt) in best
     ]
-    seed_res = run_many(seeds, cfg.out, workers=cfg.workers, label="seeds", show=cfg.progress)
+    seed_res = run_many(
+        seeds,
+        cfg.out,
+        workers=cfg.workers,
+        label="seeds",
+        show=cfg.progress,
+        compute=not cfg.finished_only,
+    )
     per_task: dict[str, Any] = {}
     for task in cfg.tasks:
         runs = {
-            opt: [r for s, r in zip(seeds, seed_res) if s.task == task and s.optimizer == opt]
+            opt: [
+                r
+                for s, r in zip(seeds, seed_res)
+                if s.task == task and s.optimizer == opt and r is not None
+            ]
             for opt in cfg.optimizers_for(task)
         }
+        runs = {opt: rs for opt, rs in runs.items() if rs}
+        if not runs:
+            continue
         adamw = runs.get("adamw") or next(iter(runs.values()))
         target = _mean_std([r["final_val_loss"] for r in adamw])[0]
         rows_out: dict[str, Any] = {}
@@ -208,7 +234,7 @@ def convergence(cfg: BenchConfig) -> dict[str, Any]:
             "steps": cfg.steps(task),
             "target_val_loss": target,
             "optimizers": rows_out,
-            "grid": grid_rows[task],
+            "grid": grid_rows.get(task, {}),
         }
     return {
         "grid_multipliers": list(cfg.grid),
@@ -238,7 +264,7 @@ def lr_robustness(conv: dict[str, Any]) -> dict[str, Any]:
                 "worst_over_best": (max(finite) / best)
                 if finite and len(finite) == len(losses)
                 else None,
-                "smoothness_at_best": tv["optimizers"][opt]["smoothness"][0],
+                "smoothness_at_best": tv["optimizers"].get(opt, {}).get("smoothness", [None])[0],
             }
         out[task] = rows
     return out
@@ -280,18 +306,25 @@ def robustness(cfg: BenchConfig, conv: dict[str, Any] | None) -> dict[str, Any]:
         for opt in opts
         for seed in range(seeds)
     ]
-    res = run_many(specs, cfg.out, workers=cfg.workers, label="robustness", show=cfg.progress)
+    res = run_many(
+        specs,
+        cfg.out,
+        workers=cfg.workers,
+        label="robustness",
+        show=cfg.progress,
+        compute=not cfg.finished_only,
+    )
     table: dict[str, dict[str, Any]] = {}
     for label, c, m in conditions:
         for opt in opts:
             rs = [
                 r
                 for s, r in zip(specs, res)
-                if s.optimizer == opt and s.corruption == c and s.lr_mult == m
+                if s.optimizer == opt and s.corruption == c and s.lr_mult == m and r is not None
             ]
             table.setdefault(label, {})[opt] = {
                 "runs": len(rs),
-                "diverged_fraction": sum(r["diverged"] for r in rs) / max(1, len(rs)),
+                "diverged_fraction": sum(r["diverged"] for r in rs) / len(rs) if rs else None,
                 "final_val_loss": _mean_std([r["final_val_loss"] for r in rs]),
                 "errors": sorted({r["error"] for r in rs if r["error"]}),
             }

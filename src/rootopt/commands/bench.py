@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizers", default="", help="comma-separated subset of optimizers")
     p.add_argument("--seeds", type=int, default=0, help="seeds at the best lr (default 3; quick 1)")
     p.add_argument("--workers", type=int, default=2, help="parallel processes, one thread each")
+    p.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="run nothing; report the runs already finished in --out (a partial suite)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -119,6 +124,7 @@ def run(argv: list[str]) -> int:
         optimizers=opts,
         seeds=args.seeds or (1 if args.quick else 3),
         reduce_costly=not args.quick and not args.optimizers,
+        finished_only=args.finished_only,
         workers=args.workers,
         progress=not args.no_progress,
         grid=suites.QUICK_GRID if args.quick else suites.FULL_GRID,
@@ -132,7 +138,7 @@ def run(argv: list[str]) -> int:
         results["lr_robustness"] = suites.lr_robustness(results["convergence"])
     if s in ("robustness", "all"):
         results["robustness"] = suites.robustness(cfg, results.get("convergence"))
-    if s in ("overhead", "all"):
+    if s in ("overhead", "all") and not (args.finished_only and "overhead" in results):
         results["overhead"] = overhead(quick=args.quick, optimizers=opts, progress=cfg.progress)
     results["meta"] = {
         **_meta(args, argv),
