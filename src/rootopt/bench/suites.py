@@ -42,6 +42,9 @@ ROBUST_TASK = "stdlib"
 # --optimizers names a set explicitly). Every optimizer runs every other task.
 CORE_OPTIMIZERS = ("adamw", "adam", "lamb", "momentum", "muon", "root", "root-no-suppression")
 REDUCED_TASKS = ("kjv",)
+# Left out of the full suite for cost (--quick still trains them): Shampoo on bbc needs a
+# 2000×2000 inverse matrix root per step for the TF-IDF input layer.
+FULL_SKIP = (("bbc", "shampoo"),)
 
 
 @dataclass
@@ -60,6 +63,8 @@ class BenchConfig:
     def optimizers_for(self, task: str) -> list[str]:
         if self.reduce_costly and task in REDUCED_TASKS:
             return [o for o in self.optimizers if o in CORE_OPTIMIZERS]
+        if self.reduce_costly:
+            return [o for o in self.optimizers if (task, o) not in FULL_SKIP]
         return list(self.optimizers)
 
     def steps(self, task: str) -> int:
