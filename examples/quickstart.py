@@ -1,59 +1,31 @@
 """Quickstart: train a small byte-level transformer on real text with ROOT.
 
 The text is CPython's own standard-library source (present on every Python install), so
-this runs offline. Prints the routing table, then the loss falling.
+this runs offline. The model is the same Llama-style LM that ``rootopt train`` and
+``rootopt bench`` use. Prints the routing table, then the loss falling.
 
-    python examples/quickstart.py [--steps 150] [--optimizer root|adamw|muon]
+    python examples/quickstart.py [--steps 150] [--optimizer root|adamw|muon|...]
 """
 
 from __future__ import annotations
 
 import argparse
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 import rootopt
+from rootopt.config import ModelConfig
+from rootopt.data.corpora import text_bytes
+from rootopt.optim.registry import REGISTRY
+from rootopt.train.model import LlamaLM
 
 
 def stdlib_bytes(limit: int = 2_000_000) -> torch.Tensor:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
-
-
-class ByteLM(nn.Module):
-    def __init__(self, d: int = 128, layers: int = 2, heads: int = 4, ctx: int = 128) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(256, d)
-        self.pos = nn.Embedding(ctx, d)
-        layer = nn.TransformerEncoderLayer(
-            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, 256, bias=False)
-        self.lm_head.weight = self.tok.weight  # tied: routed to AdamW with the embedding
-        nn.init.normal_(self.tok.weight, std=0.02)
-        nn.init.normal_(self.pos.weight, std=0.02)
-        self.register_buffer(
-            "mask", nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.size(1)
-        h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
-        return self.lm_head(self.norm(h))
+    return torch.frombuffer(
+        bytearray(text_bytes("stdlib", max_bytes=limit)), dtype=torch.uint8
+    ).long()
 
 
 def main() -> None:
@@ -62,13 +34,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--optimizer", default="root", choices=rootopt.optim.OPTIMIZER_NAMES)
+    ap.add_argument("--optimizer", default="root", choices=list(REGISTRY))
     args = ap.parse_args()
     torch.manual_seed(0)
     data = stdlib_bytes()
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
-    model = ByteLM(ctx=args.ctx)
+    model = LlamaLM(ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2), args.ctx)
     opt, report = rootopt.make_optimizer(args.optimizer, model, lr=args.lr, weight_decay=0.1)
     if report is not None:
         print(report, "\n")

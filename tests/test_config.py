@@ -58,7 +58,7 @@ BAD = [
         ["mixed_precision.loss_scale=huge"],
         "mixed_precision.loss_scale: expected 'dynamic' or a positive number",
     ),
-    (["optimization.optimizer=adagrad"], "optimization.optimizer: expected one of root, adamw"),
+    (["optimization.optimizer=adagradx"], "optimization.optimizer: expected one of root, adamw"),
     (
         ["optimization.clip.mode=sometimes"],
         "optimization.clip.mode: expected one of norm, value, adaptive, none",

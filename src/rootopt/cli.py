@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "report": "check a run directory against the validation criteria",
     "diagnose": "gradient-range / update-ratio / loss-surface diagnostics",
     "coeffs": "fit, show and benchmark Newton–Schulz coefficients (AdaNewton)",
+    "bench": "benchmark ROOT against the optimizer family (convergence, lr, robustness, overhead)",
 }
 
 # Import names of the packages in the `train` and `bench` extras (pyproject.toml).

@@ -15,8 +15,10 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from rootopt.config.schema import Config
+from rootopt.optim.registry import REGISTRY
 
-OPTIMIZERS: tuple[str, ...] = ("root", "adamw", "adam", "sgd", "muon", "lamb", "shampoo")
+# The optimizer registry is the one list of valid names.
+OPTIMIZERS: tuple[str, ...] = tuple(REGISTRY)
 
 
 class ConfigError(ValueError):

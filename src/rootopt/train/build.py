@@ -14,6 +14,7 @@ from torch import nn
 
 from rootopt.config import Config, ConfigError, loss_scale_value
 from rootopt.optim import make_optimizer
+from rootopt.optim.registry import get as optimizer_spec
 
 
 class TrainingError(RuntimeError):
@@ -101,25 +102,12 @@ def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimize
     """The configured optimizer and a printable routing table ('' when not ROOT/Muon)."""
     o = cfg.optimization
     name = o.optimizer.lower()
-    extra: dict[str, Any] = {}
-    if name == "root":
-        extra = dict(
-            momentum=o.momentum,
-            nesterov=o.nesterov,
-            ns_steps=o.ns_steps,
-            ns_coefficients=o.ns_coefficients,
-            outlier_quantile=o.outlier_quantile,
-            lr_scale=o.lr_scale,
-            ortho_method=o.ortho_method,
-            telemetry=o.telemetry,
-            nonfinite="error",
-        )
-    elif name == "muon":
-        extra = dict(
-            momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, telemetry=o.telemetry
-        )
-    elif name == "sgd":
-        extra = dict(momentum=o.momentum)
+    try:
+        spec = optimizer_spec(name)
+    except ValueError as exc:
+        raise ConfigError([f"optimization: {str(exc).splitlines()[0]}"]) from None
+    # The registry names which optimization.* keys each optimizer takes.
+    extra: dict[str, Any] = {k: getattr(o, k) for k in spec.config_options}
     try:
         opt, report = make_optimizer(
             name,

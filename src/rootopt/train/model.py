@@ -1,4 +1,9 @@
-"""Models for the training system: a small Llama-style causal LM and an MLP classifier.
+"""Models for the training system and the benchmarks — one definition per task.
+
+* :class:`LlamaLM`: byte-level causal LM (``rootopt train``, the LM benchmarks, the quickstart).
+* :class:`MLPClassifier`: feature-vector classifier (``model.kind=mlp``, BBC News topics).
+* :class:`DigitsCNN`: a small CNN for 8×8 digit images, so conv kernels (4-D) go through
+  ROOT flattened to ``(out, in·kh·kw)``.
 
 Llama block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``; attention
 uses rotary position embeddings (RoPE) on queries/keys and grouped-query attention (GQA:
@@ -152,6 +157,25 @@ class MLPClassifier(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.net(x)
+        return out
+
+
+class DigitsCNN(nn.Module):
+    """Two 3×3 conv layers (the second strided) and a linear head: ``(B, 1, 8, 8) -> (B, classes)``.
+
+    The head is named ``head`` so ROOT's routing sends it to AdamW (like an LM head); the
+    conv kernels are routed to ROOT.
+    """
+
+    def __init__(self, classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1, stride=2)
+        self.head = nn.Linear(2 * width * 4 * 4, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.gelu(self.conv2(F.gelu(self.conv1(x))))
+        out: Tensor = self.head(h.flatten(1))
         return out
 
 

@@ -1,0 +1,326 @@
+"""One benchmark run, and many of them in parallel processes, resumable.
+
+A run is plain data (:class:`RunSpec`); its result is one JSON file named by the spec's hash
+under ``<out>/runs/``, written atomically by the worker that ran it. A rerun of the suite
+skips every spec whose result file exists, so an interrupted suite resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1  # bump when the meaning of a run's result changes; old results are then rerun
+
+
+@dataclass(frozen=True)
+class Corruption:
+    """Gradient corruption injected after ``backward`` and before the optimizer step.
+
+    ``student_t``: every element gets ``scale · rms(g) · t_df`` noise (heavy-tailed).
+    ``outliers``: each element, with probability ``rate``, gets ``± scale · rms(g)`` added
+    (sparse, large). ``rms(g)`` is the tensor's own gradient RMS at that step.
+    """
+
+    kind: str = "none"  # none | student_t | outliers
+    scale: float = 0.0
+    rate: float = 0.0
+    df: int = 2  # integer degrees of freedom (2: infinite variance)
+
+    @property
+    def tag(self) -> str:
+        if self.kind == "student_t":
+            return f"t{self.df:g}x{self.scale:g}"
+        if self.kind == "outliers":
+            return f"out{self.rate:g}x{self.scale:g}"
+        return "clean"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    suite: str
+    task: str
+    optimizer: str
+    lr: float
+    seed: int
+    steps: int
+    weight_decay: float
+    clip: float | None = 1.0
+    corruption: Corruption = field(default_factory=Corruption)
+    lr_mult: float = 1.0  # the robustness suite's lr ×3 / ×10 (lr holds the base value)
+
+    @property
+    def run_id(self) -> str:
+        blob = json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True)
+        digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
+        return f"{self.task}-{self.optimizer}-lr{self.lr:.3g}-s{self.seed}-{self.corruption.tag}-x{self.lr_mult:g}-{digest}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> RunSpec:
+        d = dict(d)
+        d["corruption"] = Corruption(**d.get("corruption", {}))
+        return RunSpec(**d)
+
+
+def _corrupt(params: Sequence[Any], c: Corruption, gen: Any) -> None:
+    import torch
+
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        rms = g.pow(2).mean().sqrt()
+        if c.kind == "student_t":
+            # t_df = z / sqrt(chi2_df / df), chi2_df a sum of df squared normals (integer df),
+            # all drawn from the run's own noise generator so corruption is repeatable.
+            k = max(1, round(c.df))
+            z = torch.randn(g.shape, generator=gen)
+            chi2 = torch.randn((k, *g.shape), generator=gen).pow(2).sum(0)
+            g.add_(z / (chi2 / k).sqrt() * rms * c.scale)
+        elif c.kind == "outliers":
+            mask = torch.rand(g.shape, generator=gen) < c.rate
+            sign = torch.randint(0, 2, g.shape, generator=gen).mul_(2).sub_(1)
+            g.add_(mask * sign * rms * c.scale)
+
+
+def run_one(spec: RunSpec, out_dir: str, progress: Any = None) -> dict[str, Any]:
+    """Train one run and write ``<out_dir>/runs/<run_id>.json``; returns the result."""
+    import torch
+
+    from rootopt._atomic import atomic_write
+    from rootopt.bench.tasks import load_task_data, task
+    from rootopt.optim import NonFiniteGradientError
+    from rootopt.optim.registry import make_optimizer
+    from rootopt.train.model import loss_fn
+    from rootopt.train.schedule import LRMultiplier
+
+    torch.set_num_threads(1)
+    t_all = time.perf_counter()
+    t = task(spec.task)
+    data = load_task_data(spec.task)
+    torch.manual_seed(spec.seed)
+    model = t.model()
+    lr = spec.lr * spec.lr_mult
+    opt, _ = make_optimizer(spec.optimizer, model, lr=lr, weight_decay=spec.weight_decay)
+    warmup = max(1, spec.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, LRMultiplier("cosine", warmup=warmup, total=spec.steps, min_ratio=0.1)
+    )
+    gen = torch.Generator().manual_seed(10_000 + spec.seed)
+    noise_gen = torch.Generator().manual_seed(20_000 + spec.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    init_loss, init_acc = t.evaluate(model, data)
+    evals: list[dict[str, Any]] = [
+        {"step": 0, "val_loss": init_loss, "val_acc": init_acc, "train_s": 0.0}
+    ]
+    train_loss: list[float] = []
+    step_times: list[float] = []
+    diverged, error = False, ""
+    train_s = 0.0
+    for step in range(1, spec.steps + 1):
+        t0 = time.perf_counter()
+        x, y = t.batch(data, gen)
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if spec.corruption.kind != "none":
+            _corrupt(params, spec.corruption, noise_gen)
+        if spec.clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, spec.clip)
+        try:
+            opt.step()
+        except NonFiniteGradientError as exc:
+            diverged, error = True, f"non-finite gradient: {exc}"
+        sched.step()
+        lv = float(loss.detach())
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        train_s += dt
+        train_loss.append(lv)
+        if not math.isfinite(lv) or diverged:
+            diverged = True
+            error = error or "non-finite training loss"
+            break
+        if step % t.eval_every == 0 or step == spec.steps:
+            vl, va = t.evaluate(model, data)
+            evals.append({"step": step, "val_loss": vl, "val_acc": va, "train_s": train_s})
+            if not math.isfinite(vl):
+                diverged, error = True, "non-finite validation loss"
+                break
+        if progress is not None and (step % 10 == 0 or step == spec.steps):
+            progress.put((spec.run_id, step, spec.steps))
+    final = evals[-1]
+    if not diverged and final["val_loss"] >= init_loss:
+        diverged, error = True, "final validation loss not below the initial loss"
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in (s.values() if isinstance(s, dict) else [])
+        if isinstance(v, torch.Tensor)
+    )
+    sorted_times = sorted(step_times[len(step_times) // 5 :] or step_times)
+    result: dict[str, Any] = {
+        "format": FORMAT,
+        "run_id": spec.run_id,
+        "spec": spec.to_dict(),
+        "initial_val_loss": init_loss,
+        "final_val_loss": final["val_loss"] if not diverged else float("nan"),
+        "final_val_acc": final["val_acc"] if not diverged else None,
+        "last_eval": final,
+        "evals": evals,
+        "train_loss": train_loss,
+        "diverged": diverged,
+        "error": error,
+        "steps_done": len(train_loss),
+        "step_time_s": sorted_times[len(sorted_times) // 2] if sorted_times else None,
+        "optimizer_state_bytes": state_bytes,
+        "param_count": sum(p.numel() for p in params),
+        "wall_s": time.perf_counter() - t_all,
+    }
+    path = Path(out_dir) / "runs" / f"{spec.run_id}.json"
+    atomic_write(path, json.dumps(result).encode())
+    return result
+
+
+def load_result(out_dir: Path, spec: RunSpec) -> dict[str, Any] | None:
+    path = out_dir / "runs" / f"{spec.run_id}.json"
+    if not path.is_file():
+        return None
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # a torn or foreign file: the run is redone
+    return data if data.get("format") == FORMAT and data.get("run_id") == spec.run_id else None
+
+
+def _worker_init() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
+class Progress:
+    """Overall bar (runs done / total) plus the step of every active run, on stderr."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.done, self.label, self.enabled = total, 0, label, enabled
+        self.active: dict[str, tuple[int, int]] = {}
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def step(self, run_id: str, step: int, steps: int) -> None:
+        self.active[run_id] = (step, steps)
+        self.show()
+
+    def finish(self, run_id: str, line: str) -> None:
+        self.done += 1
+        self.active.pop(run_id, None)
+        if self.enabled:
+            self._clear()
+            el = time.perf_counter() - self.t0
+            print(f"[{self.label} {self.done}/{self.total} {el:5.0f}s] {line}", file=sys.stderr)
+        self.show(force=True)
+
+    def _clear(self) -> None:
+        if self.tty:
+            print("\r\033[K", end="", file=sys.stderr)
+
+    def show(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or not self.tty or (not force and now - self.last < 0.3):
+            return
+        self.last = now
+        runs = "  ".join(
+            f"{rid.split('-')[0]}/{rid.split('-')[1]} {s}/{n}"
+            for rid, (s, n) in self.active.items()
+        )
+        print(
+            f"\r\033[K{self.label}: {self.done}/{self.total} runs done | {runs}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    s = r["spec"]
+    fin = r["last_eval"]
+    acc = f" acc {fin['val_acc']:.3f}" if fin.get("val_acc") is not None else ""
+    status = "DIVERGED " if r["diverged"] else ""
+    return (
+        f"{s['task']:<7} {s['optimizer']:<20} lr {s['lr'] * s['lr_mult']:.2e} seed {s['seed']} "
+        f"{s['corruption']['kind'] if s['corruption']['kind'] != 'none' else ''} "
+        f"{status}val {fin['val_loss']:.4f}{acc} ({r['wall_s']:.1f}s)"
+    )
+
+
+def run_many(
+    specs: Sequence[RunSpec],
+    out_dir: Path,
+    *,
+    workers: int,
+    label: str,
+    show: bool = True,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+    compute: bool = True,
+) -> list[dict[str, Any] | None]:
+    """Run every spec not already finished under ``out_dir``; returns all results in order.
+
+    ``compute=False``: run nothing; specs without a finished result give ``None`` (a report
+    of a partly finished suite).
+    """
+    import multiprocessing as mp
+
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    todo: list[RunSpec] = []
+    for s in dict.fromkeys(specs):  # dedupe, keep order
+        r = load_result(out_dir, s)
+        if r is not None:
+            results[s.run_id] = r
+        else:
+            todo.append(s)
+    if not compute:
+        if show and todo:
+            print(f"[{label}] {len(todo)} runs not finished; left out", file=sys.stderr)
+        return [results.get(s.run_id) for s in specs]
+    prog = Progress(len(todo), label, show)
+    if show and len(results):
+        print(f"[{label}] {len(results)} finished runs reused, {len(todo)} to run", file=sys.stderr)
+    if todo:
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as manager:
+            queue = manager.Queue()
+            with ProcessPoolExecutor(
+                max_workers=max(1, workers), mp_context=ctx, initializer=_worker_init
+            ) as pool:
+                pending: dict[Future[dict[str, Any]], RunSpec] = {
+                    pool.submit(run_one, s, str(out_dir), queue): s for s in todo
+                }
+                while pending:
+                    done, _ = wait(list(pending), timeout=0.5, return_when=FIRST_COMPLETED)
+                    while not queue.empty():
+                        prog.step(*queue.get_nowait())
+                    for fut in done:
+                        spec = pending.pop(fut)
+                        r = fut.result()  # a worker error is a bug: let it surface
+                        results[spec.run_id] = r
+                        prog.finish(spec.run_id, summary_line(r))
+                        if on_result is not None:
+                            on_result(r)
+        prog._clear()
+    return [results[s.run_id] for s in specs]

@@ -1,0 +1,168 @@
+"""``rootopt bench SUITE``: ROOT against the optimizer family on real offline tasks.
+
+Suites: ``convergence`` (lr sweep + seeds, steps to target), ``lr-robustness`` (final loss over
+the lr grid; reuses the convergence runs), ``robustness`` (injected gradient corruption and lr
+×3/×10), ``overhead`` (step time, optimizer memory, orthogonalization GFLOP/s), ``all``.
+Writes ``runs/*.json`` (one per run; finished runs are reused on a rerun), ``results.json``,
+``report.md`` and ``bench_*.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SUITES = ("convergence", "lr-robustness", "robustness", "overhead", "all")
+MANIFEST = "bench-manifest.json"
+
+
+class UserError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    from rootopt.bench.tasks import TASKS
+    from rootopt.optim.registry import help_text
+
+    p = argparse.ArgumentParser(
+        prog="rootopt bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="optimizers:\n"
+        + help_text()
+        + "\n\ntasks:\n"
+        + "\n".join(f"  {t.name:<8} {t.description}" for t in TASKS.values()),
+    )
+    p.add_argument("suite", choices=SUITES)
+    p.add_argument(
+        "--out", default="bench-results", help="output directory (default bench-results)"
+    )
+    p.add_argument("--quick", action="store_true", help="tiny pipeline smoke test (~2 min)")
+    p.add_argument("--tasks", default="", help="comma-separated subset of tasks")
+    p.add_argument("--optimizers", default="", help="comma-separated subset of optimizers")
+    p.add_argument("--seeds", type=int, default=0, help="seeds at the best lr (default 3; quick 1)")
+    p.add_argument("--workers", type=int, default=2, help="parallel processes, one thread each")
+    p.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="run nothing; report the runs already finished in --out (a partial suite)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _pick(raw: str, known: list[str], what: str) -> list[str]:
+    if not raw:
+        return known
+    items = [x.strip().lower() for x in raw.split(",") if x.strip()]
+    bad = [x for x in items if x not in known]
+    if bad:
+        raise UserError(
+            f"unknown {what} {', '.join(map(repr, bad))} (choose from {', '.join(known)})"
+        )
+    return items
+
+
+def _claim_out(out: Path) -> None:
+    """Use ``out`` only if it is new, empty or already ours (has our manifest)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise UserError(
+            f"--out {str(out)!r} is a non-empty directory not written by rootopt bench; "
+            "choose a new or empty directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MANIFEST).is_file():
+        from rootopt._atomic import atomic_write
+
+        atomic_write(out / MANIFEST, json.dumps({"tool": "rootopt bench", "format": 1}).encode())
+
+
+def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import torch
+
+    return {
+        "command": "rootopt bench " + " ".join(argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or 'cpu'}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads per run": 1,
+        "workers": args.workers,
+        "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
+
+
+def run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from rootopt.bench.tasks import TASKS
+    from rootopt.optim.registry import REGISTRY
+
+    tasks = _pick(args.tasks, list(TASKS), "task")
+    opts = _pick(args.optimizers, list(REGISTRY), "optimizer")
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1; got {args.workers}")
+    if args.seeds < 0:
+        raise UserError(f"--seeds must be >= 1; got {args.seeds}")
+    out = Path(args.out)
+    _claim_out(out)
+
+    from rootopt._atomic import atomic_write
+    from rootopt.bench import report, suites
+    from rootopt.bench.overhead import overhead
+
+    cfg = suites.BenchConfig(
+        out=out,
+        quick=args.quick,
+        tasks=tasks,
+        optimizers=opts,
+        seeds=args.seeds or (1 if args.quick else 3),
+        reduce_costly=not args.quick and not args.optimizers,
+        finished_only=args.finished_only,
+        workers=args.workers,
+        progress=not args.no_progress,
+        grid=suites.QUICK_GRID if args.quick else suites.FULL_GRID,
+    )
+    res_path = out / "results.json"
+    results: dict[str, Any] = json.loads(res_path.read_text()) if res_path.is_file() else {}
+    t0 = time.perf_counter()
+    s = args.suite
+    if s in ("convergence", "lr-robustness", "all"):
+        results["convergence"] = suites.convergence(cfg)
+        results["lr_robustness"] = suites.lr_robustness(results["convergence"])
+    if s in ("robustness", "all"):
+        results["robustness"] = suites.robustness(cfg, results.get("convergence"))
+    if s in ("overhead", "all") and not (args.finished_only and "overhead" in results):
+        results["overhead"] = overhead(quick=args.quick, optimizers=opts, progress=cfg.progress)
+    results["meta"] = {
+        **_meta(args, argv),
+        "wall_s (this command)": round(time.perf_counter() - t0),
+    }
+    atomic_write(res_path, json.dumps(results, indent=1, default=str).encode())
+    plots = report.write_plots(results, out)
+    md = report.markdown(results, plots)
+    atomic_write(out / "report.md", md.encode())
+    print(
+        f"rootopt bench {s}: wrote {res_path}, {out / 'report.md'} and {len(plots)} plots "
+        f"in {time.perf_counter() - t0:.0f} s"
+    )
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return run(argv)
+    except UserError as exc:
+        print(f"rootopt bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "rootopt bench: interrupted; finished runs are kept, rerun to resume", file=sys.stderr
+        )
+        return 130
