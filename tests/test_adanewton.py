@@ -569,3 +569,19 @@ def test_split_group_nan_error_names_the_right_tensor():
         opt.step()
     with pytest.raises(ValueError, match="param_names lists 1 names for 2 parameters"):
         ROOT([{"params": [w, b], "param_names": ["layer.weight"]}])
+
+
+def test_cli_show_reports_corrupt_table_in_one_line(tmp_path, monkeypatch, capsys):
+    from rootopt.commands.coeffs import main
+
+    bad = tmp_path / "t.json"
+    bad.write_text("{oops")
+    monkeypatch.setenv(an.TABLE_ENV, str(bad))
+    assert main(["show", "40x90"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "corrupt" in err and "t.json" in err
+    monkeypatch.delenv(an.TABLE_ENV)
+    an.clear_memory_caches()
+    assert main(["show", "90x40", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "90x40, K=5, bfloat16" in out and "per-matrix selector" in out

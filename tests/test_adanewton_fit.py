@@ -149,6 +149,7 @@ def test_more_shipped_entries_reproducible(shape):
     _check_shipped_entry(shape)
 
 
+@pytest.mark.slow
 def test_fit_is_ill_conditioned_in_coefficients_not_in_objective(monkeypatch):
     # Why the test above does not compare digits: one ulp in the constraint grid.
     import rootopt.tools.fit as fit_mod
