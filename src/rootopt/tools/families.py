@@ -130,6 +130,7 @@ def iterate_float64(G: torch.Tensor, selector: GramSelector, eps: float = 1e-7) 
 
 def bench(
     *,
+    dtype: str = "float32",
     steps: int = 5,
     seed: int = 2024,
     draws: int = 3,
@@ -147,7 +148,7 @@ def bench(
     worst_peak = 0.0
     for kind, lst in shapes.items():
         for m, n in lst:
-            res = lookup(m, n, steps)
+            res = lookup(m, n, steps, dtype=dtype)
             worst_peak = max(worst_peak, res.peak)
             sel = res.selector
             if sel is not None:
@@ -182,7 +183,7 @@ def bench(
                         "source": res.source,
                     }
                 )
-    return {"steps": steps, "seed": seed, "rows": rows, "worst_peak": worst_peak}
+    return {"steps": steps, "seed": seed, "dtype": dtype, "rows": rows, "worst_peak": worst_peak}
 
 
 def lowest_k(
@@ -241,10 +242,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=2024)
     ap.add_argument("--draws", type=int, default=3)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "float64"],
+        help="resolve as for this iteration dtype (errors stay exact-arithmetic)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     a = ap.parse_args(list(argv) if argv is not None else None)
     t0 = time.perf_counter()
-    res = bench(steps=a.steps, seed=a.seed, draws=a.draws)
+    res = bench(dtype=a.dtype, steps=a.steps, seed=a.seed, draws=a.draws)
     print(format_table(res))
     worst = max(r["ratio"] for r in res["rows"])
     print(
