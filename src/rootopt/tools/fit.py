@@ -1,8 +1,9 @@
 """AdaNewton fitter: shape-specific Newton–Schulz coefficients, stable by construction.
 
-Offline tool (float64, CPU, deterministic given a seed); never imported on the
-optimizer's hot path — :mod:`rootopt.coeffs.adanewton` imports it lazily, only to fit a
-shape that neither the shipped table nor the on-disk cache holds.
+Offline tool (float64, CPU, deterministic given a seed and the library versions); the
+runtime never imports it. ``rootopt coeffs fit|build-table`` run it, and the opt-in
+``ROOT(..., ns_fit=True)`` reaches it through :mod:`rootopt.tools.fitcache` while the
+optimizer is built, for a shape that neither the shipped table nor the user cache holds.
 
 Objective. For a shape ``(m, n)`` and ``K`` iterations, minimise the expected relative
 Frobenius error ``E ||X_K − U Vᵀ||_F / ||U Vᵀ||_F`` over a spectrum mix
