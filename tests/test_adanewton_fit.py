@@ -9,9 +9,9 @@ import pytest
 
 from rootopt.coeffs import MUON, PAPER_TABLE, POLAR_EXPRESS, check_stability
 from rootopt.coeffs import adanewton as an
-from rootopt.coeffs import spectra as sp
-from rootopt.coeffs.fit import FitConfig, fit_coefficients
 from rootopt.coeffs.stability import apply_schedule, verify_schedule
+from rootopt.tools import spectra as sp
+from rootopt.tools.fit import FitConfig, _Problem, fit_coefficients
 
 SMALL = dict(per_family=3, max_dim=48, max_iter=12)
 
@@ -115,22 +115,51 @@ def test_fit_is_reproducible_from_its_provenance():
     assert other.schedule != res.schedule
 
 
-def test_shipped_entry_reproducible_from_table_provenance():
+def _check_shipped_entry(shape):
+    """What a table entry's provenance pins, and what it cannot.
+
+    The spectra are pinned by the seed: re-drawn from the provenance they give the
+    shipped schedule exactly the per-family errors recorded in the table. The coefficients
+    are not: the fit's optimum is flat, and a one-ulp change of the constraint grid (numpy
+    versions differ there) moves them by ~1-2 % at an objective within 0.2 % (see
+    docs/adanewton.md). So a refit must be certified and reach the recorded objective to
+    1 %; it need not reproduce the digits."""
     header, entries = an.load_table()
     cfg = FitConfig.from_json(header["provenance"]["fit_config"])
-    e = entries[(64, 64, 5, "float32")]
-    res = fit_coefficients(64, 64, cfg)
-    np.testing.assert_allclose(np.array(res.schedule), np.array(e.schedule), rtol=1e-5, atol=1e-6)
+    e = entries[(*shape, 5, "float32")]
+    samples = sp.sample_spectra(
+        *shape, seed=cfg.seed, per_family=cfg.per_family, max_dim=cfg.max_dim
+    )
+    fam = _Problem(samples, cfg).family_errors(e.schedule)
+    assert set(fam) == set(e.raw["family_error"])
+    for f, v in e.raw["family_error"].items():
+        assert fam[f] == pytest.approx(v, abs=2e-6), f
+    res = fit_coefficients(*shape, cfg)
+    assert verify_schedule(res.schedule, prefix_bound=an.PREFIX_BOUND).stable
+    assert res.objective <= e.raw["objective"] * 1.01
+
+
+def test_shipped_entry_reproducible_from_table_provenance():
+    _check_shipped_entry((64, 64))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [(768, 3072), (2048, 8192), (64, 576)])
 def test_more_shipped_entries_reproducible(shape):
-    header, entries = an.load_table()
-    cfg = FitConfig.from_json(header["provenance"]["fit_config"])
-    res = fit_coefficients(*shape, cfg)
-    e = entries[(*shape, 5, "float32")]
-    np.testing.assert_allclose(np.array(res.schedule), np.array(e.schedule), rtol=1e-5, atol=1e-6)
+    _check_shipped_entry(shape)
+
+
+@pytest.mark.slow
+def test_fit_is_ill_conditioned_in_coefficients_not_in_objective(monkeypatch):
+    # Why the test above does not compare digits: one ulp in the constraint grid.
+    import rootopt.tools.fit as fit_mod
+
+    cfg = FitConfig(seed=0, **SMALL)
+    a = fit_coefficients(48, 48, cfg)
+    grid = fit_mod.constraint_grid()
+    monkeypatch.setattr(fit_mod, "constraint_grid", lambda points=1201: np.nextafter(grid, 2.0))
+    b = fit_coefficients(48, 48, cfg)
+    assert b.objective == pytest.approx(a.objective, rel=0.02)
 
 
 def test_bfloat16_fit_runs_and_is_stable():

@@ -5,8 +5,10 @@ Leaf layer: imports nothing else from rootopt.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
+from rootopt.coeffs.adanewton import CoefficientError, GramSelector, Resolution
 from rootopt.coeffs.presets import (
     CANS,
     CUBIC,
@@ -21,13 +23,16 @@ from rootopt.coeffs.presets import (
     Schedule,
     official_schedule,
 )
-from rootopt.coeffs.stability import StabilityReport, apply_schedule, check_stability
+from rootopt.coeffs.stability import StabilityReport, apply_schedule, certify, check_stability
 
 # A provider maps (rows, cols, steps) to one tuple per iteration.
 CoefficientProvider = Callable[[int, int, int], Schedule]
 CoefficientSpec = str | Coeff | Sequence[Coeff] | CoefficientProvider
 
 _PROVIDERS: dict[str, CoefficientProvider] = {}
+# Names whose schedules are handed out as published even when they fail the certificate
+# (the official mode reproduces the paper's code, unstable 2048² entry included).
+FAITHFUL: frozenset[str] = frozenset({"official"})
 
 
 def register_provider(name: str, provider: CoefficientProvider) -> None:
@@ -36,7 +41,6 @@ def register_provider(name: str, provider: CoefficientProvider) -> None:
 
 
 def _adanewton(rows: int, cols: int, steps: int) -> Schedule:
-    # Imported lazily: the AdaNewton lookup may read data files; keep import cheap.
     from rootopt.coeffs.adanewton import adanewton_schedule
 
     return adanewton_schedule(rows, cols, steps)
@@ -67,7 +71,14 @@ def available() -> list[str]:
 def _as_coeff(t: object) -> Coeff:
     if not isinstance(t, Sequence) or isinstance(t, str) or len(t) != 3:
         raise ValueError(f"ns_coefficients: each tuple must be (a, b, c), got {t!r}")
-    a, b, c = (float(v) for v in t)
+    try:
+        a, b, c = (float(v) for v in t)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"ns_coefficients: each tuple must be (a, b, c) numbers, got {t!r}"
+        ) from None
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        raise ValueError(f"ns_coefficients: coefficients must be finite, got {t!r}")
     return (a, b, c)
 
 
@@ -88,11 +99,59 @@ def validate_spec(spec: object) -> None:
         raise ValueError(f"ns_coefficients={spec!r} is not a name, an (a, b, c) tuple or a list")
 
 
+def _describe(spec: object) -> str:
+    if isinstance(spec, str):
+        return repr(spec)
+    if callable(spec):
+        return getattr(spec, "__name__", "<callable>")
+    return repr(spec)
+
+
+def resolve_record(
+    spec: CoefficientSpec, rows: int, cols: int, steps: int, *, dtype: str = "float32"
+) -> Resolution:
+    """Resolve ``spec`` for a ``rows x cols`` matrix, ``steps`` iterations in ``dtype``.
+
+    Returns a :class:`~rootopt.coeffs.adanewton.Resolution` (schedule, source, certificate
+    peak, optional per-matrix selector). Every schedule except the faithful
+    ``"official"`` mode must pass :func:`~rootopt.coeffs.stability.certify` for ``dtype``;
+    otherwise :class:`~rootopt.coeffs.adanewton.CoefficientError` names the shape and the
+    reason. Never fits and never writes a file.
+    """
+    from rootopt.coeffs.adanewton import CoefficientError, certify_user_schedule, lookup
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise CoefficientError(
+            f"ns_steps={steps!r} for a {rows}x{cols} matrix: must be an integer >= 1"
+        )
+    m, n = min(rows, cols), max(rows, cols)
+    key = (m, n, steps, dtype)
+    if spec == "adanewton":
+        return lookup(rows, cols, steps, dtype=dtype)
+    sched = resolve(spec, rows, cols, steps)
+    what = _describe(spec)
+    if isinstance(spec, str) and spec in FAITHFUL:
+        from rootopt.coeffs.stability import certify
+
+        rep = certify(sched, dtype=dtype)
+        detail = "published" if rep.stable else f"published, NOT certified: {rep.reason}"
+        res = Resolution(key, sched, spec, detail, rep.peak)
+        if not rep.stable:
+            from rootopt.coeffs.adanewton import log_once
+
+            log_once(res)
+        return res
+    rep = certify_user_schedule(sched, rows, cols, dtype, what)
+    source = spec if isinstance(spec, str) else "user"
+    return Resolution(key, sched, source, "" if isinstance(spec, str) else what, rep.peak)
+
+
 def resolve(spec: CoefficientSpec, rows: int, cols: int, steps: int) -> Schedule:
     """One ``(a, b, c)`` per iteration for a ``rows x cols`` matrix.
 
     ``spec`` is a registered name, a single ``(a, b, c)`` (repeated), a list of tuples
     (exactly ``steps`` of them) or a provider callable ``(rows, cols, steps) -> schedule``.
+    No certificate here (see :func:`resolve_record`).
     """
     if isinstance(spec, str):
         validate_spec(spec)
@@ -126,16 +185,21 @@ __all__ = [
     "QUINTIC",
     "YOU",
     "Coeff",
+    "CoefficientError",
     "CoefficientProvider",
     "CoefficientSet",
     "CoefficientSpec",
+    "GramSelector",
+    "Resolution",
     "Schedule",
     "StabilityReport",
     "apply_schedule",
     "available",
+    "certify",
     "check_stability",
     "official_schedule",
     "register_provider",
     "resolve",
+    "resolve_record",
     "validate_spec",
 ]

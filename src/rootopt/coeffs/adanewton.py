@@ -1,26 +1,42 @@
-"""AdaNewton: shape-specific Newton–Schulz coefficients for any matrix shape.
+"""AdaNewton: shape-specific Newton–Schulz coefficients for any matrix shape, never fitted
+at run time.
 
-This module is the provider behind ``ns_coefficients="adanewton"``. For a
-``rows x cols`` matrix and ``steps`` iterations it returns a schedule (one ``(a, b, c)``
-per iteration) that passes :func:`rootopt.coeffs.stability.verify_schedule`. Shapes are
+This module is the runtime behind ``ns_coefficients="adanewton"``. It reads the shipped
+table (``data/adanewton_table.json``, fitted offline by ``rootopt coeffs build-table``;
+every entry carries its provenance), certifies what it hands out
+(:func:`rootopt.coeffs.stability.certify`) and never fits, never reads a user cache and
+never writes a file. A resolution is a pure function of ``(min dim, max dim, K, dtype)``
+and the table, so every rank of a distributed job resolves the same schedule. Shapes are
 keyed by ``(min dim, max dim)``: the iteration runs on the wide orientation, so a tall
-matrix and its transpose share an entry. Resolution order:
+matrix and its transpose share an entry.
 
-1. the shipped table (``data/adanewton_table.json``, fitted offline by
-   ``rootopt coeffs build-table``; every entry carries its provenance);
-2. if fitting at run time is allowed (the default): the on-disk cache entry for the
-   shape, else a fit (:mod:`rootopt.coeffs.fit`, a few seconds) written atomically to
-   the cache. A cache entry that does not parse, does not match its key or fails the
-   stability check is refitted, never trusted;
-3. with fitting disabled (``ROOTOPT_ADANEWTON_FIT=0`` or :data:`FIT_AT_RUNTIME` =
-   ``False``): the nearest table entry with the same ``steps`` and dtype by
-   ``(log min dim, log aspect ratio)``; Muon's tuple when the table has none.
+Resolution order for ``(m, n, K, dtype)``:
 
-Which source served a shape is logged once per shape on ``logging.getLogger("rootopt.coeffs")``.
-Importing this module is cheap (json + the table); the fitter is imported only to fit.
+1. ``table``: an entry for exactly that key (certified for ``dtype``).
+2. ``generalised``: the entries of the same ``K`` (and dtype, else float32) nearest in
+   ``(log m, log n/m)`` — the ``NEIGHBOURS`` closest — blended coefficient-wise with
+   inverse-distance weights when they are close to each other (same warm-start
+   family: every coefficient within ``BLEND_SPREAD`` relative), certified for ``dtype``.
+3. ``nearest``: when the blend is not possible or fails the certificate, the nearest
+   entry that passes it.
+4. ``K`` without entries: more steps than the table's ``K`` append classic quintic
+   steps (15/8, −10/8, 3/8; they converge on ``[0, 1 + δ]``) to the generalised ``K``
+   schedule; fewer steps use Muon's tuple (stable for any ``K``). Either way certified.
 
-Cache directory: ``$ROOTOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/rootopt``, else
-``~/.cache/rootopt``; entries live under ``adanewton/v<fitter version>/``.
+Every resolution is logged once per key on ``logging.getLogger("rootopt.coeffs")``: at
+INFO when tabled, at WARNING otherwise. :func:`lookup` returns a :class:`Resolution`
+record (what, where from, certificate peak, the per-matrix selector) that reports show.
+
+Per-matrix selection (:class:`GramSelector`): the first Newton–Schulz step computes
+``A₀ = X₀X₀ᵀ`` of the Frobenius-normalised ``X₀`` anyway; ``s = ||A₀||_F² = Σσᵢ⁴``
+bounds the largest singular value, ``σ_max ≤ s^{1/4} ≤ 1``. Dividing ``X₀`` by
+``t = s^{1/4}`` lifts every singular value by ``1/t`` (×2–×6 on real matrices) while
+keeping them in ``[0, 1]``, where the schedule is certified; it costs nothing because the
+division folds into the first step's coefficients, ``(a/t, b/t³, c/t⁵)``. ``m·s`` (``m``
+the short side) is ``≈ 1 + m/n`` for a Gaussian matrix and grows as ``m/r`` for a rank
+``r`` signal, so above a threshold the selector switches to a schedule fitted on
+low-rank-plus-noise and spiky momentum spectra. No host synchronisation: all of it is
+``torch.where`` on a ``(batch,)`` tensor. See ``docs/adanewton.md``.
 """
 
 from __future__ import annotations
@@ -30,42 +46,42 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from rootopt._atomic import atomic_write
-from rootopt.coeffs.presets import MUON, Coeff, Schedule
-from rootopt.coeffs.stability import DEFAULT_DELTA, verify_schedule
+import torch
+from torch import Tensor
+
+from rootopt.coeffs.presets import MUON, POLAR_EXPRESS, YOU, Coeff, Schedule
+from rootopt.coeffs.stability import DEFAULT_DELTA, UNIT_ROUNDOFF, StabilityReport, certify
 
 log = logging.getLogger("rootopt.coeffs")
 
 TABLE_FILE = "adanewton_table.json"
 TABLE_FORMAT = "rootopt.adanewton_table/1"
-CACHE_FORMAT = "rootopt.adanewton_cache/1"
+SELECTOR_FILE = "adanewton_selector.json"
+SELECTOR_FORMAT = "rootopt.adanewton_selector/1"
+# A user table (built with ``rootopt coeffs build-table --out FILE``) replaces the shipped
+# one when this variable names it; read at construction, like the shipped table.
+TABLE_ENV = "ROOTOPT_ADANEWTON_TABLE"
 
-# Module-level switch for run-time fitting (the environment variable wins when set).
-FIT_AT_RUNTIME = True
-# Intermediate iterates are bounded by this (see FitConfig.prefix_bound).
+# Intermediate iterates are bounded by this (the fitter's prefix bound).
 PREFIX_BOUND = 2.0
+NEIGHBOURS = 3
+BLEND_SPREAD = 0.35
+# Classic quintic Newton–Schulz: converges to 1 on (0, sqrt(7/3)); used to extend a
+# schedule beyond the table's K.
+QUINTIC_TAIL: Coeff = (15 / 8, -10 / 8, 3 / 8)
 
-# Budget of a run-time fit: seconds, not minutes (the shipped table uses a larger one).
-RUNTIME_FIT: dict[str, Any] = {"per_family": 6, "max_dim": 128, "max_iter": 60}
-
-_lock = threading.Lock()
-_logged: set[tuple[int, int, int, str]] = set()
+Key = tuple[int, int, int, str]
 
 
-@dataclass(frozen=True)
-class Lookup:
-    """A resolved schedule and where it came from."""
-
-    schedule: Schedule
-    source: str  # "table" | "cache" | "fit" | "nearest" | "muon"
-    key: tuple[int, int, int, str]
-    detail: str = ""
+class CoefficientError(ValueError):
+    """Coefficients cannot be resolved or fail the certificate (raised at construction)."""
 
 
 # ------------------------------------------------------------------------------ table
@@ -96,189 +112,390 @@ def _parse_schedule(raw: object, steps: int) -> Schedule:
     return tuple(out)
 
 
-@lru_cache(maxsize=1)
-def load_table() -> tuple[dict[str, Any], dict[tuple[int, int, int, str], TableEntry]]:
-    """The shipped table: ``(header, entries by (min, max, steps, dtype))``; empty if absent."""
+def table_source() -> str:
+    """Where the table is read from: ``$ROOTOPT_ADANEWTON_TABLE`` or the shipped file."""
+    return os.environ.get(TABLE_ENV) or f"rootopt/coeffs/data/{TABLE_FILE}"
+
+
+def _read_table_text() -> str:
+    env = os.environ.get(TABLE_ENV)
+    if env:
+        return Path(env).read_text(encoding="utf-8")
+    return resources.files("rootopt.coeffs").joinpath("data").joinpath(TABLE_FILE).read_text()
+
+
+@lru_cache(maxsize=4)
+def _load_table(source: str) -> tuple[dict[str, Any], dict[Key, TableEntry]]:
+    where = source
     try:
-        text = resources.files("rootopt.coeffs").joinpath("data", TABLE_FILE).read_text()
-    except (FileNotFoundError, OSError):
-        return {}, {}
-    raw = json.loads(text)
-    if raw.get("format") != TABLE_FORMAT:
-        raise ValueError(f"{TABLE_FILE}: unknown format {raw.get('format')!r}")
-    entries: dict[tuple[int, int, int, str], TableEntry] = {}
-    for e in raw["entries"]:
-        m, n = int(e["shape"][0]), int(e["shape"][1])
-        k, dt = int(e["steps"]), str(e["dtype"])
-        entries[(m, n, k, dt)] = TableEntry(
-            m, n, k, dt, _parse_schedule(e["schedule"], k), str(e["kind"]), e
-        )
+        raw = json.loads(_read_table_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        if raw.get("format") != TABLE_FORMAT:
+            raise ValueError(f"unknown format {raw.get('format')!r} (expected {TABLE_FORMAT!r})")
+        entries: dict[Key, TableEntry] = {}
+        for i, e in enumerate(raw["entries"]):
+            try:
+                m, n = int(e["shape"][0]), int(e["shape"][1])
+                k, dt = int(e["steps"]), str(e["dtype"])
+                if not 1 <= m <= n or k < 1 or dt not in UNIT_ROUNDOFF:
+                    raise ValueError(f"bad key {m}x{n} K={k} {dt}")
+                entries[(m, n, k, dt)] = TableEntry(
+                    m, n, k, dt, _parse_schedule(e["schedule"], k), str(e.get("kind", "")), e
+                )
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                raise ValueError(f"entry {i}: {exc}") from None
+    except FileNotFoundError as exc:
+        raise CoefficientError(f"AdaNewton table {where}: file not found ({exc})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CoefficientError(f"AdaNewton table {where} is corrupt: {exc}") from None
+    except ValueError as exc:
+        raise CoefficientError(f"AdaNewton table {where} is corrupt: {exc}") from None
     header = {k: v for k, v in raw.items() if k != "entries"}
     return header, entries
 
 
-# ------------------------------------------------------------------------------ cache
+def load_table() -> tuple[dict[str, Any], dict[Key, TableEntry]]:
+    """The table: ``(header, entries by (min, max, steps, dtype))``.
+
+    Raises :class:`CoefficientError` naming the file and the reason when it is corrupt.
+    """
+    return _load_table(table_source())
 
 
-def cache_dir() -> Path:
-    """``$ROOTOPT_CACHE_DIR`` or ``$XDG_CACHE_HOME/rootopt`` or ``~/.cache/rootopt``."""
-    env = os.environ.get("ROOTOPT_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg) / "rootopt"
-    return Path.home() / ".cache" / "rootopt"
+# ------------------------------------------------------------------------------ selector
 
 
-def _fitter_version() -> str:
-    # Kept in sync with rootopt.coeffs.fit.FITTER_VERSION (tested); not imported here so
-    # that the lookup never imports the fitter (torch) unless it has to fit.
-    return "2"
+@dataclass(frozen=True)
+class SelectorData:
+    """The shipped low-rank schedules (per iteration dtype) and the switch threshold."""
+
+    spiky: dict[str, Schedule]
+    tau: float  # switch when m * s > tau
+    steps: int
+    provenance: dict[str, Any]
 
 
-def cache_path(rows: int, cols: int, steps: int, dtype: str, delta: float = DEFAULT_DELTA) -> Path:
-    m, n = min(rows, cols), max(rows, cols)
-    return (
-        cache_dir()
-        / "adanewton"
-        / f"v{_fitter_version()}"
-        / f"{m}x{n}_k{steps}_{dtype}_d{delta:g}.json"
-    )
-
-
-def read_cache(
-    path: Path, key: tuple[int, int, int, str], delta: float = DEFAULT_DELTA
-) -> Schedule | None:
-    """The cached schedule, or None when the entry is missing, corrupt or not stable."""
+@lru_cache(maxsize=1)
+def load_selector_data() -> SelectorData | None:
+    """``data/adanewton_selector.json``, or None when it is absent (no per-matrix selection)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        if raw.get("format") != CACHE_FORMAT:
-            raise ValueError("format")
-        m, n, k, dt = key
-        if [int(v) for v in raw["shape"]] != [m, n] or int(raw["steps"]) != k or raw["dtype"] != dt:
-            raise ValueError("key mismatch")
-        sched = _parse_schedule(raw["schedule"], k)
+        text = resources.files("rootopt.coeffs").joinpath("data").joinpath(SELECTOR_FILE)
+        raw = json.loads(text.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("adanewton: cache entry %s is unreadable (%s); refitting", path.name, exc)
-        return None
-    rep = verify_schedule(sched, delta=delta, prefix_bound=PREFIX_BOUND)
-    if not rep.stable:
-        log.warning(
-            "adanewton: cache entry %s fails the stability check (%s); refitting",
-            path.name,
-            rep.reason,
-        )
-        return None
-    return sched
-
-
-def write_cache(path: Path, payload: dict[str, Any]) -> bool:
-    """Atomic write (temp file in the same directory, then rename); False on failure."""
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CoefficientError(
+            f"AdaNewton selector file {SELECTOR_FILE} is corrupt: {exc}"
+        ) from None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(payload, indent=1).encode("utf-8"))
-    except OSError as exc:
-        log.warning("adanewton: cannot write cache entry %s (%s)", path, exc)
-        return False
-    return True
+        if raw.get("format") != SELECTOR_FORMAT:
+            raise ValueError(f"unknown format {raw.get('format')!r}")
+        steps = int(raw["steps"])
+        spiky = {str(dt): _parse_schedule(v, steps) for dt, v in dict(raw["spiky"]).items()}
+        tau = float(raw["tau"])
+        if not tau > 0:
+            raise ValueError("tau must be positive")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CoefficientError(
+            f"AdaNewton selector file {SELECTOR_FILE} is corrupt: {exc}"
+        ) from None
+    return SelectorData(spiky, tau, steps, dict(raw.get("provenance", {})))
+
+
+@dataclass(frozen=True)
+class GramSelector:
+    """Per-matrix coefficients from ``s = ||X₀X₀ᵀ||_F²`` (``X₀`` Frobenius-normalised).
+
+    ``selector(s)`` with ``s`` of shape ``(batch,)`` returns a float32 tensor of shape
+    ``(K, batch, 3)``: row ``k`` holds the ``(a, b, c)`` of step ``k`` for every matrix.
+    Step 1 is meant for the Frobenius-normalised ``X₀`` and its Gram matrix ``A₀``:
+    ``X₁ = a X₀ + (b A₀ + c A₀²) X₀``. Matrices with ``short · s > tau`` get ``spiky``,
+    the others ``flat``; either way the first tuple is rescaled by ``t = s^{1/4}·(1+margin)``
+    (``(a/t, b/t³, c/t⁵)``), which equals running the schedule on ``X₀ / t`` whose
+    singular values stay in ``[0, 1]`` because ``σ_max⁴ ≤ Σσ⁴ = s``. Both schedules are
+    certified on ``[0, 1]`` for the iteration dtype, so the amplification bound holds.
+    ``t`` is floored at ``t_min`` (a zero matrix gives ``s = 0``).
+    """
+
+    short: int
+    flat: Schedule
+    spiky: Schedule
+    tau: float
+    margin: float
+    t_min: float = 1e-4
+    _cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @property
+    def steps(self) -> int:
+        return len(self.flat)
+
+    def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        key = (device, torch.float32)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = (
+                torch.tensor(self.flat, dtype=torch.float32, device=device),
+                torch.tensor(self.spiky, dtype=torch.float32, device=device),
+            )
+            self._cache[key] = hit
+        return hit
+
+    def __call__(self, s: Tensor) -> Tensor:
+        s32 = s.detach().to(torch.float32).reshape(-1)
+        flat, spiky = self._tables(s32.device)
+        use_spiky = (s32 * self.short > self.tau)[None, :, None]  # (1, batch, 1)
+        coeffs = torch.where(use_spiky, spiky[:, None, :], flat[:, None, :])  # (K, batch, 3)
+        t = s32.clamp_min(0.0).pow(0.25).mul(1.0 + self.margin).clamp_min(self.t_min)
+        first = coeffs[0] * torch.stack((t.reciprocal(), t.pow(-3), t.pow(-5)), dim=-1)
+        return torch.cat((first[None], coeffs[1:]), dim=0)
+
+    def describe(self) -> str:
+        return f"gram-rescaled, spiky schedule when {self.short}·s > {self.tau:g}"
+
+
+def selector_margin(dtype: str) -> float:
+    """Safety factor on ``t``: ``s`` is computed in the iteration dtype (float32 sums)."""
+    return max(4.0 * UNIT_ROUNDOFF.get(dtype, 2.0**-8), 1e-4)
 
 
 # ----------------------------------------------------------------------------- lookup
 
 
-def fit_enabled() -> bool:
-    env = os.environ.get("ROOTOPT_ADANEWTON_FIT")
-    if env is not None and env.strip() != "":
-        return env.strip().lower() not in ("0", "false", "no", "off")
-    return FIT_AT_RUNTIME
+@dataclass(frozen=True)
+class Resolution:
+    """A resolved schedule for one ``(min dim, max dim, K, dtype)`` and where it came from."""
+
+    key: Key
+    schedule: Schedule
+    source: str  # table | generalised | nearest | preset | fitted | user | <preset name>
+    detail: str = ""
+    peak: float = float("nan")  # certificate: max of the K-fold map on [0, 1]
+    selector: GramSelector | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.key[0], self.key[1]
+
+    def describe(self) -> str:
+        m, n, k, dt = self.key
+        sel = f"; per-matrix: {self.selector.describe()}" if self.selector is not None else ""
+        det = f" ({self.detail})" if self.detail else ""
+        return f"{m}x{n} K={k} {dt}: {self.source}{det}, peak {self.peak:.3f}{sel}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "steps": self.key[2],
+            "dtype": self.key[3],
+            "source": self.source,
+            "detail": self.detail,
+            "peak": self.peak,
+            "schedule": [list(t) for t in self.schedule],
+            "selector": None if self.selector is None else self.selector.describe(),
+        }
+
+
+_lock = threading.Lock()
+_logged: set[tuple[Key, str]] = set()
+
+
+def log_once(res: Resolution) -> None:
+    """Log a resolution once per key and source (WARNING unless it came from the table)."""
+    tag = (res.key, res.source)
+    with _lock:
+        if tag in _logged:
+            return
+        _logged.add(tag)
+    level = logging.INFO if res.source in ("table", "fitted", "cache") else logging.WARNING
+    log.log(level, "adanewton %s", res.describe())
+
+
+@lru_cache(maxsize=8192)
+def _certificate(schedule: Schedule, dtype: str) -> StabilityReport:
+    return certify(schedule, dtype=dtype, delta=DEFAULT_DELTA, prefix_bound=PREFIX_BOUND)
+
+
+def _distance(a: tuple[int, int], b: tuple[int, int]) -> float:
+    return math.hypot(math.log(a[0] / b[0]), math.log((a[1] / a[0]) / (b[1] / b[0])))
+
+
+def _candidates(entries: dict[Key, TableEntry], steps: int, dtype: str) -> list[TableEntry]:
+    same = [e for (m, n, k, dt), e in sorted(entries.items()) if k == steps and dt == dtype]
+    if same:
+        return same
+    return [e for (m, n, k, dt), e in sorted(entries.items()) if k == steps and dt == "float32"]
+
+
+def _blend(near: list[tuple[float, TableEntry]]) -> Schedule | None:
+    """Inverse-distance blend of neighbouring schedules, or None when they differ too much."""
+    scheds = [e.schedule for _, e in near]
+    K = len(scheds[0])
+    for k in range(K):
+        for j in range(3):
+            vals = [s[k][j] for s in scheds]
+            scale = max(abs(v) for v in vals)
+            if scale > 0 and (max(vals) - min(vals)) / scale > BLEND_SPREAD:
+                return None
+    w = [1.0 / max(d, 1e-12) for d, _ in near]
+    tot = sum(w)
+    out: list[Coeff] = []
+    for k in range(K):
+        a, b, c = (
+            float(f"{sum(wi * s[k][j] for wi, s in zip(w, scheds)) / tot:.10g}") for j in range(3)
+        )
+        out.append((a, b, c))
+    return tuple(out)
+
+
+def _generalise(m: int, n: int, steps: int, dtype: str) -> tuple[Schedule, str, str, float]:
+    """(schedule, source, detail, peak) for a key the table does not hold."""
+    _, entries = load_table()
+    cands = _candidates(entries, steps, dtype)
+    if not cands:
+        raise LookupError
+    ranked = sorted(((_distance((m, n), (e.rows, e.cols)), e) for e in cands), key=lambda t: t[0])
+    near = ranked[:NEIGHBOURS]
+    from_dt = near[0][1].dtype
+    via = "" if from_dt == dtype else f"; {from_dt} entries certified for {dtype}"
+    if near[0][0] < 1e-12:  # same shape, other dtype
+        e = near[0][1]
+        rep = _certificate(e.schedule, dtype)
+        if rep.stable:
+            return e.schedule, "generalised", f"table entry {e.rows}x{e.cols}{via}", rep.peak
+    blended = _blend(near)
+    if blended is not None:
+        rep = _certificate(blended, dtype)
+        if rep.stable:
+            names = ", ".join(f"{e.rows}x{e.cols}" for _, e in near)
+            return blended, "generalised", f"blend of {names}{via}", rep.peak
+    for _, e in ranked:
+        rep = _certificate(e.schedule, dtype)
+        if rep.stable:
+            return e.schedule, "nearest", f"table entry {e.rows}x{e.cols}{via}", rep.peak
+    raise LookupError
+
+
+def _resolve(m: int, n: int, steps: int, dtype: str) -> Resolution:
+    key = (m, n, steps, dtype)
+    _, entries = load_table()
+    entry = entries.get(key)
+    if entry is not None:
+        rep = _certificate(entry.schedule, dtype)
+        if not rep.stable:
+            raise CoefficientError(
+                f"AdaNewton table entry {m}x{n} K={steps} {dtype} fails the certificate: "
+                f"{rep.reason}"
+            )
+        return Resolution(key, entry.schedule, "table", entry.kind, rep.peak)
+    try:
+        sched, source, detail, peak = _generalise(m, n, steps, dtype)
+        return Resolution(key, sched, source, detail, peak)
+    except LookupError:
+        pass
+    if any(k == steps for (_, _, k, _) in entries):
+        # Entries for this K exist but none passes the certificate for this dtype (the
+        # float32 fits whose first step maps 1 near the prefix bound do not survive
+        # bfloat16 rounding): the published schedules that do, best first.
+        for preset in (YOU, POLAR_EXPRESS, MUON):
+            sched = preset.schedule(steps)
+            rep = _certificate(sched, dtype)
+            if rep.stable:
+                detail = f"{preset.name}: no table entry passes the {dtype} certificate"
+                return Resolution(key, sched, "preset", detail, rep.peak)
+    ks = sorted({k for (_, _, k, _) in entries})
+    longer = [k for k in ks if k < steps]
+    if longer:
+        k0 = max(longer)
+        base = _resolve(m, n, k0, dtype)
+        sched = base.schedule + (QUINTIC_TAIL,) * (steps - k0)
+        rep = _certificate(sched, dtype)
+        if rep.stable:
+            detail = f"K={k0} {base.source} schedule + {steps - k0} quintic steps"
+            return Resolution(key, sched, "generalised", detail, rep.peak)
+    sched = MUON.schedule(steps)
+    rep = _certificate(sched, dtype)
+    if not rep.stable:  # pragma: no cover - Muon's tuple is stable for any K
+        raise CoefficientError(f"no certified schedule for {m}x{n} K={steps} {dtype}")
+    return Resolution(key, sched, "preset", f"muon: the table has no K={steps} entries", rep.peak)
+
+
+@lru_cache(maxsize=8192)
+def _lookup_cached(m: int, n: int, steps: int, dtype: str, source: str) -> Resolution:
+    res = _resolve(m, n, steps, dtype)
+    sel = load_selector_data()
+    spiky = None if sel is None or sel.steps != steps else sel.spiky.get(dtype)
+    if sel is not None and spiky is not None:
+        rep = _certificate(spiky, dtype)
+        if not rep.stable:
+            raise CoefficientError(
+                f"AdaNewton selector schedule for {dtype} fails the certificate: {rep.reason}"
+            )
+        selector = GramSelector(m, res.schedule, spiky, sel.tau, selector_margin(dtype))
+        res = Resolution(res.key, res.schedule, res.source, res.detail, res.peak, selector)
+    return res
+
+
+def lookup(rows: int, cols: int, steps: int = 5, *, dtype: str = "float32") -> Resolution:
+    """Resolve the AdaNewton schedule for a ``rows x cols`` matrix (see the module doc).
+
+    Pure: never fits, never writes, same answer on every process for the same table.
+    Raises :class:`CoefficientError` naming the shape and the reason when nothing
+    certified can be given (a corrupt table, an unknown dtype).
+    """
+    if isinstance(rows, bool) or isinstance(cols, bool) or rows < 1 or cols < 1:
+        raise CoefficientError(f"adanewton: matrix shape must be positive, got {rows}x{cols}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise CoefficientError(
+            f"adanewton {rows}x{cols}: steps must be an integer >= 1, got {steps!r}"
+        )
+    if dtype not in UNIT_ROUNDOFF:
+        raise CoefficientError(
+            f"adanewton {rows}x{cols}: unknown iteration dtype {dtype!r} "
+            f"(choose one of {sorted(UNIT_ROUNDOFF)})"
+        )
+    m, n = min(rows, cols), max(rows, cols)
+    res = _lookup_cached(m, n, steps, dtype, table_source())
+    log_once(res)
+    return res
+
+
+def adanewton_schedule(rows: int, cols: int, steps: int, dtype: str = "float32") -> Schedule:
+    """Certified shape-specific schedule for a ``rows x cols`` matrix and ``steps`` iterations."""
+    return lookup(rows, cols, steps, dtype=dtype).schedule
 
 
 def nearest_entry(rows: int, cols: int, steps: int, dtype: str = "float32") -> TableEntry | None:
     """The table entry closest in ``(log min dim, log aspect)`` with the same steps/dtype."""
     m, n = min(rows, cols), max(rows, cols)
     _, entries = load_table()
-    best: tuple[float, TableEntry] | None = None
-    for (em, en, k, dt), e in sorted(entries.items()):
-        if k != steps or dt != dtype:
-            continue
-        d = math.hypot(math.log(em / m), math.log((en / em) / (n / m)))
-        if best is None or d < best[0]:
-            best = (d, e)
-    return None if best is None else best[1]
-
-
-def _fit_and_cache(key: tuple[int, int, int, str], delta: float) -> tuple[Schedule, str]:
-    from rootopt.coeffs.fit import FitConfig, fit_coefficients
-
-    m, n, k, dt = key
-    cfg = FitConfig(steps=k, dtype=dt, delta=delta, **RUNTIME_FIT)
-    res = fit_coefficients(m, n, cfg)
-    payload = {"format": CACHE_FORMAT, **res.payload()}
-    ok = write_cache(cache_path(m, n, k, dt, delta), payload)
-    return res.schedule, f"fitted in {res.seconds:.1f}s ({res.kind})" + (
-        "" if ok else ", not cached"
-    )
-
-
-def lookup(
-    rows: int,
-    cols: int,
-    steps: int = 5,
-    *,
-    dtype: str = "float32",
-    fit: bool | None = None,
-    delta: float = DEFAULT_DELTA,
-) -> Lookup:
-    """Resolve the AdaNewton schedule for a ``rows x cols`` matrix (see the module doc)."""
-    if rows < 1 or cols < 1:
-        raise ValueError(f"adanewton: matrix shape must be positive, got {rows}x{cols}")
-    if steps < 1:
-        raise ValueError(f"adanewton: steps must be >= 1, got {steps}")
-    m, n = min(rows, cols), max(rows, cols)
-    key = (m, n, steps, dtype)
-    _, entries = load_table()
-    entry = entries.get(key)
-    if entry is not None and delta == DEFAULT_DELTA:
-        res = Lookup(entry.schedule, "table", key, entry.kind)
-    elif fit_enabled() if fit is None else fit:
-        with _lock:  # one fit per shape even when several threads ask
-            cached = read_cache(cache_path(m, n, steps, dtype, delta), key, delta)
-            if cached is not None:
-                res = Lookup(cached, "cache", key)
-            else:
-                sched, detail = _fit_and_cache(key, delta)
-                res = Lookup(sched, "fit", key, detail)
-    else:
-        near = nearest_entry(m, n, steps, dtype)
-        if near is not None:
-            res = Lookup(near.schedule, "nearest", key, f"table entry {near.rows}x{near.cols}")
-        else:
-            res = Lookup(MUON.schedule(steps), "muon", key, "no table entry for these steps/dtype")
-    if key not in _logged:
-        _logged.add(key)
-        log.info(
-            "adanewton %dx%d K=%d %s: %s%s",
-            m,
-            n,
-            steps,
-            dtype,
-            res.source,
-            f" ({res.detail})" if res.detail else "",
-        )
-    return res
-
-
-@lru_cache(maxsize=4096)
-def adanewton_schedule(rows: int, cols: int, steps: int) -> Schedule:
-    """Stable shape-specific schedule for a ``rows x cols`` matrix and ``steps`` iterations."""
-    return lookup(rows, cols, steps).schedule
+    cands = _candidates(entries, steps, dtype)
+    if not cands:
+        return None
+    return min(cands, key=lambda e: _distance((m, n), (e.rows, e.cols)))
 
 
 def clear_memory_caches() -> None:
     """Forget in-process lookups (the table is re-read, the log-once set emptied)."""
-    adanewton_schedule.cache_clear()
-    load_table.cache_clear()
-    _logged.clear()
+    _lookup_cached.cache_clear()
+    _load_table.cache_clear()
+    load_selector_data.cache_clear()
+    with _lock:
+        _logged.clear()
+
+
+def certify_user_schedule(
+    schedule: Sequence[Coeff], rows: int, cols: int, dtype: str, what: str
+) -> StabilityReport:
+    """Certify a schedule the user gave; raise :class:`CoefficientError` naming the shape."""
+    rep = _certificate(tuple(tuple(float(v) for v in t) for t in schedule), dtype)  # type: ignore[arg-type]
+    if not rep.stable:
+        m, n = min(rows, cols), max(rows, cols)
+        raise CoefficientError(
+            f"ns_coefficients={what} for a {rows}x{cols} matrix (K={len(schedule)}, {dtype}) "
+            f"fails the stability certificate: {rep.reason}"
+            + (" (it is unstable for this shape)" if m == n else "")
+        )
+    return rep

@@ -2,11 +2,16 @@
 
 Subcommands::
 
-    rootopt coeffs fit --shape 2048x8192 [--steps 5] [--schedule|--single] [--dtype float32]
-    rootopt coeffs show [SHAPE] [--steps 5]
+    rootopt coeffs fit --shape 2048x8192 [--steps 5] [--schedule|--single] [--dtype float32] [--cache]
+    rootopt coeffs show [SHAPE] [--steps 5] [--dtype float32]
     rootopt coeffs bench [--shapes table|paper|2048x8192,...] [--plot FILE] [--json FILE]
+    rootopt coeffs families [--steps 5] [--json FILE]
     rootopt coeffs build-table [--shape 2048x8192 ...]
     rootopt coeffs record [--steps 300]
+
+Fitting is offline and explicit (``fit``, ``build-table``; the tools live in
+:mod:`rootopt.tools`). The optimizer itself only reads the shipped table and certifies
+what it resolves; ``show`` prints exactly what it would resolve for a shape.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def cmd_fit(argv: list[str]) -> int:
     ap.add_argument("--cache", action="store_true", help="also store the result in the user cache")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     a = ap.parse_args(argv)
-    from rootopt.coeffs.fit import FitConfig, fit_coefficients
+    from rootopt.tools.fit import FitConfig, fit_coefficients
 
     cfg = FitConfig(
         steps=a.steps,
@@ -64,14 +69,16 @@ def cmd_fit(argv: list[str]) -> int:
         per_family=a.per_family,
     )
     m, n = a.shape
-    res = fit_coefficients(m, n, cfg)
-    payload = res.payload()
     if a.cache:
-        from rootopt.coeffs.adanewton import CACHE_FORMAT, cache_path, write_cache
+        from rootopt.tools.fitcache import CACHE_FORMAT, cache_path, file_lock, write_cache
 
-        write_cache(
-            cache_path(m, n, a.steps, a.dtype, a.delta), {"format": CACHE_FORMAT, **payload}
-        )
+        path = cache_path(m, n, a.steps, a.dtype, a.delta)
+        with file_lock(path):  # a concurrent ns_fit=True waits, then reads this entry
+            res = fit_coefficients(m, n, cfg)
+            write_cache(path, {"format": CACHE_FORMAT, **res.payload()})
+    else:
+        res = fit_coefficients(m, n, cfg)
+    payload = res.payload()
     if a.json:
         print(json.dumps(payload, indent=1))
         return 0
@@ -93,12 +100,17 @@ def cmd_show(argv: list[str]) -> int:
     )
     ap.add_argument("shape", nargs="?", type=parse_shape)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--no-fit", action="store_true", help="never fit: nearest table entry")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"]
+    )
     a = ap.parse_args(argv)
-    from rootopt.coeffs.adanewton import load_table, lookup
-    from rootopt.coeffs.stability import verify_schedule
+    from rootopt.coeffs.adanewton import CoefficientError, load_table, lookup
 
-    header, entries = load_table()
+    try:
+        header, entries = load_table()
+    except CoefficientError as exc:
+        print(f"rootopt coeffs show: {exc}", file=sys.stderr)
+        return 2
     if a.shape is None:
         prov = header.get("provenance", {})
         print(
@@ -120,14 +132,20 @@ def cmd_show(argv: list[str]) -> int:
             )
         return 0
     m, n = a.shape
-    res = lookup(m, n, a.steps, fit=False if a.no_fit else None)
-    rep = verify_schedule(res.schedule)
+    try:
+        res = lookup(m, n, a.steps, dtype=a.dtype)
+    except CoefficientError as exc:
+        print(f"rootopt coeffs show: {exc}", file=sys.stderr)
+        return 2
     print(
-        f"AdaNewton {m}x{n}, K={a.steps}: source {res.source}"
+        f"AdaNewton {m}x{n}, K={a.steps}, {a.dtype}: source {res.source}"
         + (f" ({res.detail})" if res.detail else "")
     )
     print(_fmt(res.schedule))
-    print(f"peak {rep.peak:.4f}, stable: {rep.stable} ({rep.reason})")
+    print(f"certified: peak {res.peak:.4f}")
+    if res.selector is not None:
+        print(f"per-matrix selector: {res.selector.describe()}")
+        print("  spiky schedule:\n" + _fmt(res.selector.spiky))
     return 0
 
 
@@ -136,24 +154,25 @@ def main(argv: list[str]) -> int:
         "fit": cmd_fit,
         "show": cmd_show,
     }
-    usage = "usage: rootopt coeffs {fit,show,bench,build-table,record} [options]  (-h on each)"
+    usage = (
+        "usage: rootopt coeffs {fit,show,bench,families,build-table,record} [options]  (-h on each)"
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
     sub, rest = argv[0], argv[1:]
     if sub in subs:
         return subs[sub](rest)
-    if sub == "bench":
-        from rootopt.commands.coeffs_bench import main as bench_main
+    tools = {
+        "bench": "rootopt.tools.bench",
+        "families": "rootopt.tools.families",
+        "build-table": "rootopt.tools.build",
+        "record": "rootopt.tools.record",
+    }
+    if sub in tools:
+        import importlib
 
-        return bench_main(rest)
-    if sub == "build-table":
-        from rootopt.coeffs.build import main as build_main
-
-        return build_main(rest)
-    if sub == "record":
-        from rootopt.commands.coeffs_record import main as record_main
-
-        return record_main(rest)
+        result: int = importlib.import_module(tools[sub]).main(rest)
+        return result
     print(f"rootopt coeffs: unknown subcommand {sub!r}\n{usage}", file=sys.stderr)
     return 2

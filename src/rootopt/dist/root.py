@@ -394,6 +394,8 @@ class DistributedROOT(ROOT):
                 self._schedule(group, rows, cols),
                 method=group["ortho_method"],
                 dtype=_DTYPES[group["ns_dtype"]],
+                gram=self._gram(group),
+                select=self._selector(group, rows, cols),
             )
             off = 0
             for i in idx:

@@ -20,7 +20,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from rootopt.coeffs import CoefficientSpec, Schedule, resolve, validate_spec
+from rootopt.coeffs import (
+    CoefficientError,
+    CoefficientSpec,
+    GramSelector,
+    Resolution,
+    Schedule,
+    resolve_record,
+    validate_spec,
+)
 from rootopt.optim.functional import (
     LrScale,
     MatrixView,
@@ -126,6 +134,8 @@ def _check_options(g: dict[str, Any]) -> None:
     b = g.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     if isinstance(b, bool) or not isinstance(b, int) or b < 0:
         raise bad("bucket_bytes", "must be an integer >= 0 (0: no limit)")
+    if not isinstance(g.get("ns_fit", False), bool):
+        raise bad("ns_fit", "must be True or False")
     if g.get("algorithm") not in (None, "root", "adamw"):
         raise bad("algorithm", "choose 'root' or 'adamw'")
 
@@ -169,6 +179,11 @@ class ROOT(Optimizer):
             and hold (:func:`rootopt.ortho.prefer_gram`), ``"on"``/``"off"`` force it.
         bucket_bytes: most bytes of float32 matrices stacked at once by the batched path
             (0: no limit); bounds its temporary memory.
+        ns_fit: opt-in offline fitting for ``ns_coefficients="adanewton"``: a shape the
+            table lacks is read from the user cache or fitted (seconds per shape, under a
+            file lock so concurrent processes fit it once) and cached, while the optimizer
+            is built. Off by default: then coefficients come from the shipped table or are
+            generalised from it (certified), with no file read or written.
         telemetry: record per-matrix diagnostics in ``self.telemetry`` after each step.
         record_spectra: with telemetry, also the normalised singular values of ``B``.
         nonfinite: ``"error"`` raises :class:`NonFiniteGradientError` before anything is
@@ -199,6 +214,7 @@ class ROOT(Optimizer):
         batched: bool = True,
         ns_gram: Literal["auto", "on", "off"] = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        ns_fit: bool = False,
         telemetry: bool = False,
         record_spectra: bool = False,
         nonfinite: NonFinite = "error",
@@ -223,6 +239,7 @@ class ROOT(Optimizer):
             batched=batched,
             ns_gram=ns_gram,
             bucket_bytes=bucket_bytes,
+            ns_fit=ns_fit,
         )
         _check_options(defaults)
         if nonfinite not in ("error", "skip"):
@@ -234,7 +251,9 @@ class ROOT(Optimizer):
         self.record_spectra = record_spectra
         self.telemetry: dict[str, dict[str, Any]] = {}
         self.skipped: list[str] = []
-        self._schedules: dict[tuple[Any, ...], Schedule] = {}
+        # Coefficients are resolved here and in add_param_group, never in step():
+        # (spec key, rows, cols, K, dtype, fit) -> Resolution.
+        self._resolutions: dict[tuple[Any, ...], Resolution] = {}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------
@@ -256,13 +275,26 @@ class ROOT(Optimizer):
                 raise RuntimeError(
                     f"ROOT does not support complex parameters (shape {tuple(t.shape)})"
                 )
+        names = param_group.get("param_names")
+        if names is not None and len(names) != len(items):
+            raise ValueError(
+                f"param_names lists {len(names)} names for {len(items)} parameters; they must match"
+            )
         if param_group.get("algorithm") is None:
             # A group without an explicit algorithm: matrices get ROOT, the rest AdamW.
-            by_algo: dict[str, list[Any]] = {"root": [], "adamw": []}
-            for item in items:
+            # Explicit param_names are split with their tensors (each half names its own).
+            by_algo: dict[str, list[int]] = {"root": [], "adamw": []}
+            for i, item in enumerate(items):
                 t = tensor_of(item)
-                by_algo["root" if isinstance(t, Tensor) and t.ndim >= 2 else "adamw"].append(item)
-            parts = [dict(param_group, params=p, algorithm=a) for a, p in by_algo.items() if p]
+                by_algo["root" if isinstance(t, Tensor) and t.ndim >= 2 else "adamw"].append(i)
+            parts = []
+            for a, idx in by_algo.items():
+                if not idx:
+                    continue
+                part = dict(param_group, params=[items[i] for i in idx], algorithm=a)
+                if names is not None:
+                    part["param_names"] = [names[i] for i in idx]
+                parts.append(part)
             if not parts:
                 parts = [dict(param_group, algorithm="root")]
         else:
@@ -284,6 +316,62 @@ class ROOT(Optimizer):
                             "route it to algorithm='adamw'"
                         )
             super().add_param_group(part)
+            if part["algorithm"] == "root":
+                self._resolve_group(self.param_groups[-1])
+
+    # ----------------------------------------------------------------------------------
+    # coefficients: resolved at construction (never in step)
+    # ----------------------------------------------------------------------------------
+    @staticmethod
+    def _coeff_key(group: dict[str, Any], rows: int, cols: int) -> tuple[Any, ...]:
+        spec = group["ns_coefficients"]
+        key_spec = id(spec) if callable(spec) else repr(spec)
+        fit = bool(group.get("ns_fit", False)) and spec == "adanewton"
+        m, n = min(rows, cols), max(rows, cols)
+        return (key_spec, m, n, group["ns_steps"], group["ns_dtype"], fit)
+
+    def _resolve_one(self, group: dict[str, Any], rows: int, cols: int) -> Resolution:
+        key = self._coeff_key(group, rows, cols)
+        res = self._resolutions.get(key)
+        if res is None:
+            spec, steps, dtype = group["ns_coefficients"], group["ns_steps"], group["ns_dtype"]
+            if key[-1]:
+                # Opt-in fitting (ns_fit=True): the only place the runtime reaches the
+                # offline tools, and only while the optimizer is being built.
+                from rootopt.tools.fitcache import fitted_resolution
+
+                res = fitted_resolution(rows, cols, steps, dtype=dtype)
+            else:
+                res = resolve_record(spec, rows, cols, steps, dtype=dtype)
+            self._resolutions[key] = res
+        return res
+
+    def _resolve_group(self, group: dict[str, Any]) -> None:
+        """Resolve (and certify) the coefficients of every matrix view of a ROOT group.
+
+        Raises :class:`~rootopt.coeffs.CoefficientError` naming the parameter, its matrix
+        shape and the reason; nothing is fitted or written unless ``ns_fit=True``."""
+        if group["ortho_method"] != "newton_schulz":
+            return
+        names = group.get("param_names")
+        for pi, p in enumerate(group["params"]):
+            if p.ndim < 2 or p.numel() == 0:
+                continue
+            view = matrix_view(p.shape, group["nd_view"])
+            try:
+                self._resolve_one(group, view.rows, view.cols)
+            except (CoefficientError, ValueError) as exc:
+                name = names[pi] if names is not None else f"of shape {tuple(p.shape)}"
+                raise CoefficientError(
+                    f"parameter {name} ({view.rows}x{view.cols} matrix, K={group['ns_steps']}, "
+                    f"{group['ns_dtype']}): {exc}"
+                ) from None
+
+    def coefficient_resolutions(self) -> list[Resolution]:
+        """What was resolved for every distinct matrix shape (for reports): schedule,
+        source (table / generalised / nearest / preset / fitted / user), certificate
+        peak and the per-matrix selector, one record per ``(shape, K, dtype, spec)``."""
+        return list(self._resolutions.values())
 
     # ----------------------------------------------------------------------------------
     # state_dict: keep float32 state for low-precision parameters
@@ -302,6 +390,10 @@ class ROOT(Optimizer):
             for key, value in saved.items():
                 if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
                     self.state[p][key] = value.to(device=p.device, dtype=value.dtype).clone()
+        # The loaded groups may carry other coefficient options: resolve them now, not in step().
+        for group in self.param_groups:
+            if group.get("algorithm") == "root":
+                self._resolve_group(group)
 
     # ----------------------------------------------------------------------------------
     # step
@@ -313,14 +405,30 @@ class ROOT(Optimizer):
         return f"group{gi}.param{pi}"
 
     def _schedule(self, group: dict[str, Any], rows: int, cols: int) -> Schedule:
-        spec = group["ns_coefficients"]
-        key_spec = id(spec) if callable(spec) else repr(spec)
-        key = (key_spec, rows, cols, group["ns_steps"])
-        sched = self._schedules.get(key)
-        if sched is None:
-            sched = resolve(spec, rows, cols, group["ns_steps"])
-            self._schedules[key] = sched
-        return sched
+        """The schedule the step passes to ``orthogonal_direction`` for a ``rows x cols``
+        view: resolved when the group was added. A key missing here (options changed
+        after construction) is resolved by the same pure lookup, which never fits or
+        writes; with ``ns_fit`` it does not fit either (the table/generalised path)."""
+        key = self._coeff_key(group, rows, cols)
+        res = self._resolutions.get(key)
+        if res is None:
+            res = resolve_record(
+                group["ns_coefficients"], rows, cols, group["ns_steps"], dtype=group["ns_dtype"]
+            )
+            self._resolutions[key] = res
+        return res.schedule
+
+    def _selector(self, group: dict[str, Any], rows: int, cols: int) -> GramSelector | None:
+        """The per-matrix coefficient selector for a ``rows x cols`` view, or None.
+
+        For ``ns_coefficients="adanewton"`` (not fitted) this is a
+        :class:`~rootopt.coeffs.GramSelector`: pass it as ``select=`` to the Newton–Schulz
+        call, which computes ``s = ||A₀||_F²`` (``A₀ = X₀X₀ᵀ`` of the Frobenius-normalised
+        ``X₀``, shape ``(batch,)``, float32 accumulation) and uses ``select(s)``
+        (``(K, batch, 3)``) instead of :meth:`_schedule`'s tuples."""
+        self._schedule(group, rows, cols)
+        res = self._resolutions.get(self._coeff_key(group, rows, cols))
+        return None if res is None else res.selector
 
     def _collect(self) -> list[list[tuple[int, Tensor, str]]]:
         """Per group: (index, param, name) of the parameters that will be updated.
@@ -511,6 +619,7 @@ class ROOT(Optimizer):
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],
                 coefficients=self._schedule(group, view.rows, view.cols),
+                select=self._selector(group, view.rows, view.cols),
                 outlier_quantile=group["outlier_quantile"],
                 ortho_method=group["ortho_method"],
                 ns_dtype=dtype,
@@ -545,6 +654,7 @@ class ROOT(Optimizer):
             by_shape.setdefault((view.rows, view.cols, p.device), []).append((p, name, view))
         for (rows, cols, device), items in by_shape.items():
             sched = self._schedule(group, rows, cols)
+            select = self._selector(group, rows, cols)
             matrix_bytes = rows * cols * 4
             per_chunk = max(1, budget // matrix_bytes) if budget > 0 else 1 << 62
             scale = lr * lr_scale_factor(rows, cols, group["lr_scale"])
@@ -563,7 +673,9 @@ class ROOT(Optimizer):
                 for c0 in range(0, n, per_chunk):
                     sl = slice(c0, min(n, c0 + per_chunk))
                     B, eps = clip_outliers_(M_all[sl], q, out=B_all[sl])
-                    U = orthogonal_direction(B, sched, method=method, dtype=dtype, gram=gram)
+                    U = orthogonal_direction(
+                        B, sched, method=method, dtype=dtype, gram=gram, select=select
+                    )
                     if eps is not None:
                         eps_all.append(eps)
                     if U_all is not None:

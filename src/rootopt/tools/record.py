@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "coeffs" / "data" / "momentum_spectra.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "momentum_spectra.json"
 
 
 class _Block(nn.Module):

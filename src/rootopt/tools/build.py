@@ -1,8 +1,8 @@
-"""Build the shipped AdaNewton table: ``python -m rootopt.coeffs.build`` (or
+"""Build the shipped AdaNewton table: ``python -m rootopt.tools.build`` (or
 ``rootopt coeffs build-table``).
 
-Fits every shape of :func:`rootopt.coeffs.shapes.table_shapes` (float64, CPU, seeded;
-see :mod:`rootopt.coeffs.fit`) and writes ``data/adanewton_table.json`` with the
+Fits every shape of :func:`rootopt.tools.shapes.table_shapes` (float64, CPU, seeded;
+see :mod:`rootopt.tools.fit`) and writes ``data/adanewton_table.json`` with the
 provenance of the whole build (objective, spectra mix, δ, K, dtype, seed, fitter and
 package version, the recorded-spectra file's provenance) and, per entry, the models
 using the shape, the fit objective, the per-family training error and the peak of the
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from rootopt.coeffs.adanewton import TABLE_FILE, TABLE_FORMAT
-from rootopt.coeffs.fit import FITTER_VERSION, OBJECTIVE, FitConfig, fit_coefficients
-from rootopt.coeffs.shapes import table_shapes
-from rootopt.coeffs.spectra import load_recorded
+from rootopt.tools.fit import FITTER_VERSION, OBJECTIVE, FitConfig, fit_coefficients
+from rootopt.tools.shapes import table_shapes
+from rootopt.tools.spectra import load_recorded
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "data" / TABLE_FILE
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "coeffs" / "data" / TABLE_FILE
 
 # The budget of the shipped table (a run-time fit uses a smaller one).
 TABLE_FIT: dict[str, Any] = {"per_family": 10, "max_dim": 256, "max_iter": 100}
@@ -95,7 +95,7 @@ def build_table(
             "fit_config": cfg.to_json(),
             "spectra": {
                 "mix": dict(cfg.mix),
-                "families": "see rootopt.coeffs.spectra (gaussian, lowrank, heavytail, momentum)",
+                "families": "see rootopt.tools.spectra (gaussian, lowrank, heavytail, momentum)",
                 "recorded": rec.source,
                 "recorded_count": len(rec.spectra),
             },
@@ -103,6 +103,10 @@ def build_table(
             "package_version": _package_version(),
             "code_version": code_version,
             "torch_threads": _threads(),
+            # The fit is an L-BFGS descent on a flat optimum: a one-ulp change in any input
+            # (e.g. numpy's geomspace) moves coefficients by ~1% at equal objective, so the
+            # versions that produced the table are part of its provenance.
+            "versions": _versions(),
             "python": platform.python_version(),
             "build_seconds": round(time.perf_counter() - t0, 1),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -129,6 +133,13 @@ def build_table(
     os.chmod(tmp, 0o644)  # mkstemp creates 0600; the table is package data
     os.replace(tmp, out)
     return table
+
+
+def _versions() -> dict[str, str]:
+    import numpy
+    import torch
+
+    return {"numpy": numpy.__version__, "torch": torch.__version__}
 
 
 def _threads() -> int:

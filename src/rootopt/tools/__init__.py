@@ -1,0 +1,13 @@
+"""Offline tools for Newton–Schulz coefficients (AdaNewton).
+
+The fitter (:mod:`rootopt.tools.fit`), the spectrum families (:mod:`rootopt.tools.spectra`),
+the table builder (:mod:`rootopt.tools.build`), the user cache with its file lock
+(:mod:`rootopt.tools.fitcache`), the momentum-spectrum recorder (:mod:`rootopt.tools.record`)
+and the coefficient bench (:mod:`rootopt.tools.bench`). ``rootopt coeffs ...`` runs them.
+
+Nothing in the runtime (``import rootopt``, the optimizer, its ``step()``) imports this
+package: the runtime reads the shipped table and certifies schedules
+(:mod:`rootopt.coeffs`); fitting is an explicit, offline act. The one bridge is opt-in:
+``ROOT(..., ns_fit=True)`` imports :mod:`rootopt.tools.fitcache` while the optimizer is
+being built (never in ``step()``).
+"""
