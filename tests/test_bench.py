@@ -135,3 +135,17 @@ def test_a_blown_up_run_is_recorded_as_diverged(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "runs" / f"{spec.run_id}.json").read_text())["diverged"]
     ok = run_one(RunSpec("t", "digits", "adamw", 3e-3, 0, 20, 0.1), str(tmp_path))
     assert not ok["diverged"] and ok["final_val_loss"] < ok["initial_val_loss"]
+
+
+def test_an_in_process_run_leaves_the_thread_count_as_it_was(tmp_path: Path) -> None:
+    """A run trains on one thread but must not change the caller's process-wide setting
+    (an in-process call used to leave torch on one thread, so a later fresh process with
+    the default count computed different reductions)."""
+    (tmp_path / "runs").mkdir()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_one(RunSpec("t", "digits", "adamw", 3e-3, 0, 2, 0.1), str(tmp_path))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rootopt.bench.runner import one_thread
 from rootopt.bench.tasks import LM_SEQ
 from rootopt.config import ModelConfig
 from rootopt.optim.registry import REGISTRY, make_optimizer
@@ -112,7 +113,15 @@ def ortho_throughput(cfg: ModelConfig, *, reps: int = 5, ns_steps: int = 5) -> l
 def overhead(
     *, quick: bool, optimizers: tuple[str, ...] | list[str], progress: bool
 ) -> dict[str, Any]:
-    torch.set_num_threads(1)
+    """Step time and state bytes per optimizer, on one thread (the caller's thread count
+    is restored afterwards)."""
+    with one_thread():
+        return _overhead(quick=quick, optimizers=optimizers, progress=progress)
+
+
+def _overhead(
+    *, quick: bool, optimizers: tuple[str, ...] | list[str], progress: bool
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     steps, warmup = (3, 1) if quick else (10, 2)
     models: dict[str, Any] = {}

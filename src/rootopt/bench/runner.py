@@ -7,13 +7,14 @@ skips every spec whose result file exists, so an interrupted suite resumes where
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,7 +97,28 @@ def _corrupt(params: Sequence[Any], c: Corruption, gen: Any) -> None:
 
 
 def run_one(spec: RunSpec, out_dir: str, progress: Any = None) -> dict[str, Any]:
-    """Train one run and write ``<out_dir>/runs/<run_id>.json``; returns the result."""
+    """Train one run and write ``<out_dir>/runs/<run_id>.json``; returns the result.
+
+    Runs on one thread (the runner's parallelism is across processes) and restores the
+    caller's thread count afterwards, so an in-process call leaves no global state."""
+    with one_thread():
+        return _run_one(spec, out_dir, progress)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the body on one intra-op thread, then restore the previous count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     import torch
 
     from rootopt._atomic import atomic_write
@@ -106,7 +128,6 @@ def run_one(spec: RunSpec, out_dir: str, progress: Any = None) -> dict[str, Any]
     from rootopt.train.model import loss_fn
     from rootopt.train.schedule import LRMultiplier
 
-    torch.set_num_threads(1)
     t_all = time.perf_counter()
     t = task(spec.task)
     data = load_task_data(spec.task)
