@@ -223,3 +223,21 @@ class Controller:
     def skipped_step(self, optimizer: Any) -> None:
         """A non-finite (skipped) step: keep the multiplier on the freshly scheduled lr."""
         apply_knobs(optimizer, self.mult, self.q)
+
+
+def load_controller(path: str, *, total_steps: int, optimizer: str) -> Controller:
+    """The controller of ``optimization.controller``, or a one-line ``ConfigError``.
+
+    Called before a training run creates anything, so a bad policy never leaves a
+    half-configured run behind.
+    """
+    from rootopt.config import ConfigError
+
+    if optimizer.lower() not in ("root",):
+        raise ConfigError(
+            [f"optimization.controller needs optimization.optimizer ROOT (got {optimizer!r})"]
+        )
+    try:
+        return Controller.load(path, total_steps=total_steps)
+    except ControllerError as exc:
+        raise ConfigError([f"optimization.controller: {exc}"]) from None
