@@ -12,21 +12,21 @@ import pytest
 pytest.importorskip("sb3_contrib")
 pytest.importorskip("gymnasium")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from _train_fixtures import TINY, prepare_tiny  # noqa: E402
-from rootopt.config import ConfigError, load_config  # noqa: E402
-from rootopt.rl.controller import (  # noqa: E402
+from _train_fixtures import TINY, prepare_tiny
+from rootopt.config import ConfigError, load_config
+from rootopt.rl.controller import (
     PROVENANCE_FILE,
     Controller,
     action_to_knobs,
     knobs_to_action,
 )
-from rootopt.rl.env import EpisodeConfig, RootTrainingEnv  # noqa: E402
-from rootopt.rl.train import PPOConfig, train_policy  # noqa: E402
-from rootopt.train import train  # noqa: E402
-from rootopt.train.schedule import LRMultiplier  # noqa: E402
+from rootopt.rl.env import EpisodeConfig, RootTrainingEnv
+from rootopt.rl.train import PPOConfig, train_policy
+from rootopt.train import train
+from rootopt.train.schedule import LRMultiplier
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # The toy task with a base lr 10× too small: raising the lr multiplier clearly pays.
@@ -37,7 +37,7 @@ TOY = EpisodeConfig(tasks=("toy",), steps=20, every=4, base_lr=0.003)
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object]]:
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("policy") / "p"
-    _, env, prov = train_policy(TOY, PPOConfig(timesteps=600, n_steps=40, batch_size=20), out)
+    _, _env, prov = train_policy(TOY, PPOConfig(timesteps=600, n_steps=40, batch_size=20), out)
     return out, prov
 
 
@@ -92,14 +92,18 @@ def test_training_config_uses_controller(
     trained: tuple[Path, dict[str, object]], shards: Path, tmp_path: Path
 ) -> None:
     out, _ = trained
-    cfg = load_config(None, [*TINY, "run.max_steps=24", "run.log_every=1", f"optimization.controller={out}"])
+    cfg = load_config(
+        None, [*TINY, "run.max_steps=24", "run.log_every=1", f"optimization.controller={out}"]
+    )
     s = train(cfg, tmp_path / "run", str(shards), say=lambda m: None)
     assert s.status == "completed" and s.steps == 24
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
     o = cfg.optimization
     sched = LRMultiplier(o.schedule, warmup=o.warmup_steps, total=24, min_ratio=o.min_lr_ratio)
-    ratios = [lrs[k] / (o.base_lr * sched(k - 1)) for k in sorted(lrs) if k > 4 and sched(k - 1) > 0]
+    ratios = [
+        lrs[k] / (o.base_lr * sched(k - 1)) for k in sorted(lrs) if k > 4 and sched(k - 1) > 0
+    ]
     assert ratios, lrs
     # The controller multiplies the scheduled lr by a value in [1/4, 4] that it chose (≠ 1).
     assert all(0.25 - 1e-6 <= x <= 4 + 1e-6 for x in ratios)
@@ -132,8 +136,12 @@ def test_bad_policy_refused_before_run_starts(
         train(cfg, tmp_path / "run", str(shards), say=lambda m: None)
     msg = str(err.value)
     assert "\n" not in msg and "optimization.controller" in msg
-    expect = {"missing": "not found", "format": "incompatible", "corrupt": "could not be loaded",
-              "optimizer": "needs optimization.optimizer ROOT"}[case]
+    expect = {
+        "missing": "not found",
+        "format": "incompatible",
+        "corrupt": "could not be loaded",
+        "optimizer": "needs optimization.optimizer ROOT",
+    }[case]
     assert expect in msg, msg
     assert not (tmp_path / "run").exists()  # nothing half-configured left behind
 

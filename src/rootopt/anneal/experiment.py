@@ -19,7 +19,6 @@ Block methods (same ``s``, same data, same seeds):
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -148,11 +147,22 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
                 d, v = curvature(ps, cfg.rank, cfg.damping)
                 kw: dict[str, Any] = {}
                 if cfg.sampler == "sa":
-                    kw = {"num_reads": cfg.num_reads, "num_sweeps": cfg.num_sweeps, "seed": cfg.seed}
+                    kw = {
+                        "num_reads": cfg.num_reads,
+                        "num_sweeps": cfg.num_sweeps,
+                        "seed": cfg.seed,
+                    }
                 elif cfg.sampler == "tabu":
                     kw = {"num_reads": cfg.num_reads, "seed": cfg.seed}
                 sol = solve_ternary(
-                    sampler, g_head.reshape(-1).numpy(), d, v, cfg.s, limit=limit, name=cfg.sampler, **kw
+                    sampler,
+                    g_head.reshape(-1).numpy(),
+                    d,
+                    v,
+                    cfg.s,
+                    limit=limit,
+                    name=cfg.sampler,
+                    **kw,
                 )
                 solve_s.append(sol.seconds)
                 couplings = sol.couplings
@@ -178,9 +188,7 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
         out = model(data.val_x)
         val = float(loss_fn(out, data.val_y))
         acc = float((out.argmax(-1) == data.val_y).float().mean())
-    on_grid = bool(
-        torch.allclose(head.weight / cfg.s, torch.round(head.weight / cfg.s), atol=1e-4)
-    )
+    on_grid = bool(torch.allclose(head.weight / cfg.s, torch.round(head.weight / cfg.s), atol=1e-4))
     n = block_size(cfg)
     return {
         **asdict(cfg),
@@ -202,9 +210,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         "solver s/step | entries moved/step | head on grid |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = dict.fromkeys((r["task"], r["method"], r["sampler"] if r["method"] == "qubo" else "") for r in rows)
+    keys = dict.fromkeys(
+        (r["task"], r["method"], r["sampler"] if r["method"] == "qubo" else "") for r in rows
+    )
     for task, method, smp in keys:
-        rs = [r for r in rows if r["task"] == task and r["method"] == method and (not smp or r["sampler"] == smp)]
+        rs = [
+            r
+            for r in rows
+            if r["task"] == task and r["method"] == method and (not smp or r["sampler"] == smp)
+        ]
         vl = np.array([r["final_val_loss"] for r in rs])
         va = np.array([r["final_val_acc"] for r in rs])
         label = f"{method} ({smp})" if smp else method

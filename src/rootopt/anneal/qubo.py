@@ -58,7 +58,9 @@ def ternary_bqm(
     linear = s * (e.T @ g) + np.diag(qz)
     quad = 2.0 * np.triu(qz, 1)
     if penalty is None:
-        penalty = s * s * float(np.max(np.diag(h), initial=0.0)) + s * float(np.max(np.abs(g), initial=0.0))
+        penalty = s * s * float(np.max(np.diag(h), initial=0.0)) + s * float(
+            np.max(np.abs(g), initial=0.0)
+        )
         penalty = max(penalty, 1e-12)
     if not penalty > 0:
         raise ValueError(f"penalty must be > 0, got {penalty}")
@@ -74,7 +76,9 @@ def decode(sample: Any, n: int, s: float) -> np.ndarray:
     return s * (a - b)
 
 
-def quadratic_model(delta: np.ndarray, g: np.ndarray, diag: np.ndarray, factor: np.ndarray) -> float:
+def quadratic_model(
+    delta: np.ndarray, g: np.ndarray, diag: np.ndarray, factor: np.ndarray
+) -> float:
     """``gᵀδ + ½ δᵀ(diag(d) + VVᵀ)δ`` evaluated directly (the oracle for the encoding)."""
     vd = factor.T @ delta
     return float(g @ delta + 0.5 * (delta * diag) @ delta + 0.5 * vd @ vd)
@@ -87,7 +91,7 @@ def make_sampler(spec: str) -> tuple[Any, int | None, str]:
     if spec == "exact":
         import dimod
 
-        return dimod.ExactSolver(), BUILTIN_SAMPLERS["exact"], "dimod.ExactSolver (brute force)"
+        return dimod.ExactSolver(), BUILTIN_SAMPLERS["exact"], "dimod.ExactSolver (brute force)"  # type: ignore[no-untyped-call]
     if spec in ("sa", "tabu"):
         try:
             from dwave.samplers import SimulatedAnnealingSampler, TabuSampler
@@ -98,8 +102,8 @@ def make_sampler(spec: str) -> tuple[Any, int | None, str]:
             ) from None
         if spec == "sa":
             desc = "dwave-samplers SimulatedAnnealingSampler (classical simulated annealing, local CPU)"
-            return SimulatedAnnealingSampler(), BUILTIN_SAMPLERS["sa"], desc
-        return TabuSampler(), BUILTIN_SAMPLERS["tabu"], "dwave-samplers TabuSampler (classical)"
+            return SimulatedAnnealingSampler(), BUILTIN_SAMPLERS["sa"], desc  # type: ignore[no-untyped-call]
+        return TabuSampler(), BUILTIN_SAMPLERS["tabu"], "dwave-samplers TabuSampler (classical)"  # type: ignore[no-untyped-call]
     if ":" not in spec:
         raise AnnealError(
             f"unknown sampler {spec!r} (choose sa, tabu, exact, or module:Class of a dimod sampler)"
@@ -108,16 +112,16 @@ def make_sampler(spec: str) -> tuple[Any, int | None, str]:
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:
-        raise AnnealError(
-            f"sampler {spec!r}: module {exc.name!r} is not installed"
-        ) from None
+        raise AnnealError(f"sampler {spec!r}: module {exc.name!r} is not installed") from None
     cls = getattr(mod, cls_name, None)
     if cls is None:
         raise AnnealError(f"sampler {spec!r}: {mod_name} has no {cls_name!r}")
     try:
         sampler = cls()
     except Exception as exc:  # e.g. no solver access configured
-        raise AnnealError(f"sampler {spec!r} could not be created: {type(exc).__name__}: {exc}") from None
+        raise AnnealError(
+            f"sampler {spec!r} could not be created: {type(exc).__name__}: {exc}"
+        ) from None
     if not hasattr(sampler, "sample"):
         raise AnnealError(f"sampler {spec!r} is not a dimod sampler (no .sample)")
     props = getattr(sampler, "properties", {}) or {}

@@ -24,7 +24,9 @@ class UserError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rootopt anneal", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="rootopt anneal",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("head", help="quantized-head experiment")
@@ -86,9 +88,15 @@ def _check(args: argparse.Namespace) -> int:
         raise UserError(f"--n must be in 1..12 for the brute-force check, got {args.n}")
     sampler, limit, desc = make_sampler(args.sampler)
     rng = np.random.default_rng(args.seed)
-    g, v, d, s = rng.normal(size=args.n), rng.normal(size=(args.n, 2)), rng.uniform(0, 1, args.n), 0.5
+    g, v, d, s = (
+        rng.normal(size=args.n),
+        rng.normal(size=(args.n, 2)),
+        rng.uniform(0, 1, args.n),
+        0.5,
+    )
     best = min(
-        quadratic_model(s * np.array(t), g, d, v) for t in itertools.product((-1, 0, 1), repeat=args.n)
+        quadratic_model(s * np.array(t), g, d, v)
+        for t in itertools.product((-1, 0, 1), repeat=args.n)
     )
     kw = {"num_reads": 50, "seed": args.seed} if args.sampler in ("sa", "tabu") else {}
     sol = solve_ternary(sampler, g, d, v, s, limit=limit, name=args.sampler, **kw)
@@ -108,13 +116,21 @@ def _head(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        raise UserError(f"unknown method(s) {bad or args.methods!r} (choose from {', '.join(METHODS)})")
+        raise UserError(
+            f"unknown method(s) {bad or args.methods!r} (choose from {', '.join(METHODS)})"
+        )
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.json and Path(args.json).exists():
         raise UserError(f"--json {args.json!r} exists; choose a new file")
     base = HeadConfig(
-        task=args.task, steps=args.steps, s=args.s, rank=args.rank, sampler=args.sampler,
-        num_reads=args.num_reads, num_sweeps=args.num_sweeps, hidden=args.hidden,
+        task=args.task,
+        steps=args.steps,
+        s=args.s,
+        rank=args.rank,
+        sampler=args.sampler,
+        num_reads=args.num_reads,
+        num_sweeps=args.num_sweeps,
+        hidden=args.hidden,
     )
     if "qubo" in methods:  # refuse before any training
         _, limit, _ = make_sampler(args.sampler)

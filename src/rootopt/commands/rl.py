@@ -46,7 +46,9 @@ def _tasks(raw: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in raw.split(",") if x.strip())
     bad = [n for n in names if n not in TASKS]
     if bad or not names:
-        raise UserError(f"unknown controller task(s) {bad or raw!r} (choose from {', '.join(TASKS)})")
+        raise UserError(
+            f"unknown controller task(s) {bad or raw!r} (choose from {', '.join(TASKS)})"
+        )
     return names
 
 
@@ -87,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         ep = EpisodeConfig(
             tasks=_tasks(args.tasks), steps=args.steps, every=args.every, base_lr=args.base_lr
         )
-        _, env, prov = train_policy(ep, PPOConfig(timesteps=args.timesteps, seed=args.seed), out)
+        _, _env, prov = train_policy(ep, PPOConfig(timesteps=args.timesteps, seed=args.seed), out)
         r = prov["episode_returns"]
         k = max(1, len(r) // 5)
         print(
@@ -101,7 +103,10 @@ def _run(args: argparse.Namespace) -> int:
 
         _, prov = load_policy(args.policy)
         ep = EpisodeConfig(
-            tasks=_tasks(args.tasks), steps=args.steps, every=int(prov["every"]), base_lr=args.base_lr
+            tasks=_tasks(args.tasks),
+            steps=args.steps,
+            every=int(prov["every"]),
+            base_lr=args.base_lr,
         )
         rows = evaluate(Path(args.policy), list(ep.tasks), seeds, ep)
     except ControllerError as exc:

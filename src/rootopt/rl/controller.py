@@ -137,7 +137,9 @@ def load_policy(path: str | Path) -> tuple[Any, dict[str, Any]]:
     try:
         prov = json.loads(prov_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ControllerError(f"controller policy {str(p)!r}: unreadable provenance: {exc}") from None
+        raise ControllerError(
+            f"controller policy {str(p)!r}: unreadable provenance: {exc}"
+        ) from None
     if not isinstance(prov, dict) or prov.get("format") != FORMAT:
         raise ControllerError(
             f"controller policy {str(p)!r} is incompatible: format "

@@ -107,8 +107,6 @@ class RootTrainingEnv(gym.Env[np.ndarray, np.ndarray]):
     episode runs with the default knobs (lr ×1, quantile 0.9) to produce the first observation.
     """
 
-    metadata: dict[str, Any] = {"render_modes": []}
-
     def __init__(self, cfg: EpisodeConfig) -> None:
         super().__init__()
         if not cfg.tasks:

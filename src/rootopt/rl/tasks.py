@@ -87,7 +87,6 @@ def episode_task(name: str) -> EpisodeTask:
     return TASKS[name]
 
 
-
 def _toy_data() -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(1234)
     a = torch.randn(16, 16, generator=g) / 4.0

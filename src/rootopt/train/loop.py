@@ -167,7 +167,9 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         from rootopt.rl.controller import load_controller
 
         o = cfg.optimization
-        controller = load_controller(o.controller, total_steps=cfg.run.max_steps, optimizer=o.optimizer)
+        controller = load_controller(
+            o.controller, total_steps=cfg.run.max_steps, optimizer=o.optimizer
+        )
     device = resolve_device(cfg, info)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
