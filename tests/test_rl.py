@@ -166,3 +166,10 @@ def test_cli_bad_inputs_exit_2_one_line(tmp_path: Path) -> None:
     assert (owned / "notes.txt").read_text() == "keep me" and len(list(owned.iterdir())) == 1
     r = _cli("rl", "train", "--out", str(tmp_path / "new"), "--tasks", "nosuch")
     assert r.returncode == 2 and "nosuch" in r.stderr
+
+
+def test_example_config_names_a_controller() -> None:
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "controller-example.yaml")
+    assert cfg.optimization.controller == "policies/root-ctl"
+    assert cfg.optimization.optimizer == "ROOT"
