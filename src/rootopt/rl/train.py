@@ -174,7 +174,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per task, mean ± std final val loss (and accuracy) of ROOT vs controller."""
     lines = [
         "| task | ROOT (tuned cosine) val loss | ROOT + controller val loss | Δ (ctl − ROOT) | "
-        "ROOT acc | ctl acc | ctl mean lr× | step ms | controller ms/step |",
+        "ROOT acc | ctl acc | ctl mean lr× | step ms ROOT / ctl | controller ms/step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -192,7 +192,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {task} (n={len(base)}) | {ms(base, 'final_val_loss')} | {ms(ctl, 'final_val_loss')} | "
             f"{diff.mean():+.4f} | {ms(base, 'final_val_acc')} | {ms(ctl, 'final_val_acc')} | "
             f"{np.mean([r['mean_lr_mult'] for r in ctl]):.2f} | "
-            f"{1e3 * np.mean([r['step_s'] for r in base]):.1f} | "
+            f"{1e3 * np.mean([r['step_s'] for r in base]):.1f} / "
+            f"{1e3 * np.mean([r['step_s'] for r in ctl]):.1f} | "
             f"{1e3 * np.mean([r['controller_s_per_step'] for r in ctl]):.2f} |"
         )
     return "\n".join(lines)
