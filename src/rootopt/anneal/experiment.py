@@ -26,7 +26,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from rootopt.anneal.qubo import check_size, curvature, make_sampler, solve_ternary
+from rootopt.anneal.qubo import (
+    check_size,
+    curvature,
+    make_sampler,
+    quadratic_model,
+    solve_ternary,
+)
 
 METHODS = ("qubo", "sign", "rounded-root", "float-root")
 
@@ -123,6 +129,7 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
     bs = 32 if cfg.task == "bbc" else 64
     solve_s: list[float] = []
     moved: list[float] = []
+    gains: list[tuple[float, float]] = []  # (model at the QUBO δ, model at the sign step)
     couplings = 0
     params = [p for p in model.parameters()]
     for _ in range(cfg.steps):
@@ -165,6 +172,8 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
                     **kw,
                 )
                 solve_s.append(sol.seconds)
+                gflat = g_head.reshape(-1).numpy()
+                gains.append((sol.energy, quadratic_model(-cfg.s * np.sign(gflat), gflat, d, v)))
                 couplings = sol.couplings
                 delta = torch.from_numpy(sol.delta).to(w.dtype).reshape(w.shape)
             else:
@@ -199,6 +208,9 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
         "couplings": couplings,
         "solver_s_per_step": float(np.mean(solve_s)) if solve_s else 0.0,
         "moved_fraction": float(np.mean(moved)),
+        # Mean local-model value gᵀδ + ½δᵀHδ of the chosen δ and of the sign step (qubo only).
+        "model_qubo": float(np.mean([a for a, _ in gains])) if gains else None,
+        "model_sign": float(np.mean([b for _, b in gains])) if gains else None,
         "head_on_grid": on_grid,
         "distinct_levels": int(torch.unique(torch.round(head.weight / cfg.s)).numel()),
     }
@@ -207,8 +219,8 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| task | method | block vars | binaries | couplings | val loss | val acc | "
-        "solver s/step | entries moved/step | head on grid |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "solver s/step | entries moved/step | head on grid | model value: QUBO δ / sign δ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = dict.fromkeys(
         (r["task"], r["method"], r["sampler"] if r["method"] == "qubo" else "") for r in rows
@@ -226,6 +238,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {task} | {label} (n={len(rs)}) | {rs[0]['block_vars']} | {rs[0]['binaries']} | "
             f"{rs[0]['couplings']} | {vl.mean():.4f} ± {vl.std():.4f} | {va.mean():.4f} ± {va.std():.4f} | "
             f"{np.mean([r['solver_s_per_step'] for r in rs]):.3f} | "
-            f"{np.mean([r['moved_fraction'] for r in rs]):.2f} | {all(r['head_on_grid'] for r in rs)} |"
+            f"{np.mean([r['moved_fraction'] for r in rs]):.2f} | {all(r['head_on_grid'] for r in rs)} | "
+            + (
+                f"{np.mean([r['model_qubo'] for r in rs]):.4g} / {np.mean([r['model_sign'] for r in rs]):.4g} |"
+                if rs[0].get("model_qubo") is not None
+                else "— |"
+            )
         )
     return "\n".join(lines)
