@@ -125,3 +125,9 @@ def test_cli_check_and_bad_inputs() -> None:
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     r = _cli("head", "--sampler", "dwave.system:DWaveSampler")
     assert r.returncode == 2 and "'dwave.system:DWaveSampler'" in r.stderr
+
+
+def test_missing_sampler_package_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "dwave.samplers", None)
+    with pytest.raises(AnnealError, match=r"sampler 'sa' needs the 'dwave-samplers' package"):
+        make_sampler("sa")

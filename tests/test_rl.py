@@ -173,3 +173,14 @@ def test_example_config_names_a_controller() -> None:
     cfg = load_config(root / "configs" / "controller-example.yaml")
     assert cfg.optimization.controller == "policies/root-ctl"
     assert cfg.optimization.optimizer == "ROOT"
+
+
+def test_missing_rl_package_named(
+    trained: tuple[Path, dict[str, object]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rootopt.rl.controller import ControllerError, load_policy
+
+    out, _ = trained
+    monkeypatch.setitem(sys.modules, "sb3_contrib", None)  # import now raises ModuleNotFoundError
+    with pytest.raises(ControllerError, match=r"needs the 'sb3_contrib' package.*rootopt\[rl\]"):
+        load_policy(out)
