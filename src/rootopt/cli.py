@@ -17,6 +17,8 @@ COMMANDS: dict[str, str] = {
     "diagnose": "gradient-range / update-ratio / loss-surface diagnostics",
     "coeffs": "fit, show and benchmark Newton–Schulz coefficients (AdaNewton)",
     "bench": "benchmark ROOT against the optimizer family (convergence, lr, robustness, overhead)",
+    "rl": "train / evaluate a learned ROOT controller (RecurrentPPO; extra [rl])",
+    "anneal": "quantized block updates solved as a QUBO (dimod samplers; extra [anneal])",
 }
 
 # Import names of the packages in the `train` and `bench` extras (pyproject.toml).

@@ -164,6 +164,10 @@ class OptimizationConfig:
         True, "collect ROOT's per-matrix telemetry (ε, clip fraction, update ratio)"
     )
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step", min=1, max=1 << 20)
+    controller: str = _f(
+        "",
+        "learned lr/quantile controller: a policy dir from 'rootopt rl train' (extra [rl]); '' = none",
+    )
     clip: ClipConfig = field(default_factory=ClipConfig)
 
 

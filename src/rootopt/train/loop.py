@@ -162,6 +162,14 @@ def _monitor(cfg: Config, run_dir: Path, is_main: bool) -> Monitor:
 
 def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
     info = process_info(cfg)
+    controller = None
+    if cfg.optimization.controller:  # loaded (or refused) before anything is created
+        from rootopt.rl.controller import load_controller
+
+        o = cfg.optimization
+        controller = load_controller(
+            o.controller, total_steps=cfg.run.max_steps, optimizer=o.optimizer
+        )
     device = resolve_device(cfg, info)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -209,6 +217,7 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         run_id=run_id,
         params=[p for p in model.parameters() if p.requires_grad],
         telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry,
+        controller=controller,
     )
 
 

@@ -95,6 +95,7 @@ class Run:
     release: Callable[[], None] = lambda: None  # drops the checkpoint-directory lock
     params: list[torch.Tensor] = field(default_factory=list)  # trainable parameters
     telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
+    controller: Any = None  # rootopt.rl.controller.Controller (optimization.controller)
     # "between" steps (state consistent), "data" (reading/forward/backward: model and
     # optimizer untouched), "update" (optimizer/scaler/clipper may be half-updated)
     phase: str = "between"

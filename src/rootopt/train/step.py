@@ -71,6 +71,8 @@ def train_step(
         run.precision.skip()
         opt.zero_grad(set_to_none=True)
         run.scheduler.step()
+        if run.controller is not None:
+            run.controller.skipped_step(opt)
         return StepResult(step_loss, grad_norm, False, lrs, tokens)
     clip_scale = run.clipper(params, norm)
     stats: dict[str, Any] = {}
@@ -79,10 +81,13 @@ def train_step(
         stats = grad_stats(params)
         stats["clip_scale"] = clip_scale
         before = param_sample(model)
-    if run.telemetry:
-        opt.telemetry_enabled = log_now  # type: ignore[attr-defined]
+    ctl = run.controller
+    if run.telemetry or ctl is not None:
+        opt.telemetry_enabled = log_now or (ctl is not None and ctl.wants_telemetry)  # type: ignore[attr-defined]
     run.precision.step(opt)
     run.scheduler.step()
+    if ctl is not None:  # the learned controller scales the lr the schedule just set
+        ctl.after_step(opt, step_loss, grad_norm)
     ratios = update_ratios(before, model) if log_now else {}
     return StepResult(step_loss, grad_norm, True, lrs, tokens, stats, ratios)
 
