@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from rootopt._threads import one_thread
 from rootopt.anneal.qubo import (
     check_size,
     curvature,
@@ -96,6 +97,12 @@ def _per_sample_grads(model: nn.Module, weight: Tensor, x: Tensor, y: Tensor) ->
 
 
 def run_head(cfg: HeadConfig) -> dict[str, Any]:
+    """One quantized-head run on one thread (the caller's thread count is restored)."""
+    with one_thread():
+        return _run_head(cfg)
+
+
+def _run_head(cfg: HeadConfig) -> dict[str, Any]:
     from rootopt.optim import ROOT
     from rootopt.optim.registry import make_optimizer
     from rootopt.train.model import loss_fn
@@ -107,7 +114,6 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
     if cfg.method == "qubo":  # fail before any training on a bad sampler or block
         sampler, limit, _ = make_sampler(cfg.sampler)
         check_size(2 * block_size(cfg), limit, cfg.sampler)
-    torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     model, head, data = _model(cfg)
     with torch.no_grad():

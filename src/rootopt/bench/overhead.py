@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rootopt.bench.runner import one_thread
+from rootopt._threads import one_thread
 from rootopt.bench.tasks import LM_SEQ
 from rootopt.config import ModelConfig
 from rootopt.optim.registry import REGISTRY, make_optimizer

@@ -7,18 +7,19 @@ skips every spec whose result file exists, so an interrupted suite resumes where
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rootopt._threads import one_thread
 
 FORMAT = 1  # bump when the meaning of a run's result changes; old results are then rerun
 
@@ -103,19 +104,6 @@ def run_one(spec: RunSpec, out_dir: str, progress: Any = None) -> dict[str, Any]
     caller's thread count afterwards, so an in-process call leaves no global state."""
     with one_thread():
         return _run_one(spec, out_dir, progress)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the body on one intra-op thread, then restore the previous count."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
