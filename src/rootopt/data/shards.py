@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from rootopt._atomic import atomic_write
 
@@ -465,6 +465,79 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
                 batch = []
         if batch and not self.loop:
             yield _collate(batch, self.task)
+
+
+class ShardSamples(Dataset[tuple[np.ndarray, int]]):
+    """Random access to one split's samples by global index (manifest order).
+
+    Index ``i`` is the ``i``-th sample when the split's shards are read in manifest order,
+    so an index means the same sample for every rank, world size and data-loader worker;
+    the training loop draws indices from :class:`rootopt.dist.sampler.GlobalBatchSampler`
+    (docs/distributed.md, "Data"). A shard is verified (``verify``) and decoded on first
+    use and then kept in memory by this process (each data-loader worker keeps its own).
+    """
+
+    def __init__(
+        self, root: str | Path, split: str = "train", *, seq_len: int = 0, verify: bool = True
+    ) -> None:
+        self.root = Path(root)
+        self.manifest = load_manifest(self.root)
+        self.task: str = self.manifest["task"]
+        self.seq_len = seq_len or int(self.manifest.get("seq_len", 0))
+        if self.task == "lm" and self.seq_len > int(self.manifest["seq_len"]):
+            raise ShardError(
+                f"data.seq_len={self.seq_len} exceeds the shards' seq_len={self.manifest['seq_len']}; "
+                "prepare them again with a larger --seq_len"
+            )
+        self.entries: list[dict[str, Any]] = list(self.manifest["splits"][split])
+        self.starts = np.cumsum([0] + [int(e["samples"]) for e in self.entries])
+        self.verify = verify
+        self._cache: dict[int, list[tuple[np.ndarray, int]]] = {}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _shard(self, k: int) -> list[tuple[np.ndarray, int]]:
+        items = self._cache.get(k)
+        if items is not None:
+            return items
+        entry = self.entries[k]
+        if self.verify:
+            verify_shard(self.root, entry)
+        path = self.root / entry["name"]
+        if not path.is_file():
+            raise ShardError(f"shard {entry['name']} is missing from {str(self.root)!r}")
+        ds = wds.WebDataset(
+            [str(path)],
+            shardshuffle=False,
+            nodesplitter=None,
+            workersplitter=None,
+            empty_check=False,
+            handler=wds.reraise_exception,
+        )
+        try:
+            items = [_decode(s, self.task, self.seq_len) for s in ds]
+        except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
+            raise ShardError(
+                f"shard {entry['name']} cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
+            ) from None
+        if len(items) != entry["samples"]:
+            raise ShardError(
+                f"shard {entry['name']} holds {len(items)} samples, manifest says {entry['samples']}"
+            )
+        self._cache[k] = items
+        return items
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} is out of range [0, {len(self)})")
+        k = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return self._shard(k)[index - int(self.starts[k])]
+
+
+def collate(items: list[tuple[np.ndarray, int]], task: str) -> dict[str, torch.Tensor]:
+    """Stack samples from :class:`ShardSamples` into a batch (``input``/``target``)."""
+    return _collate(items, task)
 
 
 def hash_name(name: str) -> int:
