@@ -127,7 +127,9 @@ def parallelize(cfg: Config, model: nn.Module, info: ProcessInfo) -> nn.Module:
 
     mode = cfg.distributed.parallel
     unit = (lambda m: isinstance(m, Block)) if mode == "fsdp" else None
-    return wrap_model(model, mode, shard_unit=unit)
+    # the models' buffers are constants (RoPE tables), identical on every rank: DDP need
+    # not broadcast them before every forward
+    return wrap_model(model, mode, shard_unit=unit, broadcast_buffers=False)
 
 
 def build_optimizer(

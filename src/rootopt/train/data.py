@@ -74,6 +74,16 @@ def check_data(run: Run) -> int:
     return validate_data(run.data_dir, checksum=run.cfg.data.verify_checksums)
 
 
+class StreamBatchSampler(GlobalBatchSampler):
+    """GlobalBatchSampler over stream positions: epoch ``e`` is positions
+    ``[e·N, (e+1)·N)``, which :class:`rootopt.data.ShardSamples` maps to that epoch's
+    seeded shard and sample order (the shuffle lives there, keeping shard locality)."""
+
+    def order(self, epoch: int) -> torch.Tensor:
+        n = self.num_samples
+        return torch.arange(epoch * n, (epoch + 1) * n)
+
+
 def sampler(run: Run, samples: int) -> GlobalBatchSampler:
     """This rank's part of every global micro-batch, from the run's data position.
 
@@ -84,13 +94,13 @@ def sampler(run: Run, samples: int) -> GlobalBatchSampler:
     """
     d, info = run.cfg.data, run.info
     try:
-        return GlobalBatchSampler(
+        return StreamBatchSampler(
             samples,
             d.batch_size,
             rank=info.rank,
             world_size=info.world_size,
             seed=run.cfg.run.seed,
-            shuffle=d.shuffle,
+            shuffle=False,
             start_step=run.state.batches,
         )
     except ValueError as exc:
@@ -101,7 +111,14 @@ def batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of this rank's part of each global micro-batch (a torch ``DataLoader``;
     workers receive whole batches of indices, so the order does not depend on them)."""
     d = run.cfg.data
-    ds = ShardSamples(run.data_dir, "train", seq_len=d.seq_len, verify=d.verify_checksums)
+    ds = ShardSamples(
+        run.data_dir,
+        "train",
+        seq_len=d.seq_len,
+        seed=run.cfg.run.seed,
+        shuffle=d.shuffle,
+        verify=d.verify_checksums,
+    )
     batch_sampler = sampler(run, len(ds))
     run.loss_weight = batch_sampler.loss_weight()
     loader = DataLoader(

@@ -88,7 +88,7 @@ def _make_run_dir(run_dir: Path, rank: int = 0) -> None:
         raise ConfigError([f"--log_dir {str(run_dir)!r} exists and is not a directory"])
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".rootopt-write-test-{rank}"
+        probe = run_dir / (".rootopt-write-test" + (f"-{rank}" if rank else ""))
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

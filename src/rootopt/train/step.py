@@ -57,10 +57,14 @@ def train_step(
         batch = next(data)
         st.batches += 1
         x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-        with _sync_grads(run, last=i == accum - 1):
-            with run.precision.autocast():
-                loss = loss_fn(model(x), y) * (run.loss_weight / accum)
-            _backward(run, loss)
+        with (
+            _sync_grads(run, last=i == accum - 1),
+            _collectives(run, "forward"),
+            run.precision.autocast(),
+        ):
+            loss = loss_fn(model(x), y) * (run.loss_weight / accum)
+        with _collectives(run, "backward"):
+            run.precision.backward(loss)
         loss_sum += loss.detach().double()
         tokens += cfg.data.batch_size * seq  # the global micro-batch (every rank counts it)
     st.tokens += tokens
@@ -108,24 +112,32 @@ def _sync_grads(run: Run, *, last: bool) -> contextlib.AbstractContextManager[An
     return contextlib.nullcontext()
 
 
-def _backward(run: Run, loss: torch.Tensor) -> None:
-    """Backward; at world size > 1 a failure of the gradient collective inside it (DDP's
-    all-reduce, FSDP2's reduce-scatter) becomes one line naming rank and operation."""
+_OPS = {
+    ("ddp", "forward"): "DDP forward",
+    ("ddp", "backward"): "DDP gradient all-reduce (backward)",
+    ("fsdp", "forward"): "FSDP2 parameter all-gather (forward)",
+    ("fsdp", "backward"): "FSDP2 gradient reduce-scatter (backward)",
+}
+
+
+@contextlib.contextmanager
+def _collectives(run: Run, phase: str) -> Iterator[None]:
+    """At world size > 1 the model's forward/backward run collectives (DDP, FSDP2); a
+    failure there becomes one line naming rank and operation, a timeout told apart by the
+    elapsed time (:func:`rootopt.dist.describe_failure`), never by the error's text."""
     if run.world_size == 1:
-        run.precision.backward(loss)
+        yield
         return
     from rootopt.dist import describe_failure
 
     start = time.monotonic()
     try:
-        run.precision.backward(loss)
-    except torch.distributed.DistError as exc:
-        what = (
-            "FSDP2 gradient reduce-scatter"
-            if run.cfg.distributed.parallel == "fsdp"
-            else ("DDP gradient all-reduce")
-        )
-        raise describe_failure(f"{what} (backward)", exc, time.monotonic() - start) from exc
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # gloo reports a timed-out send/recv as a plain RuntimeError
+        name = _OPS[(run.cfg.distributed.parallel, phase)]
+        raise describe_failure(name, exc, time.monotonic() - start) from exc
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
