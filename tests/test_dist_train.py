@@ -254,8 +254,8 @@ def test_killed_rank_restarts_from_the_checkpoint_and_finishes_equal(
     restarts from the newest checkpoint and ends with the uninterrupted run's parameters."""
     steps = 60
     over = [*CFG, f"run.max_steps={steps}", "checkpoint.every=8", "run.log_every=4"]
-    ref = tmp_path / "ref"
-    _one_process(ref, shards, over)
+    ref = tmp_path / "ref"  # uninterrupted, same world size: the same float reductions
+    _torchrun(2, ref, shards, over)
     run = tmp_path / "killed"
     proc = subprocess.Popen(
         _cmd(2, run, shards, over, "--max-restarts=1"),
@@ -275,7 +275,10 @@ def test_killed_rank_restarts_from_the_checkpoint_and_finishes_equal(
             proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from dcp-" in out, out[-2000:]  # the restart happened
-    _assert_same(_model(ref), _model(run))
+    a, b = _model(ref), _model(run)
+    assert sorted(a) == sorted(b) and len(a) > 10
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=k)
     ref_losses, losses = _losses(ref), _losses(run)
     assert sorted(ref_losses) == sorted(losses)
     for step in ref_losses:
