@@ -7,6 +7,7 @@ one set of launches to keep the default suite's time budget.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -77,15 +78,22 @@ def _cmd(n: int, run: Path, data: Path, over: list[str], *launcher: str) -> list
 def _torchrun(
     n: int, run: Path, data: Path, over: list[str], *launcher: str, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
+    """One torchrun launch; on timeout its whole session is killed (no orphan workers)."""
+    proc = subprocess.Popen(
         _cmd(n, run, data, over, *launcher),
         env=_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        raise
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -195,6 +203,13 @@ def _worker(agent: int, rank: int, deadline: float) -> int:
     raise AssertionError(f"no worker with RANK={rank}")
 
 
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the launcher's whole session (orphaned workers would otherwise linger)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -221,6 +236,7 @@ def test_hung_rank_is_stopped_by_the_collective_timeout(shards: Path, tmp_path: 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # the launcher and its workers: killed together on failure
     )
     try:
         deadline = time.monotonic() + 120
@@ -235,9 +251,7 @@ def test_hung_rank_is_stopped_by_the_collective_timeout(shards: Path, tmp_path: 
         os.kill(victim, signal.SIGKILL)  # ... and a stopped process ignores torchrun's SIGTERM
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_session(proc)
     assert proc.returncode != 0
     lines = [ln for ln in err.splitlines() if ln.startswith("rootopt train")]
     assert len(lines) == 1, err[-3000:]
@@ -263,6 +277,7 @@ def test_killed_rank_restarts_from_the_checkpoint_and_finishes_equal(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # the launcher and its workers: killed together on failure
     )
     try:
         deadline = time.monotonic() + 180
@@ -270,9 +285,7 @@ def test_killed_rank_restarts_from_the_checkpoint_and_finishes_equal(
         os.kill(_worker(proc.pid, 1, deadline), signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_session(proc)
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from dcp-" in out, out[-2000:]  # the restart happened
     a, b = _model(ref), _model(run)

@@ -108,14 +108,41 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if init_method != "env://" and "WORLD_SIZE" in os.environ:
         rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(
-        backend=name,
-        init_method=init_method,
-        timeout=datetime.timedelta(seconds=float(timeout_s)),
-        rank=rank,
-        world_size=world_size,
-    )
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    if init_method == "env://" and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        dist.init_process_group(backend=name, timeout=timeout, **_attempt_store(timeout))
+    else:
+        dist.init_process_group(
+            backend=name,
+            init_method=init_method,
+            timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+        )
     return world()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """The rendezvous store of this torchrun attempt, under a per-attempt key prefix.
+
+    After ``torchrun --max-restarts`` restarts the workers, the agent's store may still
+    hold the previous attempt's keys (seen with ``--standalone``: gloo's mesh set-up then
+    read a dead worker's address and hung or was refused), so every attempt keys its
+    process group under ``rootopt/attempt_<TORCHELASTIC_RESTART_COUNT>``.
+    """
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        size,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent,
+    )
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    store = dist.PrefixStore(f"rootopt/attempt_{attempt}", base)
+    return {"store": store, "rank": rank, "world_size": size}
 
 
 def world(group: dist.ProcessGroup | None = None) -> WorldInfo:
