@@ -132,7 +132,7 @@ def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
     """
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    base = dist.TCPStore(
+    base = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         size,
@@ -141,7 +141,8 @@ def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
         multi_tenant=not agent,
     )
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    store = dist.PrefixStore(f"rootopt/attempt_{attempt}", base)
+    store = dist.PrefixStore(  # type: ignore[attr-defined]
+        f"rootopt/attempt_{attempt}", base)
     return {"store": store, "rank": rank, "world_size": size}
 
 
