@@ -298,3 +298,53 @@ def test_killed_rank_restarts_from_the_checkpoint_and_finishes_equal(
         assert abs(ref_losses[step] - losses[step]) <= 1e-5 * abs(ref_losses[step])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps
+
+
+def test_global_batches_do_not_depend_on_world_size_workers_or_resume(shards: Path) -> None:
+    """The loop's data path (ShardSamples + StreamBatchSampler): rank parts of each global
+    micro-batch concatenate to the world-1 batch for W = 1, 2, 3, with 0 or 2 loader
+    workers and after a resume at another world size; an epoch covers each sample once."""
+    import functools
+
+    from torch.utils.data import DataLoader
+
+    from rootopt.data import ShardSamples, collate
+    from rootopt.train.data import StreamBatchSampler
+
+    ds = ShardSamples(shards, "train", seq_len=32, seed=0, shuffle=True)
+    b, steps = 8, 12
+
+    def inputs(world: int, rank: int, start: int, workers: int = 0) -> list[torch.Tensor]:
+        sampler = StreamBatchSampler(
+            len(ds), b, rank=rank, world_size=world, shuffle=False, start_step=start
+        )
+        loader = DataLoader(
+            ds,
+            batch_sampler=sampler,
+            num_workers=workers,
+            collate_fn=functools.partial(collate, task=ds.task),
+        )
+        out = []
+        for i, batch in enumerate(loader):
+            if i == steps - start:
+                break
+            out.append(batch["input"])
+        return out
+
+    ref = inputs(1, 0, 0)
+    assert len(ref) == steps and all(x.shape == (b, 32) for x in ref)
+    for world in (2, 3):
+        parts = [inputs(world, r, 0) for r in range(world)]
+        assert [len(p) for p in parts] == [steps] * world
+        for t in range(steps):
+            assert torch.equal(torch.cat([p[t] for p in parts]), ref[t])
+    assert all(torch.equal(x, y) for x, y in zip(inputs(1, 0, 0, workers=2), ref, strict=True))
+    resumed = [inputs(3, r, 5) for r in range(3)]  # e.g. saved at world 2 after 5 batches
+    for t in range(steps - 5):
+        assert torch.equal(torch.cat([p[t] for p in resumed]), ref[5 + t])
+    # one epoch: every sample exactly once (no overlap, no gap), in a shuffled order
+    epoch = [tuple(ds[i][0].tolist()) for i in range(len(ds))]
+    assert len(epoch) == len(ds) > steps * b
+    unshuffled = ShardSamples(shards, "train", seq_len=32, seed=0, shuffle=False)
+    assert sorted(epoch) == sorted(tuple(unshuffled[i][0].tolist()) for i in range(len(ds)))
+    assert epoch != [tuple(unshuffled[i][0].tolist()) for i in range(len(ds))]
