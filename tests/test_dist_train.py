@@ -62,7 +62,7 @@ def _cmd(n: int, run: Path, data: Path, over: list[str], *launcher: str) -> list
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *([] if any(a.startswith("--nnodes") for a in launcher) else ["--standalone"]),
         f"--nproc_per_node={n}",
         *launcher,
         "-m",
@@ -348,3 +348,39 @@ def test_global_batches_do_not_depend_on_world_size_workers_or_resume(shards: Pa
     unshuffled = ShardSamples(shards, "train", seq_len=32, seed=0, shuffle=False)
     assert sorted(epoch) == sorted(tuple(unshuffled[i][0].tolist()) for i in range(len(ds)))
     assert epoch != [tuple(unshuffled[i][0].tolist()) for i in range(len(ds))]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_like_one_process(shards: Path, tmp_path: Path) -> None:
+    """Two torchrun invocations (--nnodes 2, node ranks 0/1, c10d rendezvous on
+    127.0.0.1) train the same losses and parameters as one process."""
+    import socket
+
+    ref = tmp_path / "w1"
+    _one_process(ref, shards, CFG)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = tmp_path / "nodes"
+    procs = [
+        subprocess.Popen(
+            _cmd(1, run, shards, CFG, "--nnodes=2", f"--node_rank={node}",
+                 "--rdzv-backend=c10d", "--rdzv-id=loop-two-node",
+                 f"--rdzv-endpoint=127.0.0.1:{port}"),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            _kill_session(p)
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    _assert_same_losses(_losses(ref), _losses(run))
+    _assert_same(_model(ref), _model(run))
