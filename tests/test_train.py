@@ -15,6 +15,7 @@ import torch
 
 from _train_fixtures import TINY, final_params, prepare_tiny
 from rootopt.config import load_config
+from rootopt.dist import CollectiveTimeoutError
 from rootopt.monitor import read_jsonl
 from rootopt.train import Hooks, train
 from rootopt.train.main import main as train_main
@@ -437,8 +438,9 @@ def test_seed000_config_trains_on_one_cpu_process(
     [
         (torch.OutOfMemoryError("CUDA out of memory"), "oom", "activation_checkpointing"),
         (
-            RuntimeError(
-                "Watchdog caught collective operation timeout: timed out after 1800000 ms"
+            CollectiveTimeoutError(
+                "rank 0/2: collective 'all_reduce step loss' did not complete within 3 s "
+                "(distributed.timeout_s); a peer rank is hung or has died"
             ),
             "timeout",
             "NCCL",

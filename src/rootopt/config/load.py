@@ -162,9 +162,11 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
     if (
         cfg.checkpoint.resume not in ("auto", "never", "restart")
         and not Path(cfg.checkpoint.resume).is_file()
+        and not (Path(cfg.checkpoint.resume) / "rootopt.json").is_file()
     ):
         problems.append(
-            "checkpoint.resume: expected auto, never, restart or an existing checkpoint file; "
+            "checkpoint.resume: expected auto, never, restart or an existing checkpoint file "
+            "(ckpt-*.pt, or a dcp-* directory); "
             f"got {short(cfg.checkpoint.resume)}"
         )
     if 0 < cfg.run.loss_spike_factor <= 1:

@@ -76,6 +76,9 @@ class DistributedConfig:
         1, "number of processes (the launcher's WORLD_SIZE env var wins)", min=1, max=1 << 20
     )
     timeout_s: float = _f(1800.0, "collective timeout in seconds", gt=0)
+    parallel: Literal["ddp", "fsdp"] = _f(
+        "ddp", "data parallelism at world size > 1: ddp (replicated) or fsdp (FSDP2, sharded)"
+    )
 
 
 @dataclass
@@ -113,7 +116,12 @@ class DataConfig:
     seq_len: int = _f(128, "tokens per training sequence", min=2, max=1 << 20)
     samples_per_shard: int = _f(2000, "samples per .tar shard when preparing", min=1, max=1 << 30)
     val_fraction: float = _f(0.05, "fraction of shards held out for validation", min=0, max=0.5)
-    batch_size: int = _f(16, "sequences per micro-batch (per rank)", min=1, max=1 << 24)
+    batch_size: int = _f(
+        16,
+        "sequences per micro-batch over all ranks (the global batch; split across ranks)",
+        min=1,
+        max=1 << 24,
+    )
     num_workers: int = _f(0, "data-loader worker processes", min=0, max=256)
     shuffle: bool = _f(True, "shuffle shard order and samples within a shard each epoch")
     verify_checksums: bool = _f(

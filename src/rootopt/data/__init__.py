@@ -14,8 +14,10 @@ from rootopt.data.corpora import (
 )
 from rootopt.data.shards import (
     ShardError,
+    ShardSamples,
     ShardStream,
     classify_samples,
+    collate,
     lm_samples,
     load_manifest,
     make_loader,
@@ -74,8 +76,10 @@ __all__ = [
     "TEXT_CORPORA",
     "CorpusError",
     "ShardError",
+    "ShardSamples",
     "ShardStream",
     "classification_arrays",
+    "collate",
     "load_manifest",
     "make_loader",
     "prepare",

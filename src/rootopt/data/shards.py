@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from rootopt._atomic import atomic_write
 
@@ -465,6 +465,113 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
                 batch = []
         if batch and not self.loop:
             yield _collate(batch, self.task)
+
+
+class ShardSamples(Dataset[tuple[np.ndarray, int]]):
+    """One split's samples by *stream position*, the same for every rank and worker.
+
+    Position ``p`` is sample ``p mod N`` of epoch ``p // N`` (``N`` = samples in the
+    split). Each epoch visits the shards in a seeded order and, with ``shuffle``, each
+    shard's samples in a seeded permutation (the order :class:`ShardStream` uses for one
+    process), so consecutive positions come from the same shard. The training loop cuts
+    consecutive positions into global batches and those across ranks
+    (:class:`rootopt.dist.sampler.GlobalBatchSampler`, docs/distributed.md "Data"): a
+    rank's part of a batch touches one or two shards. A shard is verified (``verify``) and
+    decoded on first use; the last ``cache`` decoded shards stay in memory.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str = "train",
+        *,
+        seq_len: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+        verify: bool = True,
+        cache: int = 4,
+    ) -> None:
+        self.root = Path(root)
+        self.manifest = load_manifest(self.root)
+        self.task: str = self.manifest["task"]
+        self.seq_len = seq_len or int(self.manifest.get("seq_len", 0))
+        if self.task == "lm" and self.seq_len > int(self.manifest["seq_len"]):
+            raise ShardError(
+                f"data.seq_len={self.seq_len} exceeds the shards' seq_len={self.manifest['seq_len']}; "
+                "prepare them again with a larger --seq_len"
+            )
+        self.entries: list[dict[str, Any]] = list(self.manifest["splits"][split])
+        self.samples = sum(int(e["samples"]) for e in self.entries)
+        if self.samples == 0:
+            raise ShardError(f"the {split} split of {str(self.root)!r} holds no samples")
+        self.seed, self.shuffle, self.verify, self.cache = seed, shuffle, verify, max(1, cache)
+        self._plan: tuple[int, list[int], np.ndarray] | None = None
+        self._decoded: dict[tuple[int, str], list[tuple[np.ndarray, int]]] = {}
+        self._verified: set[str] = set()
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def _epoch(self, epoch: int) -> tuple[list[int], np.ndarray]:
+        """Shard visiting order of ``epoch`` and the cumulative sample counts along it."""
+        if self._plan is None or self._plan[0] != epoch:
+            order = list(range(len(self.entries)))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(order)).tolist()
+            starts = np.cumsum([0] + [int(self.entries[k]["samples"]) for k in order])
+            self._plan = (epoch, order, starts)
+        return self._plan[1], self._plan[2]
+
+    def _read(self, entry: dict[str, Any], epoch: int) -> list[tuple[np.ndarray, int]]:
+        """The shard's samples in ``epoch``'s order (decoded once, then cached)."""
+        name = entry["name"]
+        items = self._decoded.pop((epoch, name), None)
+        if items is None:
+            if self.verify and name not in self._verified:
+                verify_shard(self.root, entry)
+                self._verified.add(name)
+            path = self.root / name
+            if not path.is_file():
+                raise ShardError(f"shard {name} is missing from {str(self.root)!r}")
+            ds = wds.WebDataset(
+                [str(path)],
+                shardshuffle=False,
+                nodesplitter=None,
+                workersplitter=None,
+                empty_check=False,
+                handler=wds.reraise_exception,
+            )
+            try:
+                items = [_decode(s, self.task, self.seq_len) for s in ds]
+            except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
+                raise ShardError(
+                    f"shard {name} cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
+                ) from None
+            if len(items) != entry["samples"]:
+                raise ShardError(
+                    f"shard {name} holds {len(items)} samples, manifest says {entry['samples']}"
+                )
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, epoch, hash_name(name)])
+                items = [items[k] for k in perm.permutation(len(items))]
+        self._decoded[(epoch, name)] = items  # most recently used last
+        while len(self._decoded) > self.cache:
+            self._decoded.pop(next(iter(self._decoded)))
+        return items
+
+    def __getitem__(self, position: int) -> tuple[np.ndarray, int]:
+        if position < 0:
+            raise IndexError(f"stream position {position} is negative")
+        epoch, offset = divmod(int(position), self.samples)
+        order, starts = self._epoch(epoch)
+        i = int(np.searchsorted(starts, offset, side="right")) - 1
+        entry = self.entries[order[i]]
+        return self._read(entry, epoch)[offset - int(starts[i])]
+
+
+def collate(items: list[tuple[np.ndarray, int]], task: str) -> dict[str, torch.Tensor]:
+    """Stack samples from :class:`ShardSamples` into a batch (``input``/``target``)."""
+    return _collate(items, task)
 
 
 def hash_name(name: str) -> int:

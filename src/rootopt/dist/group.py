@@ -80,6 +80,8 @@ def init_distributed(
     init_method: str = "env://",
     timeout_s: float = 1800.0,
     device: torch.device | str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
 ) -> WorldInfo:
     """Start the default process group from torchrun's environment (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), once.
@@ -87,6 +89,9 @@ def init_distributed(
     Without that environment and with ``init_method='env://'`` nothing is started and the
     world is rank 0 of 1. ``timeout_s`` is the process group's collective timeout and the
     default of :func:`collective`. On NCCL the process binds ``cuda:LOCAL_RANK`` first.
+    With another ``init_method`` (``tcp://host:port``, ``file://...``) the group starts
+    with the given ``rank`` and ``world_size`` (the launcher's ``RANK``/``WORLD_SIZE``
+    win when set).
     """
     global _TIMEOUT_S
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -101,12 +106,44 @@ def init_distributed(
     name = resolve_backend(backend, device)
     if name == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend=name,
-        init_method=init_method,
-        timeout=datetime.timedelta(seconds=float(timeout_s)),
-    )
+    if init_method != "env://" and "WORLD_SIZE" in os.environ:
+        rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    if init_method == "env://" and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        dist.init_process_group(backend=name, timeout=timeout, **_attempt_store(timeout))
+    else:
+        dist.init_process_group(
+            backend=name,
+            init_method=init_method,
+            timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+        )
     return world()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """The rendezvous store of this torchrun attempt, under a per-attempt key prefix.
+
+    After ``torchrun --max-restarts`` restarts the workers, the agent's store may still
+    hold the previous attempt's keys (seen with ``--standalone``: gloo's mesh set-up then
+    read a dead worker's address and hung or was refused), so every attempt keys its
+    process group under ``rootopt/attempt_<TORCHELASTIC_RESTART_COUNT>``.
+    """
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        size,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent,
+    )
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    store = dist.PrefixStore(  # type: ignore[attr-defined]
+        f"rootopt/attempt_{attempt}", base)
+    return {"store": store, "rank": rank, "world_size": size}
 
 
 def world(group: dist.ProcessGroup | None = None) -> WorldInfo:
@@ -171,6 +208,15 @@ def _failure(
     return CollectiveError(
         f"rank {rank}/{size}: collective {name!r} failed after {elapsed:.1f} s: {first}"
     )
+
+
+def describe_failure(name: str, exc: BaseException, elapsed: float) -> CollectiveError:
+    """:class:`CollectiveError` for a collective ``name`` that raised ``exc`` after
+    ``elapsed`` seconds under the process group's timeout (e.g. DDP's gradient all-reduce
+    inside ``backward``); timeout vs other failure follows from the elapsed time."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _failure(name, exc, elapsed, _TIMEOUT_S, rank, size)
 
 
 def start_collective(

@@ -18,6 +18,7 @@ def wrap_model(
     *,
     shard_unit: Callable[[nn.Module], bool] | None = None,
     find_unused_parameters: bool = False,
+    broadcast_buffers: bool = True,
 ) -> nn.Module:
     """Return ``model`` ready for data parallelism over the default process group.
 
@@ -26,7 +27,8 @@ def wrap_model(
     with ``DistributedROOT(average_grads=False)``). ``fsdp``: FSDP2's ``fully_shard`` on
     every submodule for which ``shard_unit`` is true (e.g. transformer blocks), then on the
     root; parameters become ``DTensor``s sharded on dim 0. Build the optimizer *after*
-    wrapping, from the wrapped model's parameters.
+    wrapping, from the wrapped model's parameters. ``broadcast_buffers=False`` skips DDP's
+    per-forward buffer broadcast (for models whose buffers are constants, e.g. RoPE tables).
     """
     if mode not in ("none", "ddp", "fsdp"):
         raise ValueError(f"parallel mode {mode!r} is unknown; choose none, ddp or fsdp")
@@ -39,7 +41,10 @@ def wrap_model(
         dev = next(model.parameters()).device
         ids = [dev.index] if dev.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(
-            model, device_ids=ids, find_unused_parameters=find_unused_parameters
+            model,
+            device_ids=ids,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
         )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -48,11 +48,17 @@ def _env_int(name: str, default: int = 0) -> int:
 
 
 def process_info(cfg: Config) -> ProcessInfo:
-    """Rank and world size: an initialised process group, else the launcher's env, else config.
+    """Rank and world size; starts the process group when there is more than one process.
 
-    Multi-process training is a later release; today a world size above one is refused with
-    the reason rather than silently training one replica.
+    Under a launcher (torchrun, a Kubeflow PyTorchJob) ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+    come from the environment and the ``distributed`` block gives the backend (``auto``:
+    nccl on CUDA, gloo on CPU), ``init_method`` and ``timeout_s`` (docs/distributed.md).
+    Without a launcher, ``distributed.world_size > 1`` needs an ``init_method`` other than
+    ``env://`` (e.g. ``tcp://host:port``) and each process's ``distributed.rank``.
     """
+    from rootopt.dist import init_distributed
+
+    d = cfg.distributed
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         info = ProcessInfo(
             torch.distributed.get_rank(),
@@ -66,24 +72,38 @@ def process_info(cfg: Config) -> ProcessInfo:
                 [f"environment: RANK={info.rank} is not in [0, WORLD_SIZE={info.world_size})"]
             )
     else:
-        d = cfg.distributed
-        if d.world_size > 1:
+        if d.world_size > 1 and d.init_method == "env://":
             raise ConfigError(
                 [
                     f"distributed.world_size: {d.world_size} processes need a launcher "
-                    f"(torchrun --nproc_per_node={d.world_size} -m rootopt.train ...); "
+                    f"(torchrun --nproc_per_node={d.world_size} -m rootopt.train ...) or an "
+                    "init_method such as tcp://host:port with distributed.rank set per process; "
                     "for one process set distributed.world_size=1"
                 ]
             )
         info = ProcessInfo(d.rank, d.world_size, 0)
-    if info.world_size > 1:
-        raise ConfigError(
-            [
-                f"distributed.world_size: {info.world_size} processes requested; this release trains "
-                "in a single process (multi-process data parallelism is a separate feature)"
-            ]
-        )
+    if info.world_size > 1 and not torch.distributed.is_initialized():
+        device = resolve_device(cfg, info)
+        try:
+            init_distributed(
+                backend=d.backend,
+                init_method=d.init_method,
+                timeout_s=d.timeout_s,
+                device=device,
+                rank=info.rank,
+                world_size=info.world_size,
+            )
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
     return info
+
+
+def barrier(info: ProcessInfo, name: str) -> None:
+    """Wait for every rank (no-op in one process), under the collective timeout."""
+    if info.world_size > 1:
+        from rootopt.dist import collective
+
+        collective(name, torch.distributed.barrier)
 
 
 def resolve_device(cfg: Config, info: ProcessInfo) -> torch.device:
@@ -98,8 +118,30 @@ def resolve_device(cfg: Config, info: ProcessInfo) -> torch.device:
 # --------------------------------------------------------------------------- optimizer
 
 
-def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimizer, str]:
-    """The configured optimizer and a printable routing table ('' when not ROOT/Muon)."""
+def parallelize(cfg: Config, model: nn.Module, info: ProcessInfo) -> nn.Module:
+    """At world size > 1: ``distributed.parallel`` = ddp (DistributedDataParallel) or fsdp
+    (FSDP2 ``fully_shard`` per transformer block, then the whole model). World 1: unchanged."""
+    if info.world_size == 1:
+        return model
+    from rootopt.dist import wrap_model
+    from rootopt.train.model import Block
+
+    mode = cfg.distributed.parallel
+    unit = (lambda m: isinstance(m, Block)) if mode == "fsdp" else None
+    # the models' buffers are constants (RoPE tables), identical on every rank: DDP need
+    # not broadcast them before every forward
+    return wrap_model(model, mode, shard_unit=unit, broadcast_buffers=False)
+
+
+def build_optimizer(
+    cfg: Config, model: nn.Module, world_size: int = 1
+) -> tuple[torch.optim.Optimizer, str]:
+    """The configured optimizer and a printable routing table ('' when not ROOT/Muon).
+
+    At world size > 1, ROOT (and Muon mode) is :class:`rootopt.dist.DistributedROOT`: each
+    matrix is thresholded and orthogonalized by one owner rank (docs/distributed.md);
+    ``model`` is the wrapped model (DDP already averages the gradients).
+    """
     o = cfg.optimization
     name = o.optimizer.lower()
     try:
@@ -109,6 +151,8 @@ def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimize
     # The registry names which optimization.* keys each optimizer takes.
     extra: dict[str, Any] = {k: getattr(o, k) for k in spec.config_options}
     try:
+        if world_size > 1 and name in ("root", "muon"):
+            return _distributed_root(cfg, model, name, extra)
         opt, report = make_optimizer(
             name,
             model,
@@ -121,6 +165,38 @@ def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimize
     except ValueError as exc:
         raise ConfigError([f"optimization: {str(exc).splitlines()[0]}"]) from None
     return opt, (str(report) if report is not None else "")
+
+
+def _distributed_root(
+    cfg: Config, model: nn.Module, name: str, extra: dict[str, Any]
+) -> tuple[torch.optim.Optimizer, str]:
+    """DistributedROOT on the same routing as :func:`rootopt.optim.make_optimizer`."""
+    from rootopt.dist import DistributedROOT, unwrap_model
+    from rootopt.optim import param_groups
+
+    o = cfg.optimization
+    opts = dict(extra)
+    # per-matrix telemetry needs every matrix on one rank; owners see only their own
+    opts["telemetry"] = False
+    if name == "muon":
+        opts.update(outlier_quantile=None, ns_coefficients="muon", ns_dtype="bfloat16")
+    betas = (o.beta1, o.beta2)
+    groups, report = param_groups(
+        unwrap_model(model),
+        lr=o.base_lr,
+        weight_decay=o.weight_decay,
+        adamw_betas=betas,
+        adamw_eps=o.epsilon,
+    )
+    opt = DistributedROOT(
+        groups,
+        lr=o.base_lr,
+        weight_decay=o.weight_decay,
+        adamw_betas=betas,
+        adamw_eps=o.epsilon,
+        **opts,
+    )
+    return opt, str(report)
 
 
 # --------------------------------------------------------------------------- precision

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader
 
-from rootopt.config import Config
-from rootopt.data import ShardStream, load_manifest, make_loader, prepare, validate_data
+from rootopt.config import Config, ConfigError
+from rootopt.data import (
+    ShardSamples,
+    ShardStream,
+    collate,
+    load_manifest,
+    prepare,
+    validate_data,
+)
+from rootopt.dist.sampler import GlobalBatchSampler
 from rootopt.train.build import ProcessInfo
 from rootopt.train.state import Run
 
@@ -64,22 +74,60 @@ def check_data(run: Run) -> int:
     return validate_data(run.data_dir, checksum=run.cfg.data.verify_checksums)
 
 
+class StreamBatchSampler(GlobalBatchSampler):
+    """GlobalBatchSampler over stream positions: epoch ``e`` is positions
+    ``[e·N, (e+1)·N)``, which :class:`rootopt.data.ShardSamples` maps to that epoch's
+    seeded shard and sample order (the shuffle lives there, keeping shard locality)."""
+
+    def order(self, epoch: int) -> torch.Tensor:
+        n = self.num_samples
+        return torch.arange(epoch * n, (epoch + 1) * n)
+
+
+def sampler(run: Run, samples: int) -> GlobalBatchSampler:
+    """This rank's part of every global micro-batch, from the run's data position.
+
+    ``data.batch_size`` is the global micro-batch: the same samples at micro-step ``t``
+    whatever the world size, cut across ranks with no overlap and no gap
+    (docs/distributed.md, "Data"). The position ``run.state.batches`` counts global
+    micro-batches, so a resume at another world size continues exactly where it stopped.
+    """
+    d, info = run.cfg.data, run.info
+    try:
+        return StreamBatchSampler(
+            samples,
+            d.batch_size,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=run.cfg.run.seed,
+            shuffle=False,
+            start_step=run.state.batches,
+        )
+    except ValueError as exc:
+        raise ConfigError([f"data.batch_size: {exc} (batch_size is the global batch)"]) from None
+
+
 def batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of this rank's part of each global micro-batch (a torch ``DataLoader``;
+    workers receive whole batches of indices, so the order does not depend on them)."""
     d = run.cfg.data
-    stream = ShardStream(
+    ds = ShardSamples(
         run.data_dir,
         "train",
-        batch_size=d.batch_size,
         seq_len=d.seq_len,
-        rank=run.info.rank,
-        world_size=run.info.world_size,
         seed=run.cfg.run.seed,
         shuffle=d.shuffle,
         verify=d.verify_checksums,
-        start_batch=run.state.batches,
-        num_workers=d.num_workers,
     )
-    return iter(make_loader(stream, d.num_workers))
+    batch_sampler = sampler(run, len(ds))
+    run.loss_weight = batch_sampler.loss_weight()
+    loader = DataLoader(
+        ds,
+        batch_sampler=batch_sampler,
+        num_workers=d.num_workers,
+        collate_fn=functools.partial(collate, task=ds.task),
+    )
+    return iter(loader)
 
 
 def val_stream(run: Run) -> ShardStream | None:

@@ -25,11 +25,14 @@ import rootopt
 from rootopt import checkpoint
 from rootopt.config import Config, ConfigError, dump_yaml
 from rootopt.data import CorpusError, ShardError, load_manifest
+from rootopt.dist import CollectiveError, CollectiveTimeoutError
 from rootopt.monitor import Monitor, plot_loss, read_jsonl
 from rootopt.train.build import (
     Precision,
     TrainingError,
+    barrier,
     build_optimizer,
+    parallelize,
     process_info,
     resolve_device,
 )
@@ -80,12 +83,12 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _make_run_dir(run_dir: Path) -> None:
+def _make_run_dir(run_dir: Path, rank: int = 0) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError([f"--log_dir {str(run_dir)!r} exists and is not a directory"])
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".rootopt-write-test"
+        probe = run_dir / (".rootopt-write-test" + (f"-{rank}" if rank else ""))
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
@@ -164,6 +167,10 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
     info = process_info(cfg)
     controller = None
     if cfg.optimization.controller:  # loaded (or refused) before anything is created
+        if info.world_size > 1:  # it reads ROOT telemetry, which the sharded step does not gather
+            raise ConfigError(
+                ["optimization.controller runs in one process only; unset it or launch one process"]
+            )
         from rootopt.rl.controller import load_controller
 
         o = cfg.optimization
@@ -173,12 +180,13 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
     device = resolve_device(cfg, info)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    _make_run_dir(run_dir)
+    _make_run_dir(run_dir, info.rank)
     data_dir = resolve_data(cfg, run_dir, data_path, info)
+    barrier(info, "barrier after data preparation")  # rank 0 prepares the run-dir data
     manifest = load_manifest(data_dir)
-    torch.manual_seed(cfg.run.seed)
-    model = _model(cfg, manifest, device)
-    optimizer, routing = build_optimizer(cfg, model)
+    torch.manual_seed(cfg.run.seed)  # the same initial parameters on every rank
+    model = parallelize(cfg, _model(cfg, manifest, device), info)
+    optimizer, routing = build_optimizer(cfg, model, info.world_size)
     o = cfg.optimization
     schedule = LRMultiplier(
         o.schedule, warmup=o.warmup_steps, total=cfg.run.max_steps, min_ratio=o.min_lr_ratio
@@ -189,6 +197,13 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor
     )
     precision = Precision(cfg, device)
+    if info.world_size > 1:
+        precision.description += (
+            f"; {info.world_size} processes ({cfg.distributed.parallel}, "
+            f"{torch.distributed.get_backend()}), global batch {cfg.data.batch_size}"
+        )
+        if o.telemetry and o.optimizer.lower() in ("root", "muon"):
+            precision.description += "; ROOT telemetry is off at world size > 1"
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     run_id = run_identity(cfg, run_dir, ckpt_dir, data_dir) if info.is_main else ""
     monitor = _monitor(cfg, run_dir, info.is_main)
@@ -216,7 +231,7 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         routing=routing,
         run_id=run_id,
         params=[p for p in model.parameters() if p.requires_grad],
-        telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry,
+        telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry and info.world_size == 1,
         controller=controller,
     )
 
@@ -276,11 +291,17 @@ def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str
     checkpoint_due = False
     while run.state.step < cfg.run.max_steps:
         # ---- stop conditions (checked between steps, so the state is consistent)
-        if stop.signal is not None:
-            return "interrupted"
         # max_time limits this session (a job's time slot); a rerun continues from the checkpoint.
-        if cfg.run.max_time and clock.since_session() >= cfg.run.max_time:
-            return "max_time"
+        out_of_time = bool(cfg.run.max_time and clock.since_session() >= cfg.run.max_time)
+        if run.world_size == 1:
+            if stop.signal is not None:
+                return "interrupted"
+            if out_of_time:
+                return "max_time"
+        else:  # several ranks: vote in the next step's reduction, stop together after it
+            if run.stop_status:
+                return run.stop_status
+            run.vote = (float(stop.signal is not None), float(out_of_time))
         st = run.state
         log_now = (st.step + 1) % cfg.run.log_every == 0 or st.step + 1 == cfg.run.max_steps
         at_start = (st.copy(), checkpoint.rng_state())
@@ -289,6 +310,10 @@ def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str
             run.phase = "data"
             out = train_step(run, data, hooks, log_now=log_now)
             run.phase = "between"
+            if out.stop[0]:
+                run.stop_status, stop.signal = "interrupted", stop.signal or -1
+            elif out.stop[1]:
+                run.stop_status = "max_time"
             account(st, out)
             clock.steps += 1
             if out.applied:
@@ -410,7 +435,9 @@ def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, A
         raise exc  # not a known failure: keep the traceback
     run.monitor.event(kind, step=step_no, detail=detail[:300])
     note = ""
-    if run.phase == "update":
+    if run.world_size > 1:  # the other ranks may not reach a collective save
+        note = f"no emergency checkpoint at world size > 1; {last_good(run)}"
+    elif run.phase == "update":
         note = f"the step was mid-update, no emergency checkpoint; {last_good(run)}"
     else:
         if run.phase == "data":  # roll back to the start of the unfinished step
@@ -425,8 +452,8 @@ def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, A
             "(use optimization.grad_accum_steps to keep the global batch) or set "
             f"model.activation_checkpointing=true; {note}"
         )
-    elif kind == "timeout":
-        msg = f"collective timed out at step {step_no}: {detail}; {note}"
+    elif kind in ("collective", "timeout"):
+        msg = f"{detail} (at step {step_no}); {note}"
     else:
         msg = f"{detail} (at step {step_no}); {note}"
     if isinstance(exc, (ShardError, CorpusError)):
@@ -443,8 +470,12 @@ def _describe(exc: BaseException) -> tuple[str, str]:
         where = f" ({exc.filename})" if exc.filename else ""
         return "io_error", f"I/O error: {exc.strerror or exc}{where}"
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
+    # rootopt.dist's errors name rank, operation and timeout; the kind is the exception's
+    # type (decided from the elapsed time there), never its text
+    if isinstance(exc, CollectiveTimeoutError):
         return "timeout", text
+    if isinstance(exc, (CollectiveError, torch.distributed.DistError)):
+        return "collective", text
     return "runtime", text
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import Any
 
 from rootopt.config import ConfigError, load_config
 
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _err(msg: str) -> None:
-    print(f"rootopt train: {msg}", file=sys.stderr)
+    where = f" (rank {_rank})" if _world_size() > 1 and not msg.startswith("rank ") else ""
+    print(f"rootopt train{where}: {msg}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +75,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     from rootopt.checkpoint import CheckpointError
     from rootopt.data import CorpusError, ShardError
+    from rootopt.dist import CollectiveError
     from rootopt.train.build import TrainingError, run_dir_for
     from rootopt.train.loop import train
 
@@ -82,18 +85,56 @@ def _main(argv: list[str] | None) -> int:
     except ConfigError as exc:
         for line in exc.problems:
             _err(f"config error: {line}")
-        return 2
+        return _leave(2)
     except (ShardError, CorpusError, CheckpointError) as exc:
         _err(str(exc))
-        return 2
-    except TrainingError as exc:
+        return _leave(2)
+    except (TrainingError, CollectiveError) as exc:
         _err(str(exc))
-        return 1
+        return _leave(1)
     except OSError as exc:  # outside the loop (setup, final files): one line, naming the path
         where = f" ({exc.filename})" if exc.filename else ""
         _err(f"I/O error: {exc.strerror or exc}{where}")
-        return 1
+        return _leave(1)
+    if _world_size() > 1:
+        from rootopt.dist import shutdown
+
+        shutdown()
+        if _rank != 0:  # rank 0 reports for the run
+            return _status(summary)
     total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
+    _report(summary, total)
+    return _status(summary)
+
+
+_rank = 0
+
+
+def _world_size() -> int:
+    """World size of the running process group (1 without one); remembers this rank."""
+    global _rank
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        _rank = dist.get_rank()
+        return dist.get_world_size()
+    return 1
+
+
+def _leave(code: int) -> int:
+    """Exit status after a failure. With peers (world size > 1) the process group may
+    have a collective in flight that cannot be shut down cleanly, so the process leaves at
+    once (``rootopt.dist.abort``'s rule); the launcher then stops or restarts the others."""
+    if _world_size() > 1:
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _report(summary: Any, total: str) -> None:
     print(
         f"{summary.status}: {summary.session_steps} steps in {summary.wall_s:.1f} s this session"
         f"{total} ({summary.steps_per_s:.2f} steps/s, {summary.tokens_per_s:.0f} tokens/s); "
@@ -107,8 +148,12 @@ def _main(argv: list[str] | None) -> int:
     )
     if summary.status == "interrupted":
         print("stopped by signal after a checkpoint; run the same command to resume")
-        sig = summary.signal or int(signal.SIGTERM)
-        return 130 if sig == int(signal.SIGINT) else 128 + sig
     if summary.status == "max_time":
         print("stopped at run.max_time after a checkpoint; run the same command to continue")
+
+
+def _status(summary: Any) -> int:
+    if summary.status == "interrupted":
+        sig = summary.signal or int(signal.SIGTERM)
+        return 130 if sig == int(signal.SIGINT) else 128 + sig
     return 0

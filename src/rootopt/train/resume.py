@@ -121,16 +121,29 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 
 
 def params_finite(run: Run) -> bool:
-    flags = [torch.isfinite(p.detach()).all() for p in run.model.parameters()]
-    return bool(torch.stack(flags).all()) if flags else True
+    """All parameters finite; at world size > 1 on every rank (FSDP2 shards differ)."""
+    local = [_local(p.detach()) for p in run.model.parameters()]
+    flags = [torch.isfinite(t).all() for t in local if t.numel()]
+    ok = torch.stack(flags).all() if flags else torch.tensor(True)
+    if run.world_size > 1:
+        from rootopt.dist import collective
+
+        bad = (~ok).to(torch.int32).reshape(1).to(run.device)
+        collective("all_reduce parameters finite", torch.distributed.all_reduce, bad)
+        return int(bad.item()) == 0
+    return bool(ok)
 
 
-def save_checkpoint(run: Run, reason: str) -> Path:
-    """Write this run's checkpoint at the current step (state must be consistent)."""
-    payload = {
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _extra(run: Run, reason: str) -> dict[str, Any]:
+    """Everything of a checkpoint but the model and optimizer tensors (plain data)."""
+    return {
         "reason": reason,
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "scaler": run.precision.state_dict(),
         "clipper": run.clipper.state_dict(),
@@ -144,18 +157,36 @@ def save_checkpoint(run: Run, reason: str) -> Path:
             "world_size": run.info.world_size,
         },
     }
+
+
+def save_checkpoint(run: Run, reason: str) -> Path:
+    """Write this run's checkpoint at the current step (state must be consistent).
+
+    One process: ``ckpt-<step>.pt`` (:mod:`rootopt.checkpoint`). World size > 1 (a
+    collective, every rank calls it): ``dcp-<step>/`` with torch.distributed.checkpoint
+    (:mod:`rootopt.dist.checkpoint`), which loads at any world size.
+    """
     name = f"ckpt-{run.state.step:08d}.pt"
     in_episode = run.state.trouble_since >= 0
     protect = run.ckpt_dir / run.good_checkpoint if in_episode and run.good_checkpoint else None
     try:
-        path = checkpoint.save(
-            run.ckpt_dir,
-            run.state.step,
-            payload,
-            keep_last=run.cfg.checkpoint.keep_last,
-            run_id=run.run_id,
-            protect=protect,
-        )
+        if run.world_size > 1:
+            name = f"dcp-{run.state.step:08d}"
+            path = _save_dcp(run, reason, protect)
+        else:
+            payload = {
+                **_extra(run, reason),
+                "model": run.model.state_dict(),
+                "optimizer": run.optimizer.state_dict(),
+            }
+            path = checkpoint.save(
+                run.ckpt_dir,
+                run.state.step,
+                payload,
+                keep_last=run.cfg.checkpoint.keep_last,
+                run_id=run.run_id,
+                protect=protect,
+            )
     except OSError as exc:
         raise TrainingError(
             f"cannot write checkpoint {name} in {str(run.ckpt_dir)!r}: {exc.strerror or exc}; "
@@ -172,17 +203,57 @@ def save_checkpoint(run: Run, reason: str) -> Path:
     return path
 
 
+def _save_dcp(run: Run, reason: str, protect: Path | None) -> Path:
+    """Collective DCP save, published atomically by rank 0 (a hidden temporary directory
+    renamed into place after every rank wrote its part), then rank 0 prunes this run's
+    older ``dcp-*`` checkpoints down to ``checkpoint.keep_last`` (never ``protect``)."""
+    from rootopt.dist import checkpoint as dcp
+
+    extra = {**_extra(run, reason), "run_id": _shared_run_id(run)}
+    try:
+        path = dcp.save(run.ckpt_dir, run.state.step, run.model, run.optimizer, extra=extra)
+    except dcp.DistCheckpointError as exc:
+        raise TrainingError(f"{exc}; {last_good(run)}") from None
+    if run.info.is_main:
+        valid = [c.path for c in dcp.list_checkpoints(run.ckpt_dir) if c.valid]
+        for old in valid[: -run.cfg.checkpoint.keep_last]:
+            if old != protect and _dcp_run_id(old) == run.run_id:
+                shutil.rmtree(old)
+    return path
+
+
+def _shared_run_id(run: Run) -> str:
+    """Rank 0's run id (only rank 0 owns the run's files)."""
+    if run.world_size == 1:
+        return run.run_id
+    box = [run.run_id]
+    torch.distributed.broadcast_object_list(box, src=0)
+    run.run_id = str(box[0])
+    return run.run_id
+
+
+def _dcp_run_id(path: Path) -> str:
+    from rootopt.dist import checkpoint as dcp
+
+    try:
+        extra = torch.load(path / dcp.EXTRA, weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError):
+        return ""
+    return str(extra.get("run_id", "")) if isinstance(extra, dict) else ""
+
+
 def set_aside_suspects(run: Run) -> list[str]:
     """Move checkpoints written inside the diverging episode to ``checkpoints/diverged/``."""
     moved = []
     dest = run.ckpt_dir / "diverged"
-    for name in run.suspect:
+    for name in run.suspect if run.info.is_main else []:
         if name == run.good_checkpoint:
             continue
         src = run.ckpt_dir / name
         if src.exists():
             dest.mkdir(exist_ok=True)
-            for f in (src, src.with_suffix(".json")):
+            extras = [] if src.is_dir() else [src.with_suffix(".json")]
+            for f in (src, *extras):
                 if f.exists():
                     shutil.move(str(f), str(dest / f.name))
             moved.append(name)
@@ -213,33 +284,42 @@ def last_good_after_divergence(run: Run) -> str:
 
 
 def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
-    """Restore the newest valid checkpoint (``checkpoint.resume``), reporting corrupt ones."""
+    """Restore the newest valid checkpoint (``checkpoint.resume``), reporting corrupt ones.
+
+    Both formats count: ``ckpt-<step>.pt`` (one process) and ``dcp-<step>/`` (world size >
+    1); the newest valid one of either wins and loads at the current world size
+    (docs/distributed.md, "Training under torchrun"). At world size > 1 rank 0 chooses and
+    tells the others, so every rank loads the same checkpoint.
+    """
     mode = run.cfg.checkpoint.resume
     if mode in ("never", "restart"):
         return
-    if mode == "auto":
-        found, skipped = checkpoint.newest_valid(run.ckpt_dir)
-        for line in skipped:
-            say(f"skipping invalid checkpoint: {line}")
-            run.monitor.event("checkpoint_invalid", detail=line)
-        if found is None:
-            return
-        path, state = found.path, found.state
+    choice: tuple[str, str] = ("", "")
+    if run.info.is_main:
+        choice = _choose(run, mode, say)
+    if run.world_size > 1:
+        box = [choice]
+        torch.distributed.broadcast_object_list(box, src=0)
+        choice = box[0]
+    kind, name = choice
+    if not kind:
+        return
+    path = Path(name)
+    if kind == "dcp":
+        from rootopt.dist import checkpoint as dcp
+
+        try:
+            _, state = dcp.load(path, run.model, run.optimizer)
+        except dcp.DistCheckpointError as exc:
+            raise TrainingError(f"checkpoint.resume: {exc}") from None
+        _check_compatible(run, path, state)
     else:
-        path = Path(mode)
         try:
             state = checkpoint.load(path)
         except CheckpointError as exc:
             raise TrainingError(f"checkpoint.resume: {exc}") from None
-    saved_run = state.get("run_id", "")
-    if mode == "auto" and run.run_id and saved_run and saved_run != run.run_id:
-        raise CheckpointError(
-            f"{path.name} in {str(run.ckpt_dir)!r} was written by another run (run id "
-            f"{str(saved_run)[:12]}); point checkpoint.dir at a directory of this run"
-        )
-    _check_compatible(run, path, state)
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+        _check_compatible(run, path, state)
+        _load_single(run, path, state)
     _restore_schedule(run, state, say)
     run.precision.load_state_dict(state["scaler"])
     run.clipper.load_state_dict(state["clipper"])
@@ -249,7 +329,67 @@ def maybe_resume(run: Run, say: Callable[[str], None]) -> None:
     if run.state.trouble_since < 0:
         run.good_checkpoint = path.name
     run.monitor.event("resume", step=run.state.step, path=path.name)
-    say(f"resumed from {path.name} at step {run.state.step}")
+    if run.info.is_main:
+        saved = state["data"].get("world_size", 1)
+        note = f" (saved at world size {saved})" if saved != run.world_size else ""
+        say(f"resumed from {path.name} at step {run.state.step}{note}")
+
+
+def _choose(run: Run, mode: str, say: Callable[[str], None]) -> tuple[str, str]:
+    """(format, path) of the checkpoint to resume from, or ("", "") for none; rank 0."""
+    from rootopt.dist import checkpoint as dcp
+
+    if mode != "auto":
+        return ("dcp" if Path(mode).is_dir() else "pt", mode)
+    found, skipped = checkpoint.newest_valid(run.ckpt_dir)
+    for line in skipped:
+        say(f"skipping invalid checkpoint: {line}")
+        run.monitor.event("checkpoint_invalid", detail=line)
+    pt_step = _pt_step(found.path) if found is not None else -1
+    best: tuple[str, str] = ("pt", str(found.path)) if found is not None else ("", "")
+    for c in reversed(dcp.list_checkpoints(run.ckpt_dir)):
+        if c.step <= pt_step:
+            break
+        if not c.valid:
+            say(f"skipping invalid checkpoint: {c.path.name}: {c.reason}")
+            run.monitor.event("checkpoint_invalid", detail=f"{c.path.name}: {c.reason}")
+            continue
+        saved_run = _dcp_run_id(c.path)
+        if run.run_id and saved_run and saved_run != run.run_id:
+            raise CheckpointError(
+                f"{c.path.name} in {str(run.ckpt_dir)!r} was written by another run (run id "
+                f"{saved_run[:12]}); point checkpoint.dir at a directory of this run"
+            )
+        return ("dcp", str(c.path))
+    if found is not None:
+        saved_run = found.state.get("run_id", "")
+        if run.run_id and saved_run and saved_run != run.run_id:
+            raise CheckpointError(
+                f"{found.path.name} in {str(run.ckpt_dir)!r} was written by another run (run id "
+                f"{str(saved_run)[:12]}); point checkpoint.dir at a directory of this run"
+            )
+    return best
+
+
+def _pt_step(path: Path) -> int:
+    try:
+        return int(path.stem.split("-")[-1])
+    except ValueError:
+        return -1
+
+
+def _load_single(run: Run, path: Path, state: dict[str, Any]) -> None:
+    """Model and optimizer from a one-process checkpoint, at any world size with DDP."""
+    from rootopt.dist import unwrap_model
+
+    if run.world_size > 1 and run.cfg.distributed.parallel == "fsdp":
+        raise TrainingError(
+            f"{path.name} was written by one process; resuming it with distributed.parallel=fsdp "
+            "is not supported: resume it once with distributed.parallel=ddp (its checkpoints "
+            "then load with fsdp)"
+        )
+    unwrap_model(run.model).load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
 
 
 def _check_compatible(run: Run, path: Path, state: dict[str, Any]) -> None:

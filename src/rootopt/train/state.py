@@ -99,6 +99,18 @@ class Run:
     # "between" steps (state consistent), "data" (reading/forward/backward: model and
     # optimizer untouched), "update" (optimizer/scaler/clipper may be half-updated)
     phase: str = "between"
+    # this rank's share of the global micro-batch × world size / global batch
+    # (GlobalBatchSampler.loss_weight): the DDP average of the weighted losses is the
+    # global-batch mean even when the world size does not divide the batch
+    loss_weight: float = 1.0
+    # at world size > 1 a stop (signal, run.max_time) is voted on in each step's loss
+    # reduction, so every rank stops after the same step; "" = keep going
+    vote: tuple[float, float] = (0.0, 0.0)
+    stop_status: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
 
 
 @dataclass

@@ -9,7 +9,9 @@ one more synchronisation at log steps only.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rootopt.dist import unwrap_model
 from rootopt.train.data import val_stream
 from rootopt.train.model import loss_fn
 from rootopt.train.schedule import global_grad_norm
@@ -36,6 +39,7 @@ class StepResult:
     tokens: int
     stats: dict[str, Any] = field(default_factory=dict)  # log steps only
     ratios: dict[str, float] = field(default_factory=dict)  # log steps only
+    stop: tuple[bool, bool] = (False, False)  # any rank voted: (signal, max_time)
 
 
 def train_step(
@@ -49,23 +53,36 @@ def train_step(
     opt.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     tokens = 0
-    for _ in range(accum):
+    for i in range(accum):
         batch = next(data)
         st.batches += 1
         x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-        with run.precision.autocast():
-            loss = loss_fn(model(x), y) / accum
-        run.precision.backward(loss)
+        with (
+            _sync_grads(run, last=i == accum - 1),
+            _collectives(run, "forward"),
+            run.precision.autocast(),
+        ):
+            loss = loss_fn(model(x), y) * (run.loss_weight / accum)
+        with _collectives(run, "backward"):
+            run.precision.backward(loss)
         loss_sum += loss.detach().double()
-        tokens += y.size(0) * seq
+        tokens += cfg.data.batch_size * seq  # the global micro-batch (every rank counts it)
     st.tokens += tokens
+    votes = torch.zeros(2, dtype=torch.float64)
+    if run.world_size > 1:
+        loss_sum, votes = _reduce_loss(run, loss_sum)
     if hooks.after_backward is not None:
         hooks.after_backward(st.step, model)
 
     run.phase = "update"  # from here on the model/optimizer/scaler may change
     run.precision.unscale(opt, params)
     norm = global_grad_norm(params)
-    grad_norm, step_loss = torch.stack([norm.double().cpu(), loss_sum.cpu()]).tolist()
+    if _is_dtensor(norm):  # FSDP2: the norm of sharded gradients is a replicated DTensor
+        norm = norm.full_tensor()  # type: ignore[attr-defined]
+    grad_norm, step_loss, vote_signal, vote_time = torch.cat(
+        [torch.stack([norm.double().cpu(), loss_sum.cpu()]), votes.cpu()]
+    ).tolist()
+    stop = (vote_signal > 0, vote_time > 0)
     lrs = [float(g["lr"]) for g in opt.param_groups]
     if not (math.isfinite(grad_norm) and math.isfinite(step_loss)):
         run.precision.skip()
@@ -73,14 +90,14 @@ def train_step(
         run.scheduler.step()
         if run.controller is not None:
             run.controller.skipped_step(opt)
-        return StepResult(step_loss, grad_norm, False, lrs, tokens)
+        return StepResult(step_loss, grad_norm, False, lrs, tokens, stop=stop)
     clip_scale = run.clipper(params, norm)
     stats: dict[str, Any] = {}
     before: dict[str, tuple[torch.Tensor, int]] = {}
     if log_now:
         stats = grad_stats(params)
         stats["clip_scale"] = clip_scale
-        before = param_sample(model)
+        before = param_sample(unwrap_model(model))
     ctl = run.controller
     if run.telemetry or ctl is not None:
         opt.telemetry_enabled = log_now or (ctl is not None and ctl.wants_telemetry)  # type: ignore[attr-defined]
@@ -88,19 +105,96 @@ def train_step(
     run.scheduler.step()
     if ctl is not None:  # the learned controller scales the lr the schedule just set
         ctl.after_step(opt, step_loss, grad_norm)
-    ratios = update_ratios(before, model) if log_now else {}
-    return StepResult(step_loss, grad_norm, True, lrs, tokens, stats, ratios)
+    ratios = update_ratios(before, unwrap_model(model)) if log_now else {}
+    return StepResult(step_loss, grad_norm, True, lrs, tokens, stats, ratios, stop)
+
+
+def _sync_grads(run: Run, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+    """DDP averages gradients on the last micro-batch of a step only (``no_sync`` before)."""
+    model = run.model
+    if not last and isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+_OPS = {
+    ("ddp", "forward"): "DDP forward",
+    ("ddp", "backward"): "DDP gradient all-reduce (backward)",
+    ("fsdp", "forward"): "FSDP2 parameter all-gather (forward)",
+    ("fsdp", "backward"): "FSDP2 gradient reduce-scatter (backward)",
+}
+
+
+@contextlib.contextmanager
+def _collectives(run: Run, phase: str) -> Iterator[None]:
+    """At world size > 1 the model's forward/backward run collectives (DDP, FSDP2); a
+    failure there becomes one line naming rank and operation, a timeout told apart by the
+    elapsed time (:func:`rootopt.dist.describe_failure`), never by the error's text."""
+    if run.world_size == 1:
+        yield
+        return
+    from rootopt.dist import describe_failure
+
+    start = time.monotonic()
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # gloo reports a timed-out send/recv as a plain RuntimeError
+        name = _OPS[(run.cfg.distributed.parallel, phase)]
+        raise describe_failure(name, exc, time.monotonic() - start) from exc
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2); ``t`` itself otherwise."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined, no-any-return]
+
+
+def _is_dtensor(t: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _reduce_loss(run: Run, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of the ranks' (weighted) losses = the global-batch loss, and the stop votes,
+    in one small all-reduce. Every rank then takes the same skip, divergence, checkpoint
+    and stop decisions (docs/distributed.md, "Training under torchrun")."""
+    from rootopt.dist import collective
+
+    t = torch.stack(
+        [
+            loss_sum,
+            torch.tensor(run.vote[0], dtype=torch.float64, device=loss_sum.device),
+            torch.tensor(run.vote[1], dtype=torch.float64, device=loss_sum.device),
+        ]
+    )
+    collective("all_reduce step loss", torch.distributed.all_reduce, t)
+    return t[0] / run.world_size, t[1:]
 
 
 def grad_stats(params: list[torch.Tensor]) -> dict[str, float]:
     """Max |g| and min non-zero |g| over all gradients, one tensor at a time (no concatenation)."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
+    grads = [_local(p.grad.detach()) for p in params if p.grad is not None]
     if not grads:
         return {}
     inf = torch.tensor(float("inf"), device=grads[0].device)
-    maxes = torch.stack([g.abs().amax().float() for g in grads])
-    mins = torch.stack([torch.where(g != 0, g.abs(), inf).amin().float() for g in grads])
-    gmax, gmin = torch.stack([maxes.max(), mins.min()]).tolist()
+    maxes = torch.stack([g.abs().amax().float() if g.numel() else -inf for g in grads])
+    mins = torch.stack(
+        [torch.where(g != 0, g.abs(), inf).amin().float() if g.numel() else inf for g in grads]
+    )
+    both = torch.stack([maxes.max(), -mins.min()])
+    if any(_is_dtensor(p) for p in params):  # FSDP2: each rank holds a shard of each gradient
+        from rootopt.dist import collective
+
+        collective(
+            "all_reduce grad stats",
+            torch.distributed.all_reduce,
+            both,
+            op=torch.distributed.ReduceOp.MAX,
+        )
+    gmax, neg_min = both.tolist()
+    gmin = -neg_min
     return {"grad_abs_max": gmax, "grad_abs_min": gmin if math.isfinite(gmin) else 0.0}
 
 
@@ -108,7 +202,7 @@ def param_sample(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     """A strided sample of each parameter (exact for tensors up to RATIO_SAMPLE entries)."""
     out = {}
     for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
+        flat = _local(p.detach()).reshape(-1)  # FSDP2: this rank's shard
         stride = max(1, -(-flat.numel() // RATIO_SAMPLE))
         out[name] = (flat[::stride].float().clone(), stride)
     return out
@@ -123,7 +217,7 @@ def update_ratios(
         if name not in before:
             continue
         old, stride = before[name]
-        new = p.detach().reshape(-1)[::stride].float()
+        new = _local(p.detach()).reshape(-1)[::stride].float()
         names.append(name)
         pairs.append(torch.stack([(new - old).norm(), old.norm()]))
     if not pairs:

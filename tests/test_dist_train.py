@@ -1,0 +1,386 @@
+"""``rootopt.train`` under real torchrun processes (CPU, gloo, loopback): the world size
+changes nothing but the speed (docs/distributed.md, "Training under torchrun").
+
+Each launch runs in a subprocess with a timeout, so a hang fails fast. Several checks share
+one set of launches to keep the default suite's time budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _train_fixtures import TINY, prepare_tiny
+from rootopt.config import load_config
+from rootopt.monitor import read_jsonl
+from rootopt.train import train
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+STEPS = 12
+# constant lr after warmup: a run stopped at step s and continued to STEPS follows the
+# same schedule as an uninterrupted one (cosine would depend on run.max_steps)
+CFG = [
+    *TINY,
+    f"run.max_steps={STEPS}",
+    "run.log_every=1",
+    "run.eval_every=0",
+    "checkpoint.every=4",
+    "optimization.schedule=constant",
+]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_tiny(tmp_path_factory.mktemp("dist-shards") / "d")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _cmd(n: int, run: Path, data: Path, over: list[str], *launcher: str) -> list[str]:
+    # --standalone: a rendezvous on localhost with a free port chosen by torchrun
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *([] if any(a.startswith("--nnodes") for a in launcher) else ["--standalone"]),
+        f"--nproc_per_node={n}",
+        *launcher,
+        "-m",
+        "rootopt.train",
+        "--data_path",
+        str(data),
+        "--log_dir",
+        str(run),
+        *over,
+    ]
+
+
+def _torchrun(
+    n: int, run: Path, data: Path, over: list[str], *launcher: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """One torchrun launch; on timeout its whole session is killed (no orphan workers)."""
+    proc = subprocess.Popen(
+        _cmd(n, run, data, over, *launcher),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        raise
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+
+
+def _model(run: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's model tensors, whatever its format (``.pt`` or DCP)."""
+    ckpts = sorted((run / "checkpoints").glob("ckpt-*.pt")) + sorted(
+        (run / "checkpoints").glob("dcp-*")
+    )
+    newest = max(ckpts, key=lambda p: int(p.name.split("-")[1].split(".")[0]))
+    if newest.is_file():
+        model = torch.load(newest, weights_only=False)["model"]
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        flat = run / f"{newest.name}.flat.pt"
+        dcp_to_torch_save(newest, flat)
+        model = torch.load(flat, weights_only=False)["model"]
+    assert isinstance(model, dict)
+    return model
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b) and len(a) > 10
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _assert_same_losses(a: dict[int, float], b: dict[int, float]) -> None:
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+
+
+def _one_process(run: Path, data: Path, over: list[str]) -> None:
+    train(load_config(None, over), run, str(data), say=lambda _: None)
+
+
+def test_world_sizes_1_2_3_fsdp_and_resharded_resume_agree(shards: Path, tmp_path: Path) -> None:
+    """1, 2 and 3 (uneven: 8 = 3+3+2) ranks, DDP and FSDP2: the same logged losses and
+    final parameters; a run saved at world 2, continued at world 1 and then at world 3,
+    equals the uninterrupted one step for step."""
+    ref = tmp_path / "w1"
+    _one_process(ref, shards, CFG)
+    base_losses, base_model = _losses(ref), _model(ref)
+    assert len(set(base_losses.values())) == STEPS  # the model trains: losses change
+    assert base_losses[STEPS] < base_losses[1] - 0.5
+
+    runs = {
+        "ddp2": (2, []),
+        "ddp3": (3, []),
+        "fsdp2": (2, ["distributed.parallel=fsdp"]),
+    }
+    for name, (n, extra) in runs.items():
+        out = _torchrun(n, tmp_path / name, shards, [*CFG, *extra])
+        mode = "fsdp" if extra else "ddp"
+        assert f"{n} processes ({mode}, gloo), global batch 8" in out.stdout
+        assert (tmp_path / name / "checkpoints" / f"dcp-{STEPS:08d}").is_dir()
+        _assert_same_losses(base_losses, _losses(tmp_path / name))
+        _assert_same(base_model, _model(tmp_path / name))
+
+    # save at 2 → continue at 1 → continue at 3 (checkpoints: dcp → .pt → DCP, resharded)
+    chain = tmp_path / "chain"
+    _torchrun(2, chain, shards, [*CFG, "run.max_steps=5"])
+    assert (chain / "checkpoints" / "dcp-00000005").is_dir()
+    said: list[str] = []
+    train(load_config(None, [*CFG, "run.max_steps=9"]), chain, str(shards), say=said.append)
+    assert "resumed from dcp-00000005 at step 5 (saved at world size 2)" in said
+    out = _torchrun(3, chain, shards, CFG)
+    assert "resumed from ckpt-00000009.pt at step 9 (saved at world size 1)" in out.stdout
+    _assert_same_losses(base_losses, _losses(chain))
+    _assert_same(base_model, _model(chain))
+
+
+def test_bad_launch_settings_are_one_line(shards: Path, tmp_path: Path) -> None:
+    env = _env()
+    cases = [
+        (["distributed.world_size=2"], "distributed.world_size: 2 processes need a launcher"),
+        (["distributed.parallel=zero"], "distributed.parallel"),
+    ]
+    for over, want in cases:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rootopt.train", "--log_dir", str(tmp_path / "r"), *over],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and want in lines[0], lines
+
+
+def _worker(agent: int, rank: int, deadline: float) -> int:
+    """pid of the torchrun worker with ``RANK=rank`` (a child of the agent process)."""
+    while time.monotonic() < deadline:
+        for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return int(child)
+        time.sleep(0.1)
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the launcher's whole session (orphaned workers would otherwise linger)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(path: Path, deadline: float) -> None:
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
+def test_hung_rank_is_stopped_by_the_collective_timeout(shards: Path, tmp_path: Path) -> None:
+    """SIGSTOP rank 1 mid-run: rank 0 gives up after distributed.timeout_s with one line
+    naming itself and the operation; torchrun then ends the job (no restart budget)."""
+    run = tmp_path / "hang"
+    over = [*CFG, "run.max_steps=100000", "checkpoint.every=1000", "distributed.timeout_s=4"]
+    proc = subprocess.Popen(
+        _cmd(2, run, shards, over),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the launcher and its workers: killed together on failure
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_losses(run) if (run / "metrics.jsonl").exists() else {}) < 3:
+            assert time.monotonic() < deadline, "no training step was logged"
+            time.sleep(0.05)
+        victim = _worker(proc.pid, 1, deadline)
+        rank0 = _worker(proc.pid, 0, deadline)
+        os.kill(victim, signal.SIGSTOP)
+        while _alive(rank0) and time.monotonic() < deadline:
+            time.sleep(0.1)  # rank 0 gives up after the timeout ...
+        os.kill(victim, signal.SIGKILL)  # ... and a stopped process ignores torchrun's SIGTERM
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode != 0
+    lines = [ln for ln in err.splitlines() if ln.startswith("rootopt train")]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank 0/2: collective" in lines[0] and "did not complete within 4 s" in lines[0]
+    assert "Traceback" not in err.split("rootopt train")[0][-500:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
+def test_killed_rank_restarts_from_the_checkpoint_and_finishes_equal(
+    shards: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of rank 1 after the first checkpoint, torchrun --max-restarts 1: the job
+    restarts from the newest checkpoint and ends with the uninterrupted run's parameters."""
+    steps = 60
+    over = [*CFG, f"run.max_steps={steps}", "checkpoint.every=8", "run.log_every=4"]
+    ref = tmp_path / "ref"  # uninterrupted, same world size: the same float reductions
+    _torchrun(2, ref, shards, over)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cmd(2, run, shards, over, "--max-restarts=1"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the launcher and its workers: killed together on failure
+    )
+    try:
+        deadline = time.monotonic() + 180
+        _wait_for(run / "checkpoints" / "dcp-00000008", deadline)
+        os.kill(_worker(proc.pid, 1, deadline), signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from dcp-" in out, out[-2000:]  # the restart happened
+    a, b = _model(ref), _model(run)
+    assert sorted(a) == sorted(b) and len(a) > 10
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=k)
+    ref_losses, losses = _losses(ref), _losses(run)
+    assert sorted(ref_losses) == sorted(losses)
+    for step in ref_losses:
+        assert abs(ref_losses[step] - losses[step]) <= 1e-5 * abs(ref_losses[step])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps
+
+
+def test_global_batches_do_not_depend_on_world_size_workers_or_resume(shards: Path) -> None:
+    """The loop's data path (ShardSamples + StreamBatchSampler): rank parts of each global
+    micro-batch concatenate to the world-1 batch for W = 1, 2, 3, with 0 or 2 loader
+    workers and after a resume at another world size; an epoch covers each sample once."""
+    import functools
+
+    from torch.utils.data import DataLoader
+
+    from rootopt.data import ShardSamples, collate
+    from rootopt.train.data import StreamBatchSampler
+
+    ds = ShardSamples(shards, "train", seq_len=32, seed=0, shuffle=True)
+    b, steps = 8, 12
+
+    def inputs(world: int, rank: int, start: int, workers: int = 0) -> list[torch.Tensor]:
+        sampler = StreamBatchSampler(
+            len(ds), b, rank=rank, world_size=world, shuffle=False, start_step=start
+        )
+        loader = DataLoader(
+            ds,
+            batch_sampler=sampler,
+            num_workers=workers,
+            collate_fn=functools.partial(collate, task=ds.task),
+        )
+        out = []
+        for i, batch in enumerate(loader):
+            if i == steps - start:
+                break
+            out.append(batch["input"])
+        return out
+
+    ref = inputs(1, 0, 0)
+    assert len(ref) == steps and all(x.shape == (b, 32) for x in ref)
+    for world in (2, 3):
+        parts = [inputs(world, r, 0) for r in range(world)]
+        assert [len(p) for p in parts] == [steps] * world
+        for t in range(steps):
+            assert torch.equal(torch.cat([p[t] for p in parts]), ref[t])
+    assert all(torch.equal(x, y) for x, y in zip(inputs(1, 0, 0, workers=2), ref, strict=True))
+    resumed = [inputs(3, r, 5) for r in range(3)]  # e.g. saved at world 2 after 5 batches
+    for t in range(steps - 5):
+        assert torch.equal(torch.cat([p[t] for p in resumed]), ref[5 + t])
+    # one epoch: every sample exactly once (no overlap, no gap), in a shuffled order
+    epoch = [tuple(ds[i][0].tolist()) for i in range(len(ds))]
+    assert len(epoch) == len(ds) > steps * b
+    unshuffled = ShardSamples(shards, "train", seq_len=32, seed=0, shuffle=False)
+    assert sorted(epoch) == sorted(tuple(unshuffled[i][0].tolist()) for i in range(len(ds)))
+    assert epoch != [tuple(unshuffled[i][0].tolist()) for i in range(len(ds))]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_like_one_process(shards: Path, tmp_path: Path) -> None:
+    """Two torchrun invocations (--nnodes 2, node ranks 0/1, c10d rendezvous on
+    127.0.0.1) train the same losses and parameters as one process."""
+    import socket
+
+    ref = tmp_path / "w1"
+    _one_process(ref, shards, CFG)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = tmp_path / "nodes"
+    procs = [
+        subprocess.Popen(
+            _cmd(1, run, shards, CFG, "--nnodes=2", f"--node_rank={node}",
+                 "--rdzv-backend=c10d", "--rdzv-id=loop-two-node",
+                 f"--rdzv-endpoint=127.0.0.1:{port}"),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            _kill_session(p)
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    _assert_same_losses(_losses(ref), _losses(run))
+    _assert_same(_model(ref), _model(run))
