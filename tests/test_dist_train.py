@@ -119,9 +119,13 @@ def _model(run: Path) -> dict[str, torch.Tensor]:
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal to float tolerance. Gradients summed in another order differ by ~1e-7
+    relative, and 12 steps of Newton–Schulz (a high-gain polynomial) plus AdamW's division
+    by sqrt(v) grow that to a few 1e-6 absolute (measured up to 4e-6); one ROOT step moves
+    an entry by about lr·0.2·√max(r,c)·rms(U) ≈ 1e-3 here, so 2e-5 still fails any wrong update."""
     assert sorted(a) == sorted(b) and len(a) > 10
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-5, msg=k)
 
 
 def _assert_same_losses(a: dict[int, float], b: dict[int, float]) -> None:
