@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rootopt._atomic import atomic_write
+from rootopt._atomic import atomic_write, fsync_dir
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
@@ -29,15 +29,6 @@ _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used."""
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _sidecar(path: Path) -> dict[str, Any] | None:
@@ -86,7 +77,7 @@ def save(
         "serial": serial,
     }
     atomic_write(path.with_suffix(".json"), (json.dumps(meta) + "\n").encode())
-    _fsync_dir(directory)
+    fsync_dir(directory)
     prune(directory, keep_last=keep_last, run_id=run_id, keep=path, protect=protect)
     return path
 

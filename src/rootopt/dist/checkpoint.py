@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from rootopt._atomic import atomic_write
+from rootopt._atomic import atomic_write, fsync_dir
 from rootopt.dist.group import world
 from rootopt.dist.model import unwrap_model
 
@@ -50,14 +50,6 @@ class CheckpointInfo:
     valid: bool
     reason: str = ""
 
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _active() -> bool:
@@ -127,11 +119,11 @@ def save(
             "world_size": info.world_size,
         }
         atomic_write(tmp_dir / MARKER, json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp_dir)
+        fsync_dir(tmp_dir)
     _barrier()  # every rank's shards are on disk before the rename publishes them
     if info.rank == 0:
         os.rename(tmp_dir, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     _barrier()
     return final
 

@@ -45,16 +45,8 @@ from rootopt.optim.functional import (
     orthogonal_direction,
     robust_scale,
 )
-from rootopt.optim.root import ROOT, NonFiniteGradientError
+from rootopt.optim.root import _DTYPES, DEFAULT_BUCKET_BYTES, ROOT, NonFiniteGradientError
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-
-DEFAULT_BUCKET_BYTES = 32 << 20
 
 
 def _dtensor_types() -> tuple[type, type] | None:
