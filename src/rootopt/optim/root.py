@@ -570,7 +570,15 @@ class ROOT(Optimizer):
             # min and max of each gradient in one pass (NaN propagates, Inf shows): cheaper
             # than isfinite().all(), which materialises masks.
             flags = torch.stack([_finite(cast(Tensor, e[2].grad)).to(dev) for e in entries])
-            finite = [bool(f) for f in flags.tolist()]  # the one host sync of the step
+            if _compiling() and self.nonfinite == "error":
+                # Compile-friendly form: no host sync, no graph break. The assertion sits
+                # before every update in the graph, so a failing step changes nothing.
+                torch._assert_async(
+                    flags.all(),
+                    "non-finite gradient (NaN/Inf) in a parameter; nothing was updated",
+                )
+            else:
+                finite = [bool(f) for f in flags.tolist()]  # the one host sync of the step
         bad = [e[3] for e, ok in zip(entries, finite) if not ok]
         if bad and self.nonfinite == "error":
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
@@ -619,6 +627,9 @@ class ROOT(Optimizer):
         )
         # float32 dense tensors at the same step count go through one _foreach call;
         # everything else (low-precision params, the reference path) one at a time.
+        if _compiling():
+            self._adamw_compiled(group, entries)
+            return
         by_step: dict[tuple[int, torch.device], list[Tensor]] = {}
         for _, p, _name in entries:
             state = self.state[p]
@@ -626,7 +637,7 @@ class ROOT(Optimizer):
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
-            state["step"] += 1
+            _next_step(state)
             grad = cast(Tensor, p.grad)
             if group["batched"] and p.dtype == torch.float32 and grad.dtype == torch.float32:
                 by_step.setdefault((state["step"], p.device), []).append(p)
@@ -644,6 +655,35 @@ class ROOT(Optimizer):
                 **hyper,
             )
 
+    def _adamw_compiled(
+        self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]
+    ) -> None:
+        """The AdamW update traced by ``torch.compile``: the step count is a 0-d tensor
+        and the bias corrections are tensor expressions (no Python number in a guard),
+        one parameter at a time (the compiler fuses the loop). Same formula as
+        :func:`rootopt.optim.functional.adamw_update_`."""
+        beta1, beta2 = group["adamw_betas"]
+        lr, wd, eps = _lr(group), group["weight_decay"], group["adamw_eps"]
+        for _, p, _name in entries:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+            step = cast(Tensor, _next_step(state))
+            g = cast(Tensor, p.grad).to(state["exp_avg"].dtype)
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            p32 = p if p.dtype in (torch.float32, torch.float64) else p.float()
+            p32.mul_(1 - lr * wd)
+            exp_avg.lerp_(g, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bc1 = 1 - torch.pow(beta1, step)
+            bc2 = 1 - torch.pow(beta2, step)
+            denom = (exp_avg_sq.sqrt() / bc2.sqrt()).add_(eps)
+            p32.sub_(exp_avg / denom * (lr / bc1))
+            if p32 is not p:
+                p.copy_(p32)
+
     # ----------------------------------------------------------------------------------
     # ROOT part
     # ----------------------------------------------------------------------------------
@@ -651,7 +691,7 @@ class ROOT(Optimizer):
         """Create state if needed, update the momentum (and robust statistics) of ``p``;
         return the vector to orthogonalize (written into ``out`` when given)."""
         state = self._init_root_state(group, p)
-        state["step"] += 1
+        _next_step(state)
         buf = state["momentum_buffer"]
         g = cast(Tensor, p.grad).to(buf.dtype)
         mu = group["momentum"]
@@ -669,7 +709,7 @@ class ROOT(Optimizer):
     def _init_root_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         state: dict[str, Any] = self.state[p]
         if not state:
-            state["step"] = 0
+            state["step"] = torch.zeros((), dtype=torch.float32) if _compiling() else 0
             state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p))
             if group["robust_scaling"]:
                 state["robust_mean"] = torch.zeros_like(p, dtype=state_dtype(p))
@@ -725,7 +765,7 @@ class ROOT(Optimizer):
         dtype = _DTYPES[group["ns_dtype"]]
         for _, p, name in entries:
             state = self._init_root_state(group, p)
-            state["step"] += 1
+            _next_step(state)
             view = matrix_view(p.shape, group["nd_view"])
             robust = group["robust_scaling"]
             trace = root_update_(
@@ -837,6 +877,26 @@ class ROOT(Optimizer):
         if fast_p:
             torch._foreach_mul_(fast_p, 1 - lr * group["weight_decay"])
             torch._foreach_add_(fast_p, fast_u, alpha=-scale)
+
+
+def _compiling() -> bool:
+    return bool(torch.compiler.is_compiling())
+
+
+def _next_step(state: dict[str, Any]) -> int | Tensor:
+    """Count one step in ``state["step"]`` and return it. Eager steps keep a Python int
+    (a tensor left by a compiled step is read back); a step traced by ``torch.compile``
+    keeps a 0-d float32 tensor, as torch.optim does, so that the count is data, not a
+    guard that would recompile the step every time (docs/integrations.md, compile)."""
+    s = state["step"]
+    if _compiling():
+        if not isinstance(s, Tensor):
+            s = torch.tensor(float(s), dtype=torch.float32)
+        s.add_(1)
+    else:
+        s = int(s) + 1
+    state["step"] = s
+    return s
 
 
 def group_scale_factor(group: dict[str, Any], rows: int, cols: int) -> float:
