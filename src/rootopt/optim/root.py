@@ -888,7 +888,7 @@ def _next_step(state: dict[str, Any]) -> int | Tensor:
     (a tensor left by a compiled step is read back); a step traced by ``torch.compile``
     keeps a 0-d float32 tensor, as torch.optim does, so that the count is data, not a
     guard that would recompile the step every time (docs/integrations.md, compile)."""
-    s = state["step"]
+    s: int | Tensor = state["step"]
     if _compiling():
         if not isinstance(s, Tensor):
             s = torch.tensor(float(s), dtype=torch.float32)
