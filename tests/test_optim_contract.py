@@ -356,3 +356,58 @@ def test_named_lora_factors_in_a_bare_list_warn_once_per_call() -> None:
         warnings.simplefilter("error")
         ROOT([p for n, p in net.named_parameters() if "lora" not in n])  # nothing to warn
         ROOT([{"params": [net.lora_A["default"].weight], "algorithm": "adamw"}])
+
+
+# ------------------------------------------------------------------------------------------
+# fused projections orthogonalized per block
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transposed", [False, True])
+def test_ns_split_equals_separate_blocks(transposed: bool) -> None:
+    torch.manual_seed(0)
+    sizes = (8, 4, 4)  # q, k, v with fewer kv heads
+    blocks = [nn.Parameter(torch.randn(n, 12)) for n in sizes]  # (out_i, in)
+    fused_w = torch.cat([b.detach() for b in blocks], 0)
+    fused = nn.Parameter(fused_w.t().clone() if transposed else fused_w.clone())
+    common: dict[str, Any] = {"lr": 0.05, "lr_scale": "muon"}
+    o1 = ROOT(blocks, **common)
+    group: dict[str, Any] = {"params": [fused], "ns_split": [sizes], "algorithm": "root"}
+    if transposed:
+        group["transposed"] = True
+    o2 = ROOT([group], **common)
+    for _ in range(3):
+        gs = [torch.randn(n, 12) for n in sizes]
+        for b, g in zip(blocks, gs):
+            b.grad = g
+        g = torch.cat(gs, 0)
+        fused.grad = g.t().clone() if transposed else g
+        o1.step()
+        o2.step()
+    got = fused.detach().t() if transposed else fused.detach()
+    torch.testing.assert_close(got, torch.cat([b.detach() for b in blocks], 0))
+    with pytest.raises(ValueError, match="Invalid ns_split"):
+        ROOT([{"params": [fused], "ns_split": [(8, 5, 4)]}])
+    with pytest.raises(ValueError, match="Invalid ns_split"):
+        ROOT([{"params": [fused], "ns_split": [sizes, sizes]}])
+
+
+def test_fused_splits_reads_the_gpt2_routing() -> None:
+    transformers = pytest.importorskip("transformers")
+    import rootopt
+    from rootopt.optim.root import fused_splits
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    net = transformers.GPT2LMHeadModel(cfg)
+    groups, report = rootopt.param_groups(net, lr=0.01)
+    split = fused_splits(groups, report)
+    assert len(split) == len(groups) and all("ns_split" not in g for g in groups)
+    root = [g for g in split if "ns_split" in g]
+    assert len(root) == 1 and root[0]["transposed"] is True
+    named = dict(zip(root[0]["param_names"], root[0]["ns_split"]))
+    assert named["transformer.h.0.attn.c_attn.weight"] == (32, 32, 32)
+    assert named["transformer.h.0.mlp.c_fc.weight"] is None
+    opt = ROOT(split)
+    ids = torch.randint(0, 64, (2, 16))
+    net(input_ids=ids, labels=ids).loss.backward()
+    before = net.transformer.h[0].attn.c_attn.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, net.transformer.h[0].attn.c_attn.weight)

@@ -38,6 +38,7 @@ from rootopt.optim.functional import (
     OrthoMethod,
     adamw_update_,
     adamw_update_foreach_,
+    clip_outliers,
     clip_outliers_,
     lr_scale_factor,
     matrix_telemetry,
@@ -340,6 +341,7 @@ class ROOT(Optimizer):
                         f"ROOT group got a {t.ndim}-D parameter ({name}); "
                         "route it to algorithm='adamw'"
                     )
+        _check_split(param_group, [tensor_of(i) for i in items], merged)
         if param_group["algorithm"] == "auto":
             _warn_lora(items, names)
         before = len(self.param_groups)
@@ -390,6 +392,10 @@ class ROOT(Optimizer):
                 continue
             view = matrix_view(p.shape, group["nd_view"])
             try:
+                for rows, cols in _block_shapes(group, pi, p):
+                    self._resolve_one(group, rows, cols)
+                if _split_of(group, pi) is not None:
+                    continue
                 self._resolve_one(group, view.rows, view.cols)
             except (CoefficientError, ValueError) as exc:
                 name = names[pi] if names is not None else f"of shape {tuple(p.shape)}"
@@ -609,6 +615,10 @@ class ROOT(Optimizer):
             adamw = [e for e in entries if algorithm_of(group, e[1]) == "adamw"]
             if adamw:
                 self._adamw(group, adamw)
+            split = [e for e in root if _split_of(group, e[0]) is not None]
+            if split:
+                self._root_split(group, split)
+                root = [e for e in root if _split_of(group, e[0]) is None]
             if root and group["batched"]:
                 self._root_batched(group, root)
             elif root:
@@ -794,6 +804,40 @@ class ROOT(Optimizer):
             if self.telemetry_enabled:
                 self._record(name, trace.M, trace.B, trace.eps, trace.U, trace.step, p)
 
+    def _root_split(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
+        """Fused projections with ``ns_split``: the momentum is kept for the whole weight,
+        then each block (Q, K, V, or gate/up) is thresholded, orthogonalized and scaled
+        as the matrix it would be unfused, so one block's spectrum does not set another's
+        step (docs/integrations.md, "Fused projections")."""
+        q = group["outlier_quantile"]
+        dtype = _DTYPES[group["ns_dtype"]]
+        lr = _lr(group)
+        transposed = bool(group.get("transposed", False))
+        for pi, p, _name in entries:
+            v = self._momentum(group, p).reshape(p.shape)
+            sizes = cast(tuple[int, ...], _split_of(group, pi))
+            parts = []
+            for block in torch.split(v, list(sizes), dim=1 if transposed else 0):
+                M = (block.t() if transposed else block).float()  # (out_i, in)
+                rows, cols = M.shape
+                B, _ = clip_outliers(M, q)
+                U = orthogonal_direction(
+                    B,
+                    self._schedule(group, rows, cols),
+                    method=group["ortho_method"],
+                    dtype=dtype,
+                    gram=self._gram(group),
+                    select=self._selector(group, rows, cols),
+                )
+                U = U * lr_scale_factor(rows, cols, group["lr_scale"])
+                parts.append(U.t() if transposed else U)
+            step = torch.cat(parts, dim=1 if transposed else 0).mul_(lr)
+            p32 = p if p.dtype in (torch.float32, torch.float64) else p.float()
+            p32.mul_(1 - lr * group["weight_decay"])
+            p32.sub_(step)
+            if p32 is not p:
+                p.copy_(p32)
+
     def _root_batched(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
         """Stack the matrices of one shape (across parameters and stacks) and clip +
         orthogonalize them with one selection and one batched iteration per bucket.
@@ -905,6 +949,70 @@ def group_scale_factor(group: dict[str, Any], rows: int, cols: int) -> float:
     if group.get("transposed", False):
         rows, cols = cols, rows
     return lr_scale_factor(rows, cols, group["lr_scale"])
+
+
+def _split_of(group: dict[str, Any], pi: int) -> tuple[int, ...] | None:
+    splits = group.get("ns_split")
+    if not splits:
+        return None
+    sizes = splits[pi]
+    return None if sizes is None else tuple(int(x) for x in sizes)
+
+
+def _block_shapes(group: dict[str, Any], pi: int, p: Tensor) -> list[tuple[int, int]]:
+    """``(rows, cols)`` of each block of a split fused weight (rows = the block's
+    fan-out), or ``[]`` when the parameter is not split."""
+    sizes = _split_of(group, pi)
+    if sizes is None:
+        return []
+    fan_in = int(p.shape[0] if group.get("transposed", False) else p.shape[1])
+    return [(n, fan_in) for n in sizes]
+
+
+def _check_split(group: dict[str, Any], params: list[Tensor], merged: dict[str, Any]) -> None:
+    """Validate ``ns_split``: one entry per parameter, ``None`` or output block sizes of a
+    2-D weight that add up to its fan-out (dim 0, dim 1 for a transposed group)."""
+    splits = group.get("ns_split")
+    if splits is None:
+        return
+    if not isinstance(splits, (list, tuple)) or len(splits) != len(params):
+        raise ValueError(
+            f"Invalid ns_split: needs one entry (None or block sizes) per parameter, "
+            f"got {splits!r} for {len(params)} parameters"
+        )
+    for sizes, p in zip(splits, params):
+        if sizes is None:
+            continue
+        dim = 1 if group.get("transposed", False) else 0
+        if (
+            p.ndim != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+            or sum(sizes) != p.shape[dim]
+        ):
+            raise ValueError(
+                f"Invalid ns_split: {sizes!r} for a parameter of shape {tuple(p.shape)} "
+                f"(positive block sizes of a 2-D weight adding up to dim {dim})"
+            )
+        if merged["robust_scaling"]:
+            raise ValueError("Invalid ns_split: not supported together with robust_scaling")
+
+
+def fused_splits(groups: list[dict[str, Any]], report: Any) -> list[dict[str, Any]]:
+    """Copies of ``groups`` (from :func:`rootopt.param_groups`) in which every fused
+    projection the routing ``report`` found with known block sizes (``Route.split``:
+    GPT-2 ``c_attn``, ``qkv_proj``, ``gate_up_proj``, ...) gets ``ns_split``, so that
+    ROOT orthogonalizes its Q/K/V (or gate/up) blocks separately."""
+    by_name = report.by_name()
+    out = []
+    for g in groups:
+        g = dict(g)
+        names = g.get("param_names")
+        if names is not None and g.get("algorithm") == "root":
+            splits = [tuple(by_name[n].split) if by_name[n].split else None for n in names]
+            if any(x is not None for x in splits):
+                g["ns_split"] = splits
+        out.append(g)
+    return out
 
 
 def _is_lora_name(name: object) -> bool:
