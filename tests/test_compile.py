@@ -132,3 +132,25 @@ def test_compiled_train_step_containing_the_step() -> None:
     assert _max_diff(a, b) < 1e-5
     # compiles happen in the first two calls only
     assert counts[2:] == [counts[1]] * 18, counts
+
+
+@pytest.mark.slow
+def test_compiled_step_with_tensor_lr_and_scheduler_does_not_recompile() -> None:
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    a, b = mlp(), mlp()
+    oa, ob = ROOT(a.parameters(), lr=0.02), ROOT(b.parameters(), lr=torch.tensor(0.02))
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, lambda s: 1 / (1 + s))
+    sb = torch.optim.lr_scheduler.LambdaLR(ob, lambda s: 1 / (1 + s))
+    cnt = _counter()
+    step = torch.compile(ob.step, backend=cnt)
+    x = torch.randn(4, 16)
+    for _ in range(12):
+        for m, f, sched in ((a, oa.step, sa), (b, step, sb)):
+            m.zero_grad()
+            m(x).square().mean().backward()
+            f()
+            sched.step()
+    assert cnt.frame_count <= 2, cnt.frame_count
+    assert _max_diff(a, b) < 1e-5

@@ -171,7 +171,12 @@ def algorithm_of(group: dict[str, Any], p: Tensor) -> Algorithm:
 
 
 def _lr(group: dict[str, Any]) -> float:
-    return float(group["lr"])
+    """The group's lr as a number; a tensor lr stays a tensor in a step traced by
+    ``torch.compile`` (reading it would break the graph; schedulers fill it in place)."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and _compiling():
+        return cast(float, lr)
+    return float(lr)
 
 
 class ROOT(Optimizer):
@@ -920,7 +925,10 @@ class ROOT(Optimizer):
                 fast_u.append(U.reshape(p.shape))
         if fast_p:
             torch._foreach_mul_(fast_p, 1 - lr * group["weight_decay"])
-            torch._foreach_add_(fast_p, fast_u, alpha=-scale)
+            if isinstance(scale, Tensor):  # a tensor lr in a compiled step
+                torch._foreach_sub_(fast_p, torch._foreach_mul(fast_u, scale))
+            else:
+                torch._foreach_add_(fast_p, fast_u, alpha=-scale)
 
 
 def _compiling() -> bool:
