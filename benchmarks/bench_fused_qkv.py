@@ -11,6 +11,7 @@ import glob
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -25,7 +26,7 @@ def main() -> None:
     files = sorted(glob.glob("docs/*.md")) + sorted(
         glob.glob("src/rootopt/**/*.py", recursive=True)
     )
-    text = b"".join(open(f, "rb").read() for f in files)
+    text = b"".join(Path(f).read_bytes() for f in files)
     data = torch.tensor(list(text), dtype=torch.long)
     n = int(0.9 * len(data))
     train, val = data[:n], data[n:]
