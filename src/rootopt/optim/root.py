@@ -1048,7 +1048,7 @@ def _warn_lora(items: list[Any], names: Any) -> None:
             "orthogonalized. Build the groups with rootopt.param_groups(model), which puts "
             "LoRA A/B on AdamW (docs/integrations.md).",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of ROOT(...)
         )
 
 
