@@ -96,6 +96,7 @@ def test_resume_in_fresh_process(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys, torch
+        torch.set_num_threads({torch.get_num_threads()})  # bit-identical needs the same
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_contract import Tiny, _make, _train
         m = Tiny(); o = _make(m)
