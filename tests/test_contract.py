@@ -96,9 +96,9 @@ def test_resume_in_fresh_process(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys, torch
+        torch.set_num_threads({torch.get_num_threads()})  # same reductions as the parent
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_contract import Tiny, _make, _train
-        torch.set_num_threads({torch.get_num_threads()})  # same reductions as the parent
         m = Tiny(); o = _make(m)
         ck = torch.load({str(tmp_path / "ck.pt")!r}, weights_only=True)
         m.load_state_dict(ck["model"]); o.load_state_dict(ck["opt"])

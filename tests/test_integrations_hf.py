@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import rootopt  # noqa: E402
 from rootopt import ROOT, param_groups  # noqa: E402
 from rootopt.hf import ROOTFactory, optimizer_cls_and_kwargs  # noqa: E402
+from rootopt.optim.root import algorithm_of  # noqa: E402
 
 CTX = 32
 
@@ -171,8 +172,8 @@ def test_trainer_one_liner_routes_and_trains(tmp_path: Path) -> None:
     root_bare = {
         names[id(p)]
         for g in bare.optimizer.param_groups
-        if g["algorithm"] == "root"
         for p in g["params"]
+        if algorithm_of(g, p) == "root"
     }
     assert "transformer.wte.weight" in root_bare and "transformer.wpe.weight" in root_bare
     bare_losses = [h["loss"] for h in bare.state.log_history if "loss" in h]

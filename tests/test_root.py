@@ -178,8 +178,13 @@ def test_adamw_part_equals_torch_adamw(batched: bool) -> None:
 def test_bare_iterable_routes_by_ndim() -> None:
     w, b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))
     opt = ROOT([w, b])
-    algos = {g["algorithm"]: g["params"] for g in opt.param_groups}
-    assert algos["root"] == [w] and algos["adamw"] == [b]
+    # One user group stays one group (torch's contract); routing is per parameter inside it.
+    assert len(opt.param_groups) == 1
+    assert opt.param_groups[0]["algorithm"] == "auto" and opt.param_groups[0]["params"] == [w, b]
+    w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+    opt.step()
+    assert set(opt.state[w]) == {"step", "momentum_buffer"}
+    assert set(opt.state[b]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 @pytest.mark.parametrize("method", ["newton_schulz", "svd"])

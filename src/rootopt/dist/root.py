@@ -40,12 +40,18 @@ from rootopt.optim.functional import (
     adamw_update_,
     adamw_update_foreach_,
     clip_outliers,
-    lr_scale_factor,
     matrix_view,
     orthogonal_direction,
     robust_scale,
 )
-from rootopt.optim.root import _DTYPES, DEFAULT_BUCKET_BYTES, ROOT, NonFiniteGradientError
+from rootopt.optim.root import (
+    _DTYPES,
+    DEFAULT_BUCKET_BYTES,
+    ROOT,
+    NonFiniteGradientError,
+    algorithm_of,
+    group_scale_factor,
+)
 
 
 
@@ -160,7 +166,7 @@ class DistributedROOT(ROOT):
         if state:
             return
         state["step"] = 0
-        if group["algorithm"] == "root":
+        if algorithm_of(group, p) == "root":
             if group["robust_scaling"] and _is_dtensor(p):
                 raise ValueError(
                     "robust_scaling is not supported for sharded (FSDP2) parameters; "
@@ -205,10 +211,12 @@ class DistributedROOT(ROOT):
         for gi, (group, entries) in enumerate(zip(self.param_groups, per_group)):
             if not entries:
                 continue
-            if group["algorithm"] == "adamw":
-                self._adamw_local(group, entries)
-                continue
+            adamw = [e for e in entries if algorithm_of(group, e[0]) == "adamw"]
+            if adamw:
+                self._adamw_local(group, adamw)
             for p, name, g in entries:
+                if algorithm_of(group, p) != "root":
+                    continue
                 view = matrix_view(p.shape, group["nd_view"])
                 v = self._momentum_local(group, p, g)
                 cost = ns_cost(view.batch, view.rows, view.cols, group["ns_steps"])
@@ -222,10 +230,8 @@ class DistributedROOT(ROOT):
 
     def _count_plain(self) -> None:
         for group in self.param_groups:
-            if group["algorithm"] != "root":
-                continue
             for p in group["params"]:
-                if p.grad is not None and p.numel() > 0:
+                if algorithm_of(group, p) == "root" and p.grad is not None and p.numel() > 0:
                     view = matrix_view(p.shape, group["nd_view"])
                     self.stats.ns_matrices += view.batch
                     self.stats.ns_cost += ns_cost(
@@ -416,7 +422,7 @@ class DistributedROOT(ROOT):
                 lam=group["robust_lambda"],
             )
         lr = float(group["lr"])
-        scale = lr_scale_factor(t.view.rows, t.view.cols, group["lr_scale"])
+        scale = group_scale_factor(group, t.view.rows, t.view.cols)
         step = U.reshape(pl.shape).mul(lr * scale)
         p32 = pl if pl.dtype == torch.float32 else pl.float()
         p32.mul_(1 - lr * group["weight_decay"])

@@ -314,6 +314,7 @@ def root_update_(
     gram: bool | None = None,
     select: Selector | None = None,
     lr_scale: LrScale = "moonlight",
+    transposed: bool = False,
     nd_view: NDView = "auto",
     robust_mean: Tensor | None = None,
     robust_sq: Tensor | None = None,
@@ -333,10 +334,12 @@ def root_update_(
     5. scaled step: ``p = p - lr s(rows, cols) U``.
 
     With ``robust_mean``/``robust_sq`` (seed 002's option, :func:`robust_scale`) their EMAs
-    are updated in step 1 and ``U`` is rescaled before step 4. State is float32; a
-    low-precision parameter is updated in float32 and written back.
+    are updated in step 1 and ``U`` is rescaled before step 4. ``transposed``: the
+    weight is stored ``(in, out)`` (``transformers`` ``Conv1D``), so ``s`` takes rows =
+    the view's second dimension. State has the higher of float32 and the parameter's
+    dtype; a low-precision parameter is updated in float32 and written back.
     """
-    g = grad.float()
+    g = grad.to(momentum_buffer.dtype)
     # 1. momentum
     momentum_buffer.mul_(momentum).add_(g)
     v = g.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
@@ -369,8 +372,9 @@ def root_update_(
             lam=robust_lambda,
         )
     # 4-5. decoupled decay, then the scaled orthogonal step
-    update = U.reshape(param.shape).mul(lr * lr_scale_factor(view.rows, view.cols, lr_scale))
-    p32 = param if param.dtype == torch.float32 else param.float()
+    rows, cols = (view.cols, view.rows) if transposed else (view.rows, view.cols)
+    update = U.reshape(param.shape).mul(lr * lr_scale_factor(rows, cols, lr_scale))
+    p32 = param if param.dtype in (torch.float32, torch.float64) else param.float()
     p32.mul_(1 - lr * weight_decay)
     p32.sub_(update)
     if p32 is not param:
@@ -396,12 +400,12 @@ def adamw_update_(
 ) -> None:
     """One bias-corrected AdamW step in place (decoupled decay ``p *= 1 - lr wd`` first).
 
-    State is float32; a low-precision parameter is updated in float32 and written back.
-    The formula and operation order are torch.optim.AdamW's.
+    State has the higher of float32 and the parameter's dtype; a low-precision parameter
+    is updated in float32 and written back. The formula and operation order are torch.optim.AdamW's.
     """
     beta1, beta2 = betas
-    p32 = param if param.dtype == torch.float32 else param.float()
-    g = grad.float()
+    p32 = param if param.dtype in (torch.float32, torch.float64) else param.float()
+    g = grad.to(exp_avg.dtype)
     p32.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)

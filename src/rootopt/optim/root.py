@@ -13,6 +13,8 @@ The class validates options, creates state lazily and calls the pure functions o
 from __future__ import annotations
 
 import math
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, cast
 
@@ -36,6 +38,7 @@ from rootopt.optim.functional import (
     OrthoMethod,
     adamw_update_,
     adamw_update_foreach_,
+    clip_outliers,
     clip_outliers_,
     lr_scale_factor,
     matrix_telemetry,
@@ -60,6 +63,10 @@ _DTYPES: dict[str, torch.dtype] = {
 # Most bytes of float32 matrices the batched path stacks at once (docs/performance.md).
 DEFAULT_BUCKET_BYTES = 32 << 20
 GRAM_MODES = ("auto", "on", "off")
+
+
+# Attributes rebuilt on unpickling instead of saved (see ROOT.__getstate__).
+_NOT_PICKLED = frozenset({"_resolutions", "telemetry"})
 
 
 class NonFiniteGradientError(ValueError):
@@ -88,7 +95,14 @@ def _check_options(g: dict[str, Any]) -> None:
             raise bad(key, "must be a finite number")
         return float(v)
 
-    if number("lr") < 0:
+    lr = g["lr"]
+    if isinstance(lr, Tensor):
+        # As torch.optim.Adam: a 1-element tensor lr is accepted (schedulers fill it in place).
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not lr.is_floating_point() or not math.isfinite(float(lr)) or float(lr) < 0:
+            raise bad("lr", "must be a finite number >= 0")
+    elif number("lr") < 0:
         raise bad("lr", "must be >= 0")
     if not 0.0 <= number("momentum") < 1.0:
         raise bad("momentum", "must be in [0, 1)")
@@ -136,8 +150,33 @@ def _check_options(g: dict[str, Any]) -> None:
         raise bad("bucket_bytes", "must be an integer >= 0 (0: no limit)")
     if not isinstance(g.get("ns_fit", False), bool):
         raise bad("ns_fit", "must be True or False")
-    if g.get("algorithm") not in (None, "root", "adamw"):
-        raise bad("algorithm", "choose 'root' or 'adamw'")
+    if g.get("algorithm") not in (None, "auto", "root", "adamw"):
+        raise bad("algorithm", "choose 'root', 'adamw' or 'auto'")
+
+
+def state_dtype(p: Tensor) -> torch.dtype:
+    """dtype of a parameter's optimizer state: the higher of float32 and the parameter's
+    (bfloat16/float16 parameters keep float32 state, float64 parameters float64)."""
+    return torch.promote_types(p.dtype, torch.float32) if p.is_floating_point() else torch.float32
+
+
+def algorithm_of(group: dict[str, Any], p: Tensor) -> Algorithm:
+    """The update a parameter of ``group`` gets: the group's ``algorithm`` when it names
+    one, else (``"auto"``, a user group) ROOT for tensors with ``ndim >= 2``, AdamW for
+    the rest."""
+    algo = group.get("algorithm")
+    if algo in ("root", "adamw"):
+        return cast(Algorithm, algo)
+    return "root" if p.ndim >= 2 else "adamw"
+
+
+def _lr(group: dict[str, Any]) -> float:
+    """The group's lr as a number; a tensor lr stays a tensor in a step traced by
+    ``torch.compile`` (reading it would break the graph; schedulers fill it in place)."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and _compiling():
+        return cast(float, lr)
+    return float(lr)
 
 
 class ROOT(Optimizer):
@@ -260,9 +299,19 @@ class ROOT(Optimizer):
     # groups
     # ----------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add one group; it stays one entry of ``param_groups``, as with any torch
+        optimizer. A group without ``"algorithm"`` (``"auto"``) routes per parameter:
+        ``ndim >= 2`` → ROOT, the rest → AdamW. Atomic: when it raises, nothing was added."""
         if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
         items = param_group["params"]
+        if isinstance(items, set):
+            # torch.optim.Optimizer.add_param_group's error, raised before anything changes.
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but "
+                "the ordering of tensors in sets will change between runs. "
+                "Please use a list instead."
+            )
         items = [items] if isinstance(items, Tensor) else list(items)
         param_group = dict(param_group, params=items)
 
@@ -281,43 +330,32 @@ class ROOT(Optimizer):
                 f"param_names lists {len(names)} names for {len(items)} parameters; they must match"
             )
         if param_group.get("algorithm") is None:
-            # A group without an explicit algorithm: matrices get ROOT, the rest AdamW.
-            # Explicit param_names are split with their tensors (each half names its own).
-            by_algo: dict[str, list[int]] = {"root": [], "adamw": []}
-            for i, item in enumerate(items):
+            param_group["algorithm"] = "auto"
+        merged = {**self.defaults, **param_group}
+        if isinstance(merged.get("adamw_betas"), list):
+            param_group["adamw_betas"] = merged["adamw_betas"] = tuple(merged["adamw_betas"])
+        _check_options(merged)
+        if "ns_dtype" in param_group:
+            param_group["ns_dtype"] = merged["ns_dtype"]
+        if param_group["algorithm"] == "root":
+            for item in items:
                 t = tensor_of(item)
-                by_algo["root" if isinstance(t, Tensor) and t.ndim >= 2 else "adamw"].append(i)
-            parts = []
-            for a, idx in by_algo.items():
-                if not idx:
-                    continue
-                part = dict(param_group, params=[items[i] for i in idx], algorithm=a)
-                if names is not None:
-                    part["param_names"] = [names[i] for i in idx]
-                parts.append(part)
-            if not parts:
-                parts = [dict(param_group, algorithm="root")]
-        else:
-            parts = [param_group]
-        for part in parts:
-            merged = {**self.defaults, **part}
-            if isinstance(merged.get("adamw_betas"), list):
-                part["adamw_betas"] = merged["adamw_betas"] = tuple(merged["adamw_betas"])
-            _check_options(merged)
-            if "ns_dtype" in part:
-                part["ns_dtype"] = merged["ns_dtype"]
-            if part["algorithm"] == "root":
-                for item in part["params"]:
-                    t = tensor_of(item)
-                    if isinstance(t, Tensor) and t.ndim < 2:
-                        name = item[0] if isinstance(item, tuple) else f"shape {tuple(t.shape)}"
-                        raise ValueError(
-                            f"ROOT group got a {t.ndim}-D parameter ({name}); "
-                            "route it to algorithm='adamw'"
-                        )
-            super().add_param_group(part)
-            if part["algorithm"] == "root":
-                self._resolve_group(self.param_groups[-1])
+                if isinstance(t, Tensor) and t.ndim < 2:
+                    name = item[0] if isinstance(item, tuple) else f"shape {tuple(t.shape)}"
+                    raise ValueError(
+                        f"ROOT group got a {t.ndim}-D parameter ({name}); "
+                        "route it to algorithm='adamw'"
+                    )
+        _check_split(param_group, [tensor_of(i) for i in items], merged)
+        if param_group["algorithm"] == "auto":
+            _warn_lora(items, names)
+        before = len(self.param_groups)
+        super().add_param_group(param_group)  # torch's checks (duplicates, leaves, names)
+        try:
+            self._resolve_group(self.param_groups[-1])
+        except BaseException:
+            del self.param_groups[before:]
+            raise
 
     # ----------------------------------------------------------------------------------
     # coefficients: resolved at construction (never in step)
@@ -355,10 +393,14 @@ class ROOT(Optimizer):
             return
         names = group.get("param_names")
         for pi, p in enumerate(group["params"]):
-            if p.ndim < 2 or p.numel() == 0:
+            if p.ndim < 2 or p.numel() == 0 or algorithm_of(group, p) != "root":
                 continue
             view = matrix_view(p.shape, group["nd_view"])
             try:
+                for rows, cols in _block_shapes(group, pi, p):
+                    self._resolve_one(group, rows, cols)
+                if _split_of(group, pi) is not None:
+                    continue
                 self._resolve_one(group, view.rows, view.cols)
             except (CoefficientError, ValueError) as exc:
                 name = names[pi] if names is not None else f"of shape {tuple(p.shape)}"
@@ -374,26 +416,112 @@ class ROOT(Optimizer):
         return list(self._resolutions.values())
 
     # ----------------------------------------------------------------------------------
-    # state_dict: keep float32 state for low-precision parameters
+    # pickling, deepcopy, state_dict
     # ----------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, param_groups) plus the options kept as
+        attributes, so that ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)`` give a
+        working optimizer. Hooks are left out as torch does; the coefficient resolutions
+        are left out and resolved again on load (they may hold a user callable)."""
+        out = super().__getstate__()
+        for key, value in self.__dict__.items():
+            if key in out or key.startswith("_optimizer_") or key in _NOT_PICKLED:
+                continue
+            out[key] = value
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        d = self.__dict__
+        d.setdefault("nonfinite", "error")
+        d.setdefault("telemetry_enabled", False)
+        d.setdefault("record_spectra", False)
+        d.setdefault("telemetry", {})
+        d.setdefault("skipped", [])
+        if "_resolutions" not in d:
+            self._resolutions = {}
+            for group in self.param_groups:
+                group.setdefault("algorithm", "auto")
+                self._resolve_group(group)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch.optim casts floating state to the parameter's dtype on load; ROOT keeps
-        # its state in float32 (bf16 momentum would lose the small updates), so restore
-        # the saved dtypes after the base class has mapped everything to parameters.
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        """torch's load, with: the user's load pre-hooks honoured (the dict they return is
+        the one loaded, including below), state kept at :func:`state_dtype` (torch casts
+        floating state to the parameter's dtype, which would round a bf16 parameter's
+        float32 momentum), coefficients resolved now (not in ``step()``), post-hooks run
+        last, and state dicts of the older split layout (one user group saved as a ROOT
+        group and an AdamW group) mapped onto the one-group layout."""
+        final: list[dict[str, Any]] = []
+
+        def last_pre_hook(_opt: Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+            sd = self._from_split_layout(sd)
+            final.append(sd)
+            return sd
+
+        handle = self.register_load_state_dict_pre_hook(last_pre_hook)  # runs after the user's
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+            self._optimizer_load_state_dict_post_hooks = post_hooks
+        sd = final[-1]
+        saved_ids = [pid for g in sd["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        super().load_state_dict(state_dict)
-        for pid, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if not saved:
+        for pid, p in zip(saved_ids, params, strict=True):
+            saved = sd["state"].get(pid)
+            if not saved or p.dtype == state_dtype(p):
                 continue
             for key, value in saved.items():
                 if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
-                    self.state[p][key] = value.to(device=p.device, dtype=value.dtype).clone()
+                    self.state[p][key] = value.to(device=p.device, dtype=state_dtype(p)).clone()
         # The loaded groups may carry other coefficient options: resolve them now, not in step().
         for group in self.param_groups:
-            if group.get("algorithm") == "root":
-                self._resolve_group(group)
+            group.setdefault("algorithm", "auto")
+            self._resolve_group(group)
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _from_split_layout(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """Map a state dict saved by rootopt <= 0.x, which split every group without an
+        explicit ``algorithm`` into a ROOT group (``ndim >= 2``) and an AdamW group, onto
+        this optimizer's groups; any other group-count mismatch is left to torch's error."""
+        saved = sd["param_groups"]
+        if len(saved) == len(self.param_groups):
+            return sd
+        parts: list[tuple[int, list[int]]] = []
+        for gi, g in enumerate(self.param_groups):
+            if g.get("algorithm", "auto") != "auto":
+                parts.append((gi, list(range(len(g["params"])))))
+                continue
+            root = [i for i, p in enumerate(g["params"]) if p.ndim >= 2]
+            rest = [i for i, p in enumerate(g["params"]) if p.ndim < 2]
+            parts += [(gi, x) for x in ([x for x in (root, rest) if x] or [[]])]
+        if len(parts) != len(saved) or any(
+            len(x) != len(s["params"]) for (_, x), s in zip(parts, saved)
+        ):
+            raise ValueError(
+                f"loaded state dict has {len(saved)} parameter groups and this optimizer "
+                f"{len(self.param_groups)}, and it is not the older split layout of these "
+                "groups (one ROOT and one AdamW group per user group); build the optimizer "
+                "with the groups it was saved from"
+            )
+        groups: list[dict[str, Any]] = []
+        for gi, g in enumerate(self.param_groups):
+            mine = [(x, s) for (i, x), s in zip(parts, saved) if i == gi]
+            ids: list[Any] = [None] * len(g["params"])
+            names: list[Any] = [None] * len(g["params"])
+            for x, s in mine:
+                for k, pos in enumerate(x):
+                    ids[pos] = s["params"][k]
+                    if "param_names" in s:
+                        names[pos] = s["param_names"][k]
+            merged = dict(mine[0][1], params=ids, algorithm=g.get("algorithm", "auto"))
+            if "param_names" in merged:
+                merged["param_names"] = names
+            groups.append(merged)
+        return {**sd, "param_groups": groups}
 
     # ----------------------------------------------------------------------------------
     # step
@@ -453,7 +581,15 @@ class ROOT(Optimizer):
             # min and max of each gradient in one pass (NaN propagates, Inf shows): cheaper
             # than isfinite().all(), which materialises masks.
             flags = torch.stack([_finite(cast(Tensor, e[2].grad)).to(dev) for e in entries])
-            finite = [bool(f) for f in flags.tolist()]  # the one host sync of the step
+            if _compiling() and self.nonfinite == "error":
+                # Compile-friendly form: no host sync, no graph break. The assertion sits
+                # before every update in the graph, so a failing step changes nothing.
+                torch._assert_async(
+                    flags.all(),
+                    "non-finite gradient (NaN/Inf) in a parameter; nothing was updated",
+                )
+            else:
+                finite = [bool(f) for f in flags.tolist()]  # the one host sync of the step
         bad = [e[3] for e, ok in zip(entries, finite) if not ok]
         if bad and self.nonfinite == "error":
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
@@ -480,12 +616,18 @@ class ROOT(Optimizer):
         for group, entries in zip(self.param_groups, per_group):
             if not entries:
                 continue
-            if group["algorithm"] == "adamw":
-                self._adamw(group, entries)
-            elif group["batched"]:
-                self._root_batched(group, entries)
-            else:
-                self._root_reference(group, entries)
+            root = [e for e in entries if algorithm_of(group, e[1]) == "root"]
+            adamw = [e for e in entries if algorithm_of(group, e[1]) == "adamw"]
+            if adamw:
+                self._adamw(group, adamw)
+            split = [e for e in root if _split_of(group, e[0]) is not None]
+            if split:
+                self._root_split(group, split)
+                root = [e for e in root if _split_of(group, e[0]) is None]
+            if root and group["batched"]:
+                self._root_batched(group, root)
+            elif root:
+                self._root_reference(group, root)
         return loss
 
     # ----------------------------------------------------------------------------------
@@ -493,21 +635,24 @@ class ROOT(Optimizer):
     # ----------------------------------------------------------------------------------
     def _adamw(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
         hyper = dict(
-            lr=float(group["lr"]),
+            lr=_lr(group),
             betas=group["adamw_betas"],
             eps=group["adamw_eps"],
             weight_decay=group["weight_decay"],
         )
         # float32 dense tensors at the same step count go through one _foreach call;
         # everything else (low-precision params, the reference path) one at a time.
+        if _compiling():
+            self._adamw_compiled(group, entries)
+            return
         by_step: dict[tuple[int, torch.device], list[Tensor]] = {}
         for _, p, _name in entries:
             state = self.state[p]
             if not state:
                 state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["step"] += 1
+                state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+            _next_step(state)
             grad = cast(Tensor, p.grad)
             if group["batched"] and p.dtype == torch.float32 and grad.dtype == torch.float32:
                 by_step.setdefault((state["step"], p.device), []).append(p)
@@ -525,6 +670,35 @@ class ROOT(Optimizer):
                 **hyper,
             )
 
+    def _adamw_compiled(
+        self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]
+    ) -> None:
+        """The AdamW update traced by ``torch.compile``: the step count is a 0-d tensor
+        and the bias corrections are tensor expressions (no Python number in a guard),
+        one parameter at a time (the compiler fuses the loop). Same formula as
+        :func:`rootopt.optim.functional.adamw_update_`."""
+        beta1, beta2 = group["adamw_betas"]
+        lr, wd, eps = _lr(group), group["weight_decay"], group["adamw_eps"]
+        for _, p, _name in entries:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+            step = cast(Tensor, _next_step(state))
+            g = cast(Tensor, p.grad).to(state["exp_avg"].dtype)
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            p32 = p if p.dtype in (torch.float32, torch.float64) else p.float()
+            p32.mul_(1 - lr * wd)
+            exp_avg.lerp_(g, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bc1 = 1 - torch.pow(beta1, step)
+            bc2 = 1 - torch.pow(beta2, step)
+            denom = (exp_avg_sq.sqrt() / bc2.sqrt()).add_(eps)
+            p32.sub_(exp_avg / denom * (lr / bc1))
+            if p32 is not p:
+                p.copy_(p32)
+
     # ----------------------------------------------------------------------------------
     # ROOT part
     # ----------------------------------------------------------------------------------
@@ -532,10 +706,10 @@ class ROOT(Optimizer):
         """Create state if needed, update the momentum (and robust statistics) of ``p``;
         return the vector to orthogonalize (written into ``out`` when given)."""
         state = self._init_root_state(group, p)
-        state["step"] += 1
-        g = cast(Tensor, p.grad).float()
-        mu = group["momentum"]
+        _next_step(state)
         buf = state["momentum_buffer"]
+        g = cast(Tensor, p.grad).to(buf.dtype)
+        mu = group["momentum"]
         buf.mul_(mu).add_(g)
         if group["robust_scaling"]:
             beta = 1.0 - 1.0 / group["robust_window"]
@@ -543,18 +717,18 @@ class ROOT(Optimizer):
             state["robust_sq"].mul_(beta).addcmul_(g, g, value=1 - beta)
         if out is None:
             return g.add(buf, alpha=mu) if group["nesterov"] else buf
-        if group["nesterov"]:
+        if group["nesterov"] and buf.dtype == out.dtype:
             return torch.add(g, buf, alpha=mu, out=out.view(p.shape))
-        return out.view(p.shape).copy_(buf)
+        return out.view(p.shape).copy_(g.add(buf, alpha=mu) if group["nesterov"] else buf)
 
     def _init_root_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         state: dict[str, Any] = self.state[p]
         if not state:
-            state["step"] = 0
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32) if _compiling() else 0
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p))
             if group["robust_scaling"]:
-                state["robust_mean"] = torch.zeros_like(p, dtype=torch.float32)
-                state["robust_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["robust_mean"] = torch.zeros_like(p, dtype=state_dtype(p))
+                state["robust_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
         return state
 
     def _apply(self, group: dict[str, Any], p: Tensor, view: MatrixView, U: Tensor) -> Tensor:
@@ -570,9 +744,9 @@ class ROOT(Optimizer):
                 bias_correction=1.0 - beta ** state["step"],
                 lam=group["robust_lambda"],
             )
-        lr = float(group["lr"])
-        step = U.reshape(p.shape).mul(lr * lr_scale_factor(view.rows, view.cols, group["lr_scale"]))
-        p32 = p if p.dtype == torch.float32 else p.float()
+        lr = _lr(group)
+        step = U.reshape(p.shape).mul(lr * group_scale_factor(group, view.rows, view.cols))
+        p32 = p if p.dtype in (torch.float32, torch.float64) else p.float()
         p32.mul_(1 - lr * group["weight_decay"])
         p32.sub_(step)
         if p32 is not p:
@@ -606,7 +780,7 @@ class ROOT(Optimizer):
         dtype = _DTYPES[group["ns_dtype"]]
         for _, p, name in entries:
             state = self._init_root_state(group, p)
-            state["step"] += 1
+            _next_step(state)
             view = matrix_view(p.shape, group["nd_view"])
             robust = group["robust_scaling"]
             trace = root_update_(
@@ -614,7 +788,7 @@ class ROOT(Optimizer):
                 cast(Tensor, p.grad),
                 state["momentum_buffer"],
                 step=state["step"],
-                lr=float(group["lr"]),
+                lr=_lr(group),
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],
@@ -625,6 +799,7 @@ class ROOT(Optimizer):
                 ns_dtype=dtype,
                 gram=self._gram(group),
                 lr_scale=group["lr_scale"],
+                transposed=bool(group.get("transposed", False)),
                 nd_view=group["nd_view"],
                 robust_mean=state["robust_mean"] if robust else None,
                 robust_sq=state["robust_sq"] if robust else None,
@@ -633,6 +808,40 @@ class ROOT(Optimizer):
             )
             if self.telemetry_enabled:
                 self._record(name, trace.M, trace.B, trace.eps, trace.U, trace.step, p)
+
+    def _root_split(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
+        """Fused projections with ``ns_split``: the momentum is kept for the whole weight,
+        then each block (Q, K, V, or gate/up) is thresholded, orthogonalized and scaled
+        as the matrix it would be unfused, so one block's spectrum does not set another's
+        step (docs/integrations.md, "Fused projections")."""
+        q = group["outlier_quantile"]
+        dtype = _DTYPES[group["ns_dtype"]]
+        lr = _lr(group)
+        transposed = bool(group.get("transposed", False))
+        for pi, p, _name in entries:
+            v = self._momentum(group, p).reshape(p.shape)
+            sizes = cast(tuple[int, ...], _split_of(group, pi))
+            parts = []
+            for block in torch.split(v, list(sizes), dim=1 if transposed else 0):
+                M = (block.t() if transposed else block).float()  # (out_i, in)
+                rows, cols = M.shape
+                B, _ = clip_outliers(M, q)
+                U = orthogonal_direction(
+                    B,
+                    self._schedule(group, rows, cols),
+                    method=group["ortho_method"],
+                    dtype=dtype,
+                    gram=self._gram(group),
+                    select=self._selector(group, rows, cols),
+                )
+                U = U * lr_scale_factor(rows, cols, group["lr_scale"])
+                parts.append(U.t() if transposed else U)
+            step = torch.cat(parts, dim=1 if transposed else 0).mul_(lr)
+            p32 = p if p.dtype in (torch.float32, torch.float64) else p.float()
+            p32.mul_(1 - lr * group["weight_decay"])
+            p32.sub_(step)
+            if p32 is not p:
+                p.copy_(p32)
 
     def _root_batched(self, group: dict[str, Any], entries: list[tuple[int, Tensor, str]]) -> None:
         """Stack the matrices of one shape (across parameters and stacks) and clip +
@@ -647,7 +856,7 @@ class ROOT(Optimizer):
         budget = int(group.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
         gram = self._gram(group)
         method = group["ortho_method"]
-        lr = float(group["lr"])
+        lr = _lr(group)
         by_shape: dict[tuple[int, int, torch.device], list[tuple[Tensor, str, MatrixView]]] = {}
         for _, p, name in entries:
             view = matrix_view(p.shape, group["nd_view"])
@@ -657,7 +866,7 @@ class ROOT(Optimizer):
             select = self._selector(group, rows, cols)
             matrix_bytes = rows * cols * 4
             per_chunk = max(1, budget // matrix_bytes) if budget > 0 else 1 << 62
-            scale = lr * lr_scale_factor(rows, cols, group["lr_scale"])
+            scale = lr * group_scale_factor(group, rows, cols)
             for bucket in _buckets(items, per_chunk):
                 n = sum(view.batch for _, _, view in bucket)
                 M_all = torch.empty((n, rows, cols), dtype=torch.float32, device=device)
@@ -716,7 +925,131 @@ class ROOT(Optimizer):
                 fast_u.append(U.reshape(p.shape))
         if fast_p:
             torch._foreach_mul_(fast_p, 1 - lr * group["weight_decay"])
-            torch._foreach_add_(fast_p, fast_u, alpha=-scale)
+            if isinstance(scale, Tensor):  # a tensor lr in a compiled step
+                torch._foreach_sub_(fast_p, torch._foreach_mul(fast_u, scale))
+            else:
+                torch._foreach_add_(fast_p, fast_u, alpha=-scale)
+
+
+def _compiling() -> bool:
+    return bool(torch.compiler.is_compiling())
+
+
+def _next_step(state: dict[str, Any]) -> int | Tensor:
+    """Count one step in ``state["step"]`` and return it. Eager steps keep a Python int
+    (a tensor left by a compiled step is read back); a step traced by ``torch.compile``
+    keeps a 0-d float32 tensor, as torch.optim does, so that the count is data, not a
+    guard that would recompile the step every time (docs/integrations.md, compile)."""
+    s: int | Tensor = state["step"]
+    if _compiling():
+        if not isinstance(s, Tensor):
+            s = torch.tensor(float(s), dtype=torch.float32)
+        s.add_(1)
+    else:
+        s = int(s) + 1
+    state["step"] = s
+    return s
+
+
+def group_scale_factor(group: dict[str, Any], rows: int, cols: int) -> float:
+    """``lr_scale_factor`` of a ``rows x cols`` view; a ``"transposed"`` group's weights
+    are stored ``(in, out)``, so its fan-out is the view's second dimension."""
+    if group.get("transposed", False):
+        rows, cols = cols, rows
+    return lr_scale_factor(rows, cols, group["lr_scale"])
+
+
+def _split_of(group: dict[str, Any], pi: int) -> tuple[int, ...] | None:
+    splits = group.get("ns_split")
+    if not splits:
+        return None
+    sizes = splits[pi]
+    return None if sizes is None else tuple(int(x) for x in sizes)
+
+
+def _block_shapes(group: dict[str, Any], pi: int, p: Tensor) -> list[tuple[int, int]]:
+    """``(rows, cols)`` of each block of a split fused weight (rows = the block's
+    fan-out), or ``[]`` when the parameter is not split."""
+    sizes = _split_of(group, pi)
+    if sizes is None:
+        return []
+    fan_in = int(p.shape[0] if group.get("transposed", False) else p.shape[1])
+    return [(n, fan_in) for n in sizes]
+
+
+def _check_split(group: dict[str, Any], params: list[Tensor], merged: dict[str, Any]) -> None:
+    """Validate ``ns_split``: one entry per parameter, ``None`` or output block sizes of a
+    2-D weight that add up to its fan-out (dim 0, dim 1 for a transposed group)."""
+    splits = group.get("ns_split")
+    if splits is None:
+        return
+    if not isinstance(splits, (list, tuple)) or len(splits) != len(params):
+        raise ValueError(
+            f"Invalid ns_split: needs one entry (None or block sizes) per parameter, "
+            f"got {splits!r} for {len(params)} parameters"
+        )
+    for sizes, p in zip(splits, params):
+        if sizes is None:
+            continue
+        dim = 1 if group.get("transposed", False) else 0
+        if (
+            p.ndim != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+            or sum(sizes) != p.shape[dim]
+        ):
+            raise ValueError(
+                f"Invalid ns_split: {sizes!r} for a parameter of shape {tuple(p.shape)} "
+                f"(positive block sizes of a 2-D weight adding up to dim {dim})"
+            )
+        if merged["robust_scaling"]:
+            raise ValueError("Invalid ns_split: not supported together with robust_scaling")
+
+
+def fused_splits(groups: list[dict[str, Any]], report: Any) -> list[dict[str, Any]]:
+    """Copies of ``groups`` (from :func:`rootopt.param_groups`) in which every fused
+    projection the routing ``report`` found with known block sizes (``Route.split``:
+    GPT-2 ``c_attn``, ``qkv_proj``, ``gate_up_proj``, ...) gets ``ns_split``, so that
+    ROOT orthogonalizes its Q/K/V (or gate/up) blocks separately."""
+    by_name = report.by_name()
+    out = []
+    for g in groups:
+        g = dict(g)
+        names = g.get("param_names")
+        if names is not None and g.get("algorithm") == "root":
+            splits = [tuple(by_name[n].split) if by_name[n].split else None for n in names]
+            if any(x is not None for x in splits):
+                g["ns_split"] = splits
+        out.append(g)
+    return out
+
+
+def _is_lora_name(name: object) -> bool:
+    return isinstance(name, str) and any(
+        part.startswith(("lora_", "lora_embedding_")) for part in name.split(".")
+    )
+
+
+def _warn_lora(items: list[Any], names: Any) -> None:
+    """Warn (once per call site, Python's default filter) when a group routed by shape
+    holds LoRA factors, which ROOT would orthogonalize. Only names can tell: a bare
+    tensor from ``model.parameters()`` carries nothing that marks it as a LoRA factor,
+    so this sees ``named_parameters()`` input (or ``param_names``), not bare tensors."""
+    found = [
+        item[0]
+        for item in items
+        if isinstance(item, tuple) and _is_lora_name(item[0]) and item[1].ndim >= 2
+    ]
+    if names is not None:
+        found += [n for n, item in zip(names, items) if _is_lora_name(n) and item.ndim >= 2]
+    if found:
+        warnings.warn(
+            f"ROOT got LoRA factors in a group routed by shape ({found[0]}"
+            f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}): they would be "
+            "orthogonalized. Build the groups with rootopt.param_groups(model), which puts "
+            "LoRA A/B on AdamW (docs/integrations.md).",
+            UserWarning,
+            stacklevel=5,  # the caller of ROOT(...)
+        )
 
 
 def _finite(g: Tensor) -> Tensor:
