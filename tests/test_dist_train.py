@@ -263,7 +263,6 @@ def test_hung_rank_is_stopped_by_the_collective_timeout(shards: Path, tmp_path: 
     assert "Traceback" not in err.split("rootopt train")[0][-500:]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
 def test_killed_rank_restarts_from_the_checkpoint_and_finishes_equal(
     shards: Path, tmp_path: Path
