@@ -327,6 +327,36 @@ def _collate(items: list[tuple[np.ndarray, int]], task: str) -> dict[str, torch.
     }
 
 
+def _read_shard(
+    root: Path, entry: dict[str, Any], task: str, seq_len: int
+) -> list[tuple[np.ndarray, int]]:
+    """Every decoded sample of one shard, in file order; one line naming the shard when it
+    is missing, unreadable or holds another number of samples than its manifest entry."""
+    name = entry["name"]
+    path = root / name
+    if not path.is_file():
+        raise ShardError(f"shard {name} is missing from {str(root)!r}")
+    ds = wds.WebDataset(
+        [str(path)],
+        shardshuffle=False,
+        nodesplitter=None,
+        workersplitter=None,
+        empty_check=False,
+        handler=wds.reraise_exception,
+    )
+    try:
+        items = [_decode(s, task, seq_len) for s in ds]
+    except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
+        raise ShardError(
+            f"shard {name} cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
+        ) from None
+    if len(items) != entry["samples"]:
+        raise ShardError(
+            f"shard {name} holds {len(items)} samples, manifest says {entry['samples']}"
+        )
+    return items
+
+
 @dataclass
 class _Plan:
     shards: list[dict[str, Any]]  # this worker's shards for one epoch, in visiting order
@@ -392,27 +422,7 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
         if self.verify and entry["name"] not in self._verified:
             verify_shard(self.root, entry)
             self._verified.add(entry["name"])
-        path = self.root / entry["name"]
-        if not path.is_file():
-            raise ShardError(f"shard {entry['name']} is missing from {str(self.root)!r}")
-        ds = wds.WebDataset(
-            [str(path)],
-            shardshuffle=False,
-            nodesplitter=None,
-            workersplitter=None,
-            empty_check=False,
-            handler=wds.reraise_exception,
-        )
-        try:
-            items = [_decode(s, self.task, self.seq_len) for s in ds]
-        except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
-            raise ShardError(
-                f"shard {entry['name']} cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
-            ) from None
-        if len(items) != entry["samples"]:
-            raise ShardError(
-                f"shard {entry['name']} holds {len(items)} samples, manifest says {entry['samples']}"
-            )
+        items = _read_shard(self.root, entry, self.task, self.seq_len)
         if self.shuffle:
             perm = np.random.default_rng(
                 [self.seed, self.rank, epoch, hash_name(entry["name"])]
@@ -530,27 +540,7 @@ class ShardSamples(Dataset[tuple[np.ndarray, int]]):
             if self.verify and name not in self._verified:
                 verify_shard(self.root, entry)
                 self._verified.add(name)
-            path = self.root / name
-            if not path.is_file():
-                raise ShardError(f"shard {name} is missing from {str(self.root)!r}")
-            ds = wds.WebDataset(
-                [str(path)],
-                shardshuffle=False,
-                nodesplitter=None,
-                workersplitter=None,
-                empty_check=False,
-                handler=wds.reraise_exception,
-            )
-            try:
-                items = [_decode(s, self.task, self.seq_len) for s in ds]
-            except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
-                raise ShardError(
-                    f"shard {name} cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
-                ) from None
-            if len(items) != entry["samples"]:
-                raise ShardError(
-                    f"shard {name} holds {len(items)} samples, manifest says {entry['samples']}"
-                )
+            items = _read_shard(self.root, entry, self.task, self.seq_len)
             if self.shuffle:
                 perm = np.random.default_rng([self.seed, epoch, hash_name(name)])
                 items = [items[k] for k in perm.permutation(len(items))]
