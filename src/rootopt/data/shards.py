@@ -327,12 +327,33 @@ def _collate(items: list[tuple[np.ndarray, int]], task: str) -> dict[str, torch.
     }
 
 
+def _open_shards(root: Path, seq_len: int) -> tuple[dict[str, Any], str, int]:
+    """``(manifest, task, seq_len)`` of a shard directory; ``seq_len=0`` takes the shards'
+    own, and a longer one than they were prepared with is refused with one line."""
+    manifest = load_manifest(root)
+    task: str = manifest["task"]
+    seq_len = seq_len or int(manifest.get("seq_len", 0))
+    if task == "lm" and seq_len > int(manifest["seq_len"]):
+        raise ShardError(
+            f"data.seq_len={seq_len} exceeds the shards' seq_len={manifest['seq_len']}; "
+            "prepare them again with a larger --seq_len"
+        )
+    return manifest, task, seq_len
+
+
 def _read_shard(
-    root: Path, entry: dict[str, Any], task: str, seq_len: int
+    root: Path,
+    entry: dict[str, Any],
+    task: str,
+    seq_len: int,
+    verified: set[str] | None = None,
 ) -> list[tuple[np.ndarray, int]]:
     """Every decoded sample of one shard, in file order; one line naming the shard when it
     is missing, unreadable or holds another number of samples than its manifest entry."""
     name = entry["name"]
+    if verified is not None and name not in verified:  # checksum once per reader
+        verify_shard(root, entry)
+        verified.add(name)
     path = root / name
     if not path.is_file():
         raise ShardError(f"shard {name} is missing from {str(root)!r}")
@@ -389,14 +410,7 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
     ) -> None:
         super().__init__()
         self.root = Path(root)
-        self.manifest = load_manifest(self.root)
-        self.task: str = self.manifest["task"]
-        self.seq_len = seq_len or int(self.manifest.get("seq_len", 0))
-        if self.task == "lm" and self.seq_len > int(self.manifest["seq_len"]):
-            raise ShardError(
-                f"data.seq_len={self.seq_len} exceeds the shards' seq_len={self.manifest['seq_len']}; "
-                "prepare them again with a larger --seq_len"
-            )
+        self.manifest, self.task, self.seq_len = _open_shards(self.root, seq_len)
         entries = self.manifest["splits"][split]
         self.shards = entries[rank::world_size] if loop else entries
         if not self.shards:
@@ -419,10 +433,8 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
         return _Plan(shards[worker :: self.num_workers], epoch)
 
     def _samples(self, entry: dict[str, Any], epoch: int) -> list[tuple[np.ndarray, int]]:
-        if self.verify and entry["name"] not in self._verified:
-            verify_shard(self.root, entry)
-            self._verified.add(entry["name"])
-        items = _read_shard(self.root, entry, self.task, self.seq_len)
+        verified = self._verified if self.verify else None
+        items = _read_shard(self.root, entry, self.task, self.seq_len, verified)
         if self.shuffle:
             perm = np.random.default_rng(
                 [self.seed, self.rank, epoch, hash_name(entry["name"])]
@@ -502,14 +514,7 @@ class ShardSamples(Dataset[tuple[np.ndarray, int]]):
         cache: int = 4,
     ) -> None:
         self.root = Path(root)
-        self.manifest = load_manifest(self.root)
-        self.task: str = self.manifest["task"]
-        self.seq_len = seq_len or int(self.manifest.get("seq_len", 0))
-        if self.task == "lm" and self.seq_len > int(self.manifest["seq_len"]):
-            raise ShardError(
-                f"data.seq_len={self.seq_len} exceeds the shards' seq_len={self.manifest['seq_len']}; "
-                "prepare them again with a larger --seq_len"
-            )
+        self.manifest, self.task, self.seq_len = _open_shards(self.root, seq_len)
         self.entries: list[dict[str, Any]] = list(self.manifest["splits"][split])
         self.samples = sum(int(e["samples"]) for e in self.entries)
         if self.samples == 0:
@@ -537,10 +542,8 @@ class ShardSamples(Dataset[tuple[np.ndarray, int]]):
         name = entry["name"]
         items = self._decoded.pop((epoch, name), None)
         if items is None:
-            if self.verify and name not in self._verified:
-                verify_shard(self.root, entry)
-                self._verified.add(name)
-            items = _read_shard(self.root, entry, self.task, self.seq_len)
+            verified = self._verified if self.verify else None
+            items = _read_shard(self.root, entry, self.task, self.seq_len, verified)
             if self.shuffle:
                 perm = np.random.default_rng([self.seed, epoch, hash_name(name)])
                 items = [items[k] for k in perm.permutation(len(items))]
