@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    from rootopt.dist import DistributedROOT, init_distributed, ns_cost, shutdown, wrap_model
+    from rootopt.dist import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
     from rootopt.optim.functional import clip_outliers, orthogonal_direction
 
     info = init_distributed(backend=args.backend, timeout_s=600)
@@ -176,7 +176,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     with open(Path(args.out) / f"rank{info.rank}.json", "w") as fh:
         json.dump(rec, fh)
-    shutdown()
+    finish(0)
 
 
 # ---------------------------------------------------------------------------------------

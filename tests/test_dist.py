@@ -374,6 +374,26 @@ def test_backend_resolution_and_single_process_world(monkeypatch: pytest.MonkeyP
         init_distributed(timeout_s=0)
 
 
+def test_finish_keeps_the_exit_code_and_flushes_output(tmp_path: Path) -> None:
+    """``rootopt.dist.finish`` leaves through ``os._exit`` (docs/distributed.md, "Ending a
+    run"): the exit status must be the caller's and buffered stdout must not be lost."""
+    script = (
+        "import sys\n"
+        "from rootopt.dist import finish, init_distributed, world\n"
+        f"init_distributed(backend='gloo', init_method='file://{tmp_path / 'pg'}', "
+        "rank=0, world_size=1, timeout_s=30)\n"
+        "assert world().backend == 'gloo'\n"
+        "print('results written', end='')  # no newline: stays in the pipe's buffer\n"
+        "finish(3)\n"
+        "print('not reached')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout == "results written"
+
+
 @pytest.mark.slow
 def test_dead_rank_is_reported_without_waiting_for_the_timeout(tmp_path: Path) -> None:
     rc, out = finish(torchrun("hang.py", 2, str(tmp_path), "60", "die"), timeout=120)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from common import HYPER, global_batch, groups, make_model, write
 from parity import full, reference
 
-from rootopt.dist import DistributedROOT, init_distributed, shutdown, unwrap_model, wrap_model
+from rootopt.dist import DistributedROOT, finish, init_distributed, unwrap_model, wrap_model
 from rootopt.dist import checkpoint as dck
 
 
@@ -64,4 +64,4 @@ if __name__ == "__main__":
     init_distributed(backend="gloo", timeout_s=120)
     res = run(out, ck, layout, steps)
     write(out, f"ckpt-{res['saved']}", res)
-    shutdown()
+    finish(0)

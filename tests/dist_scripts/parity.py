@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import rootopt
 import rootopt.dist.root as droot
-from rootopt.dist import DistributedROOT, init_distributed, shutdown, wrap_model
+from rootopt.dist import DistributedROOT, finish, init_distributed, wrap_model
 
 STEPS = 4
 DEVICE = torch.device("cpu")
@@ -173,7 +173,7 @@ def main() -> None:
         float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
     )
     write(out_dir, "parity", res)
-    shutdown()
+    finish(0)
 
 
 if __name__ == "__main__":

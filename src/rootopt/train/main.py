@@ -96,15 +96,21 @@ def _main(argv: list[str] | None) -> int:
         where = f" ({exc.filename})" if exc.filename else ""
         _err(f"I/O error: {exc.strerror or exc}{where}")
         return _leave(1)
-    if _world_size() > 1:
-        from rootopt.dist import shutdown
+    _world_size()  # remembers this rank
+    if _rank == 0:  # rank 0 reports for the run
+        total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
+        _report(summary, total)
+    if _process_group():
+        from rootopt.dist import finish
 
-        shutdown()
-        if _rank != 0:  # rank 0 reports for the run
-            return _status(summary)
-    total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
-    _report(summary, total)
+        finish(_status(summary))  # every file of the run is closed; see dist.finish
     return _status(summary)
+
+
+def _process_group() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 _rank = 0
