@@ -1,7 +1,8 @@
 """Independent transcriptions used as test oracles (not imported by the library).
 
-``official_root_step`` follows the reference facts' §1 line by line, with torch.quantile
-and the explicit sign/relu form of the soft threshold, one 2-D matrix at a time.
+``official_root_step`` follows the update of the paper's official code (arXiv 2511.20626)
+line by line, with torch.quantile and the explicit sign/relu form of the soft threshold,
+one 2-D matrix at a time.
 """
 
 from __future__ import annotations

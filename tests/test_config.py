@@ -1,4 +1,4 @@
-"""Config: the seed's YAML loads as written, defaults round-trip, bad input is one clear line."""
+"""Config: the deployment example loads as written, defaults round-trip, bad input is one line."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from rootopt.train.main import main as train_main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_seed000_yaml_loads_as_written() -> None:
-    cfg = load_config(ROOT / "configs" / "seed000.yaml")
+def test_deployment_example_yaml_loads_as_written() -> None:
+    cfg = load_config(ROOT / "configs" / "deployment_example.yaml")
     assert cfg.distributed.backend == "nccl" and cfg.distributed.world_size == 8
     assert cfg.distributed.init_method == "env://" and cfg.distributed.rank == 0
     o = cfg.optimization
@@ -118,14 +118,19 @@ def test_missing_config_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_seed_world_size_needs_a_launcher(
+def test_deployment_example_world_size_needs_a_launcher(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     assert (
         train_main(
-            ["--config", str(ROOT / "configs" / "seed000.yaml"), "--log_dir", str(tmp_path / "r")]
+            [
+                "--config",
+                str(ROOT / "configs" / "deployment_example.yaml"),
+                "--log_dir",
+                str(tmp_path / "r"),
+            ]
         )
         == 2
     )
@@ -134,6 +139,6 @@ def test_seed_world_size_needs_a_launcher(
 
 
 def test_yaml11_exponent_strings_are_numbers() -> None:
-    # PyYAML reads `5e-4` as a string (YAML 1.1); the seed writes exactly that.
+    # PyYAML reads `5e-4` as a string (YAML 1.1); the deployment example writes exactly that.
     assert load_config(None, ["optimization.epsilon=1e-8"]).optimization.epsilon == 1e-8
     assert isinstance(load_config(None, []), Config)

@@ -1,4 +1,4 @@
-"""Monitoring: Prometheus names match the dashboard; report criteria and §8 fixes; diagnose."""
+"""Monitoring: Prometheus names match the dashboard; report criteria and fixes; diagnose."""
 
 from __future__ import annotations
 

@@ -406,15 +406,15 @@ def test_embedded_default_main_job(tmp_path: Path) -> None:
     assert wall < 300, wall
 
 
-def test_seed000_config_trains_on_one_cpu_process(
+def test_deployment_example_config_trains_on_one_cpu_process(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    seed = Path(__file__).resolve().parents[1] / "configs" / "seed000.yaml"
+    example = Path(__file__).resolve().parents[1] / "configs" / "deployment_example.yaml"
     tiny = [o for o in TINY if not o.startswith("optimization.warmup_steps")]
     rc = train_main(
         [
             "--config",
-            str(seed),
+            str(example),
             "--data_path",
             str(shards),
             "--log_dir",

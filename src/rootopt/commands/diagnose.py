@@ -1,4 +1,7 @@
-"""``rootopt diagnose [RUN_DIR]``: gradient range, update ratio and loss-surface probe (seed 003 §4.3)."""
+"""``rootopt diagnose [RUN_DIR]``: gradient range, update ratio and loss-surface probe.
+
+See docs/training.md, "Diagnostics: `rootopt diagnose`".
+"""
 
 from __future__ import annotations
 

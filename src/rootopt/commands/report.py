@@ -1,4 +1,7 @@
-"""``rootopt report RUN_DIR``: seed 000 §7 criteria (PASS/FAIL/SKIP with evidence) and §8 fixes."""
+"""``rootopt report RUN_DIR``: validation criteria (PASS/FAIL/SKIP with evidence) and fixes.
+
+See docs/training.md, "Validation: `rootopt report`".
+"""
 
 from __future__ import annotations
 

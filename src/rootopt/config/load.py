@@ -71,7 +71,8 @@ def _coerce(value: Any, tp: Any, where: str, rules: dict[str, Any], problems: li
                 problems.append(f"{where}: expected an integer; got {short(value)}")
                 return None
     elif tp is float:
-        # YAML 1.1 reads `5e-4` (no dot) as a string; seed 000 writes exactly that.
+        # YAML 1.1 reads `5e-4` (no dot) as a string; configs/deployment_example.yaml
+        # writes exactly that.
         if isinstance(value, str) and _is_number_string(value):
             value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -2,9 +2,10 @@
 
 One dataclass per component; each field carries its range/help in ``metadata``. Validation
 lives in :mod:`rootopt.config.load` and reports every problem as one line. The section and
-key names of seed 000 §5.3 (``distributed`` / ``optimization`` / ``mixed_precision`` with
-``base_lr``, ``warmup_steps``, ``beta1``, ``beta2``, ``epsilon``, ``loss_scale`` …) are kept
-verbatim so its YAML loads as written.
+key names of the deployment example (``distributed`` / ``optimization`` /
+``mixed_precision`` with ``base_lr``, ``warmup_steps``, ``beta1``, ``beta2``, ``epsilon``,
+``loss_scale`` …) are kept verbatim so that its YAML loads as written (docs/training.md,
+"Configuration").
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class DataConfig:
 @dataclass
 class ClipConfig:
     mode: Literal["norm", "value", "adaptive", "none"] = _f(
-        "norm", "gradient clipping mode (seed 003 §4.2)"
+        "norm", "gradient clipping mode (docs/training.md: Schedules, clipping)"
     )
     max_norm: float = _f(1.0, "global-norm threshold (norm/adaptive)", gt=0)
     value: float = _f(1.0, "per-element threshold (value)", gt=0)
@@ -162,11 +163,14 @@ class OptimizationConfig:
     ns_steps: int = _f(5, "Newton–Schulz iterations (ROOT)", min=1, max=20)
     ns_coefficients: str = _f("adanewton", "Newton–Schulz coefficient preset (ROOT)")
     outlier_quantile: float = _f(
-        0.9, "soft-threshold quantile (ROOT; seed 000's coefficient 0.1 ⇔ 0.9)", gt=0, max=1
+        0.9,
+        "soft-threshold quantile (ROOT; a coefficient 0.1 = top 10% as outliers ⇔ 0.9)",
+        gt=0,
+        max=1,
     )
     lr_scale: Literal["moonlight", "muon", "none"] = _f("moonlight", "ROOT lr scaling rule")
     ortho_method: Literal["newton_schulz", "svd", "qr"] = _f(
-        "newton_schulz", "ROOT orthogonalization (svd = seed 000's exact UVᵀ, slower)"
+        "newton_schulz", "ROOT orthogonalization (svd = exact UVᵀ, slower)"
     )
     telemetry: bool = _f(
         True, "collect ROOT's per-matrix telemetry (ε, clip fraction, update ratio)"
@@ -186,7 +190,7 @@ class MixedPrecisionConfig:
     loss_scale: str = _f(
         "dynamic", "fp16 loss scaling: 'dynamic' (GradScaler) or a static number such as 8192"
     )
-    init_scale: float = _f(65536.0, "dynamic scaler's initial scale (seed 003: 2^16)", gt=0)
+    init_scale: float = _f(65536.0, "dynamic scaler's initial scale (2^16)", gt=0)
     growth_interval: int = _f(2000, "overflow-free steps before the scale grows", min=1)
     growth_factor: float = _f(2.0, "scale growth factor", gt=1)
     backoff_factor: float = _f(0.5, "scale backoff factor on overflow", gt=0, max=0.999)
@@ -194,7 +198,7 @@ class MixedPrecisionConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(1000, "steps between checkpoints (seed 000 §9: 1000)", min=1, max=10**10)
+    every: int = _f(1000, "steps between checkpoints (docs/training.md: 1000)", min=1, max=10**10)
     keep_last: int = _f(3, "checkpoints of this run to keep", min=1, max=10**6)
     dir: str = _f("", "checkpoint directory; empty = <log_dir>/checkpoints")
     resume: str = _f(

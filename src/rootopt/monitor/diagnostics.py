@@ -1,8 +1,9 @@
-"""Seed 003 §4.3's optimizer-state checks as functions of a model, a loss and a step.
+"""The optimizer-state checks of docs/training.md, "Diagnostics", as functions of a model,
+a loss and a step.
 
-* gradient range: max and min non-zero |g| per tensor; seed 003 calls 1e-6..1e3 normal.
-* update ratio: one optimizer step's ``mean |Δθ| / mean |θ|`` per tensor (seed 003 prints
-  ``mean |update / param|``, which divides by near-zero entries; the ratio of means is the
+* gradient range: max and min non-zero |g| per tensor; 1e-6..1e3 is the normal range.
+* update ratio: one optimizer step's ``mean |Δθ| / mean |θ|`` per tensor (the tuning guide
+  prints ``mean |update / param|``, which divides by near-zero entries; the ratio of means is the
   stable form of the same quantity); healthy band 1e-5..1e-3.
 * loss-surface probe: ``L(θ + ε·z) − L(θ)`` for ε in 1e-3, 1e-2, 1e-1 with one fixed
   Gaussian direction ``z``; near a minimum the change grows like ε² (log-log slope ≈ 2).

@@ -1,4 +1,5 @@
-"""Seed 000 §7's validation criteria and §8's troubleshooting table, checked on a run directory.
+"""Validation criteria and troubleshooting table (docs/training.md, "Validation: `rootopt report`"),
+checked on a run directory.
 
 Reads only what a run leaves behind (``metrics.jsonl``, ``events.jsonl``, ``summary.json``),
 so it works on a finished, crashed or still running run, and on a baseline run for the
@@ -15,7 +16,8 @@ from typing import Any
 
 from rootopt.monitor.metrics import read_jsonl, read_jsonl_checked
 
-# Seed 000 §8: symptom -> (likely cause, fix). Keys are what the report detects.
+# The troubleshooting table of docs/training.md: symptom -> (likely cause, fix). Keys are
+# what the report detects.
 TROUBLESHOOTING: dict[str, tuple[str, str, str]] = {
     "oscillating_loss": (
         "training loss oscillates strongly",
@@ -58,7 +60,7 @@ TROUBLESHOOTING: dict[str, tuple[str, str, str]] = {
 }
 
 # ||Δθ||/||θ|| per step: below 1e-6 nothing learns, above 0.1 a step rewrites a tenth of a
-# tensor. Seed 003's "healthy 1e-5..1e-3" is checked by `rootopt diagnose`; orthogonalized
+# tensor. The narrower "healthy 1e-5..1e-3" is checked by `rootopt diagnose`; orthogonalized
 # updates of small models at lr≈1e-3 sit near 1e-2 by construction (see docs/training.md).
 UPDATE_BAND = (1e-6, 1e-1)
 

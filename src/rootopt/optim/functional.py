@@ -264,7 +264,8 @@ def robust_scale(
     lam: float,
     eps: float = 1e-8,
 ) -> Tensor:
-    """Seed 002's per-element robust scaling, made norm-preserving.
+    """Per-element robust scaling (an option beyond the paper; docs/performance.md,
+    "One reference, several fast paths"), made norm-preserving.
 
     ``mean`` / ``sq`` are running (EMA) estimates of E[g] and E[g²] (bias corrected by
     ``bias_correction = 1 - beta^t``), so ``delta = sqrt(E[g²] - E[g]²)``; then
@@ -333,11 +334,12 @@ def root_update_(
     4. decoupled decay with the unscaled lr: ``p = p (1 - lr wd)``;
     5. scaled step: ``p = p - lr s(rows, cols) U``.
 
-    With ``robust_mean``/``robust_sq`` (seed 002's option, :func:`robust_scale`) their EMAs
-    are updated in step 1 and ``U`` is rescaled before step 4. ``transposed``: the
-    weight is stored ``(in, out)`` (``transformers`` ``Conv1D``), so ``s`` takes rows =
-    the view's second dimension. State has the higher of float32 and the parameter's
-    dtype; a low-precision parameter is updated in float32 and written back.
+    With ``robust_mean``/``robust_sq`` (the optional per-element scaling,
+    :func:`robust_scale`) their EMAs are updated in step 1 and ``U`` is rescaled before
+    step 4. ``transposed``: the weight is stored ``(in, out)`` (``transformers``
+    ``Conv1D``), so ``s`` takes rows = the view's second dimension. State has the higher of
+    float32 and the parameter's dtype; a low-precision parameter is updated in float32 and
+    written back.
     """
     g = grad.to(momentum_buffer.dtype)
     # 1. momentum

@@ -210,8 +210,9 @@ class ROOT(Optimizer):
         lr_scale: ``"moonlight"``, ``"muon"`` or ``"none"``.
         nd_view: how N-D weights become matrices: ``"auto"`` (3-D = stack of matrices,
             4-D+ = flattened to ``(out, rest)``), ``"flatten"`` or ``"batch"``.
-        robust_scaling, robust_window, robust_lambda: seed 002's per-element scaling
-            (off by default), see :func:`rootopt.optim.functional.robust_scale`.
+        robust_scaling, robust_window, robust_lambda: per-element robust scaling
+            (off by default; docs/performance.md, "One reference, several fast paths"),
+            see :func:`rootopt.optim.functional.robust_scale`.
         adamw_betas, adamw_eps: the internal AdamW's constants.
         batched: stack same-shape matrices (fast path) instead of the reference loop.
         ns_gram: ``"auto"`` runs Newton–Schulz in Gram space where it was measured to pay

@@ -1,9 +1,10 @@
 """Exact orthogonal factors: the polar factor via SVD, and a QR-based direction.
 
-``svd``: ``U Vᵀ`` from the thin SVD, the exact target of Newton–Schulz (the user's
-seed 000 variant). ``qr``: the orthonormal factor ``Q`` of a thin QR, with the signs
-fixed so that ``diag(R) >= 0`` (the user's seed 002 variant). ``Q`` spans the same
-column space as ``G`` but, unlike ``U Vᵀ``, depends on column order.
+``svd``: ``U Vᵀ`` from the thin SVD, the exact target of Newton–Schulz. ``qr``: the
+orthonormal factor ``Q`` of a thin QR, with the signs fixed so that ``diag(R) >= 0``.
+``Q`` spans the same column space as ``G`` but, unlike ``U Vᵀ``, depends on column order.
+Both are options beyond the paper (docs/performance.md, "One reference, several fast
+paths").
 """
 
 from __future__ import annotations

@@ -207,9 +207,9 @@ class Precision:
 
     * disabled: float32, no scaling.
     * bf16: autocast to bfloat16 (CPU or CUDA), no scaling needed.
-    * fp16 + ``loss_scale: dynamic``: ``torch.amp.GradScaler`` with seed 003's defaults
+    * fp16 + ``loss_scale: dynamic``: ``torch.amp.GradScaler`` with the defaults in docs/training.md
       (initial 65536, growth interval 2000, factor 2, backoff 0.5).
-    * fp16 + a number: seed 000's static ``loss_scale``.
+    * fp16 + a number: a static ``loss_scale`` (e.g. 8192).
     Non-finite gradients are detected by the loop after :meth:`unscale`, the step is skipped,
     and :meth:`skip` lets the dynamic scaler back off.
     """

@@ -1,4 +1,6 @@
-"""``rootopt diagnose``: seed 003 §4.3 on a run's newest checkpoint (or a fresh model).
+"""``rootopt diagnose`` on a run's newest checkpoint (or a fresh model).
+
+The checks are those of docs/training.md, "Diagnostics: `rootopt diagnose`".
 
 Rebuilds the run's model and optimizer from the config saved in the checkpoint, takes one
 training batch, and prints the gradient range, one step's update ratios and the
@@ -127,7 +129,7 @@ def diagnose(
     lines.append(
         f"[{'OK' if len(inside) == len(ratios) else 'WARN'}] update ratio mean|Δθ|/mean|θ| at lr "
         f"{optimizer.param_groups[0]['lr']:.2e}: median {med:.2e}, min {min(ratios.values()):.2e}, "
-        f"max {max(ratios.values()):.2e}; {len(inside)}/{len(ratios)} tensors in seed 003's healthy "
+        f"max {max(ratios.values()):.2e}; {len(inside)}/{len(ratios)} tensors in the healthy "
         f"band {lo:.0e}..{hi:.0e}"
     )
     outside = sorted((r, n) for n, r in ratios.items() if not lo <= r <= hi)[-3:]

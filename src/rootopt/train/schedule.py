@@ -1,4 +1,7 @@
-"""Learning-rate schedules (multipliers of ``base_lr``) and gradient clipping (seed 003 §4.1–4.2)."""
+"""Learning-rate schedules (multipliers of ``base_lr``) and gradient clipping.
+
+See docs/training.md, "Schedules, clipping, accumulation".
+"""
 
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
 class GradClipper:
     """Clip by value, by global norm, or adaptively against a running norm.
 
-    ``adaptive`` (seed 003 §4.2, made self-tuning): the threshold is
+    ``adaptive`` (docs/training.md, made self-tuning): the threshold is
     ``min(max_norm, factor × EMA(grad norm))`` once the EMA has warmed up; the EMA state is
     part of checkpoints via :meth:`state_dict`.
     """
