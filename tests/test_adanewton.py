@@ -4,6 +4,7 @@ a fit, never a write), certificates, the dtype key, the per-matrix selector, bad
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import logging
 import os
@@ -367,18 +368,120 @@ def test_selector_shape_dtype_and_rescaled_first_step():
     res = an.lookup(200, 700, 5)
     sel = res.selector
     assert isinstance(sel, GramSelector) and sel.steps == 5
+    assert sel.soft_delta is not None  # float32: the soft count decides
     s = torch.tensor([0.0, 1e-3, 0.01, 0.5, 1.0])
-    c = sel(s)
-    assert c.shape == (5, 5, 3) and c.dtype == torch.float32
+    c = torch.tensor([0.5, 0.0, 0.2, 0.01, 1.0])
+    rows = sel.coefficients(s, c)
+    assert rows.shape == (5, 5, 3) and rows.dtype == torch.float32
     # steps 2..K are the chosen schedule unchanged
-    for i, sv in enumerate(s.tolist()):
-        chosen = sel.spiky if sv * sel.short > sel.tau else sel.flat
-        np.testing.assert_allclose(c[1:, i].double().numpy(), np.array(chosen[1:]), rtol=1e-6)
+    for i, (sv, cv) in enumerate(zip(s.tolist(), c.tolist(), strict=True)):
+        chosen = sel.spiky if cv > sel.soft_tau else sel.flat
+        np.testing.assert_allclose(rows[1:, i].double().numpy(), np.array(chosen[1:]), rtol=1e-6)
         t = max(sv**0.25 * (1 + sel.margin), sel.t_min)
         a, b, cc = chosen[0]
         np.testing.assert_allclose(
-            c[0, i].double().numpy(), [a / t, b / t**3, cc / t**5], rtol=1e-5
+            rows[0, i].double().numpy(), [a / t, b / t**3, cc / t**5], rtol=1e-5
         )
+    with pytest.raises(ValueError, match="soft count"):
+        sel.coefficients(s)
+    # bfloat16 keeps the rule on s alone (its Gram matrix is too coarse for the count)
+    bsel = an.lookup(200, 700, 5, dtype="bfloat16").selector
+    assert bsel is not None and bsel.soft_delta is None
+    brows = bsel.coefficients(s)
+    for i, sv in enumerate(s.tolist()):
+        chosen = bsel.spiky if sv * bsel.short > bsel.tau else bsel.flat
+        np.testing.assert_allclose(brows[1:, i].double().numpy(), np.array(chosen[1:]), rtol=1e-6)
+
+
+def test_selector_file_is_checked_and_corrupt_content_is_one_error():
+    raw = json.loads((Path(an.__file__).parent / "data" / an.SELECTOR_FILE).read_text())
+    good = an.parse_selector_data(raw)
+    assert good == an.load_selector_data()
+    assert good.soft_delta == 1e-6 and good.soft_dtypes == ("float32", "float64")
+    bad_cases = [
+        ({"soft_count": {"delta": 0.0, "tau": 0.034, "dtypes": ["float32"]}}, "0 < delta < 1"),
+        ({"soft_count": {"delta": 1e-6, "tau": 2.0, "dtypes": ["float32"]}}, "0 < tau < 1"),
+        ({"soft_count": {"delta": 1e-6, "tau": 0.03, "dtypes": ["float8"]}}, "unknown dtypes"),
+        ({"soft_count": {"delta": 1e-6}}, "tau"),
+        ({"tau": -1}, "tau must be positive"),
+        ({"format": "other/9"}, "unknown format"),
+    ]
+    for patch, reason in bad_cases:
+        with pytest.raises(CoefficientError, match=rf"selector file .* is corrupt: .*{reason}"):
+            an.parse_selector_data({**raw, **patch})
+
+
+@pytest.mark.parametrize("shape", [(40, 90), (64, 64)])
+def test_selector_statistics_from_the_gram_matrix_equal_the_spectrum(shape):
+    """``s`` and the soft count read off ``A₀`` in float32 equal their values from the exact
+    singular values (a matrix with a noise floor near √δ, where the count matters)."""
+    from rootopt.tools.families import selector_statistics
+
+    m, n = shape
+    g = torch.Generator().manual_seed(5)
+    sel = an.lookup(m, n, 5).selector
+    assert sel is not None and sel.soft_delta is not None
+    U = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(n, m, generator=g, dtype=torch.float64))[0]
+    sig = torch.cat([torch.linspace(1, 0.3, 4, dtype=torch.float64),
+                     torch.logspace(-4, -2, m - 4, dtype=torch.float64)])  # fmt: skip
+    G = (U * sig) @ V.T
+    X = (G / G.norm()).float()
+    exact = dataclasses.replace(sel, soft_probes=0)  # the full trace, no estimator
+    s32, c32 = exact.statistics(X @ X.T)
+    sn = (sig / sig.norm()).numpy()
+    s_ex, c_ex = selector_statistics(sel, sn)
+    assert c32 is not None and c_ex is not None
+    assert float(s32[0]) == pytest.approx(float(s_ex[0]), rel=1e-4)
+    assert 0.05 < float(c_ex[0]) < 0.95  # the count is neither empty nor full here
+    # float32 rounding of A₀ (~1e-7) moves eigenvalues near δ = 1e-6 by a few tenths of
+    # a percent: ample for a threshold at 0.034 between groups of 0.02 and 0.07
+    assert float(c32[0]) == pytest.approx(float(c_ex[0]), rel=1e-2)
+    # the default: Hutchinson's estimate with fixed probes; deterministic, and within
+    # √(2/64)/√(#small) of the trace (here about m/2 small values: a few percent)
+    _, c_hat = sel.statistics(X @ X.T)
+    _, c_again = sel.statistics(X @ X.T)
+    assert c_hat is not None and c_again is not None and float(c_hat[0]) == float(c_again[0])
+    assert float(c_hat[0]) == pytest.approx(float(c_ex[0]), rel=0.1)
+    # a numerically singular Gram matrix (not factorable after the shift) counts as spiky
+    bad = -torch.eye(m)[None]
+    _, c_bad = sel.statistics(bad)
+    assert c_bad is not None and float(c_bad[0]) == float("inf")
+
+
+def test_selector_sees_the_noise_floor_that_s_does_not():
+    """Two 200x700 spectra with nearly the same ``m·s``: a rank-4 signal over a floor at
+    ~1 % of σ_max (the table's schedule is right) and the same signal over a floor at
+    ~0.2 % (the spiky one is right). The selector must pick differently and beat the
+    other choice on each (docs/adanewton.md, "Choosing per matrix")."""
+    from rootopt.tools.families import rel_error, selector_error, selector_statistics
+
+    rng = np.random.default_rng(11)
+    m, n = 200, 700
+    sel = an.lookup(m, n, 5).selector
+    assert sel is not None
+    U, _ = np.linalg.qr(rng.standard_normal((m, 4)))
+    V, _ = np.linalg.qr(rng.standard_normal((n, 4)))
+    S = (U * np.linspace(1.0, 0.3, 4)) @ V.T
+    N = rng.standard_normal((m, n)) / np.sqrt(n)
+    sigs = []
+    for floor in (0.01, 0.002):
+        sv = np.linalg.svd(S + floor * N, compute_uv=False)
+        sigs.append(sv / np.linalg.norm(sv))
+    ms = [m * float(np.sum(x**4)) for x in sigs]
+    assert ms[0] == pytest.approx(ms[1], rel=0.25)  # s alone cannot tell them apart
+    picks = []
+    for x in sigs:
+        s, c = selector_statistics(sel, x)
+        picks.append(bool(c is not None and float(c[0]) > sel.soft_tau))
+        s_t = float(s[0]) ** 0.25 * (1 + sel.margin)
+        flat = ((sel.flat[0][0] / s_t, sel.flat[0][1] / s_t**3, sel.flat[0][2] / s_t**5),
+                *sel.flat[1:])  # fmt: skip
+        spiky = ((sel.spiky[0][0] / s_t, sel.spiky[0][1] / s_t**3, sel.spiky[0][2] / s_t**5),
+                 *sel.spiky[1:])  # fmt: skip
+        other = rel_error(flat if picks[-1] else spiky, x)
+        assert selector_error(sel, x) < other
+    assert picks == [False, True]
 
 
 def _family_matrix(kind: str, m: int, n: int, g: torch.Generator) -> torch.Tensor:
@@ -398,7 +501,7 @@ def _family_matrix(kind: str, m: int, n: int, g: torch.Generator) -> torch.Tenso
 
 @pytest.mark.parametrize("kind", ["gaussian", "rank1", "lowrank"])
 def test_selector_iteration_float64_matches_scalar_map_and_stays_bounded(kind):
-    from rootopt.tools.families import iterate_float64, selector_error
+    from rootopt.tools.families import iterate_float64, rel_error, selector_statistics
 
     g = torch.Generator().manual_seed(3)
     m, n = 60, 150
@@ -412,8 +515,12 @@ def test_selector_iteration_float64_matches_scalar_map_and_stays_bounded(kind):
         keep = 1e-10 * S[0] < S
         polar = U[:, keep] @ Vh[keep]
         err = float((X[i] - polar).norm() / polar.norm())
+        # the statistics see every singular value (zeros count as small ones); the error
+        # is measured on the range, where the polar factor is defined
+        rows = sel.coefficients(*selector_statistics(sel, (S / S.norm()).numpy()))
+        sched = tuple((float(a), float(b), float(c)) for a, b, c in rows[:, 0, :].double())
         sig = (S[keep] / S.norm()).numpy()
-        assert err == pytest.approx(selector_error(sel, sig), rel=1e-4, abs=1e-9)
+        assert err == pytest.approx(rel_error(sched, sig), rel=1e-4, abs=1e-9)
         # worst-case amplification: the spectral norm never exceeds the certificate
         assert float(torch.linalg.matrix_norm(X[i], ord=2)) <= 1.25 + 1e-9
 

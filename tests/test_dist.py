@@ -28,7 +28,13 @@ sys.path.insert(0, str(SCRIPTS))
 import common  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240
-TOL = 2e-6  # float32 round-off after a few steps; a wrong update is off by ~1e-2
+# float32 round-off after a few steps; a wrong update is off by ~1e-2. Parameters agree to
+# ~1e-6; optimizer state (momentum, i.e. gradients at slightly different parameters) to
+# ~1e-5: AdaNewton's soft count sends the small, nearly rank-deficient test matrices (2x10,
+# 10x10) to the steep schedule, which amplifies the reduction-order rounding in their
+# smallest singular direction (measured: 1.2e-6 / 1.4e-5 at world 3; docs/adanewton.md).
+TOL = 1e-5
+STATE_TOL = 1e-4
 
 
 def free_port() -> int:
@@ -178,7 +184,7 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         ):
             assert r[key] < TOL, (key, r[key])
         for key in ("ddp_state_diff", "fsdp_state_diff"):
-            assert r[key] < TOL, (key, r[key])
+            assert r[key] < STATE_TOL, (key, r[key])
         assert r["fsdp_state_sharded"] is True
         assert r["eager_state"] is True
         assert r["lr0_change"] == 0.0
@@ -263,7 +269,7 @@ def test_checkpoint_reshards_across_world_sizes(tmp_path: Path) -> None:
         assert r["extra_ok"] == 1.0
         for phase in ("after_load", "after_train"):
             assert r[phase]["param_diff"] < TOL, (r["world"], phase, r[phase])
-            assert r[phase]["state_diff"] < TOL, (r["world"], phase, r[phase])
+            assert r[phase]["state_diff"] < STATE_TOL, (r["world"], phase, r[phase])
             assert r[phase]["steps_equal"] == 1.0
     infos = dck.list_checkpoints(ck)
     assert [c.step for c in infos] == [2, 3, 4, 5]

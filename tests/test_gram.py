@@ -138,7 +138,8 @@ def test_per_matrix_coefficients_and_selector(ns: object) -> None:
 
     seen: list[torch.Tensor] = []
 
-    def select(s: torch.Tensor) -> torch.Tensor:
+    def select(A: torch.Tensor) -> torch.Tensor:
+        s = A.float().square().sum(dim=(-2, -1))
         seen.append(s.clone())
         use_pe = (s > 0.3)[None, :, None]  # stable rank below ~3: the lowrank matrix
         return torch.where(use_pe, pe[:, None, :], muon[:, None, :])

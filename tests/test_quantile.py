@@ -100,3 +100,30 @@ def test_cpu_bracket_equals_selection_bit_for_bit(
     lo = min(int(pos), n - 1)
     expected = fn._quantile_select(x, lo, pos - lo)
     assert torch.equal(abs_quantile(M, q).squeeze(-1), expected)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.9, 0.999, 1.0])
+@pytest.mark.parametrize("kind", ["gaussian", "ties", "zeros", "heavy", "half_zero", "tiny"])
+def test_topk_rows_equal_selection_bit_for_bit(q: float, kind: str) -> None:
+    """The accelerator path (one topk per row) against the reference selection, on the
+    CPU: upper and lower quantiles, ties, all-zero rows, heavy tails, subnormals."""
+    g = torch.Generator().manual_seed(1)
+    M = torch.randn(3, 61, 97, generator=g)
+    if kind == "ties":
+        M = (M * 4).round()
+    elif kind == "zeros":
+        M = torch.zeros(3, 61, 97)
+    elif kind == "heavy":
+        M = torch.distributions.StudentT(1.5).sample((3, 61, 97))
+    elif kind == "half_zero":
+        M[:, :30] = 0.0
+    elif kind == "tiny":
+        M = M * 1e-42  # subnormal float32 values
+    v = M.flatten(-2)
+    n = v.size(-1)
+    pos = q * (n - 1)
+    lo = min(int(pos), n - 1)
+    expected = fn._quantile_select(v.abs(), lo, pos - lo)
+    got = fn.quantile_topk_rows(v, lo, pos - lo)
+    assert got.shape == expected.shape == (3, 1)
+    assert torch.equal(got, expected)

@@ -34,9 +34,16 @@ bounds the largest singular value, ``σ_max ≤ s^{1/4} ≤ 1``. Dividing ``X₀
 keeping them in ``[0, 1]``, where the schedule is certified; it costs nothing because the
 division folds into the first step's coefficients, ``(a/t, b/t³, c/t⁵)``. ``m·s`` (``m``
 the short side) is ``≈ 1 + m/n`` for a Gaussian matrix and grows as ``m/r`` for a rank
-``r`` signal, so above a threshold the selector switches to a schedule fitted on
-low-rank-plus-noise and spiky momentum spectra. No host synchronisation: all of it is
-``torch.where`` on a ``(batch,)`` tensor. See ``docs/adanewton.md``.
+``r`` signal. But ``s`` (like every positive moment ``Σσ²ᵏ``) is carried by the largest
+singular values and cannot see how high the noise floor under a low-rank signal sits,
+which decides between the two schedules. For float32/float64 iterations the selector
+therefore counts the small singular values softly: with ``x = σ/t``,
+``c = mean δ/(x² + δ) = (δ/m)·tr((A₀/t² + δI)⁻¹)`` (one Cholesky factorisation and one
+triangular inverse of the ``m x m`` matrix, about ``⅔m³`` flops) is the fraction of
+singular values below ``√δ``; above ``c_tau`` the "spiky" schedule (steep first slope)
+is used, else the table's. Low-precision Gram matrices are too coarse for ``δ = 1e-6``,
+so bfloat16/float16 keep the rule ``m·s > tau``. No host synchronisation: all of it is
+``torch.where`` on ``(batch,)`` tensors. See ``docs/adanewton.md``.
 """
 
 from __future__ import annotations
@@ -171,9 +178,12 @@ class SelectorData:
     """The shipped low-rank schedules (per iteration dtype) and the switch threshold."""
 
     spiky: dict[str, Schedule]
-    tau: float  # switch when m * s > tau
+    tau: float  # switch when m * s > tau (dtypes without the soft count)
     steps: int
     provenance: dict[str, Any]
+    soft_delta: float | None = None  # the soft count's δ; None: no soft count
+    soft_tau: float = math.inf  # switch when c > soft_tau
+    soft_dtypes: tuple[str, ...] = ()  # iteration dtypes that use the soft count
 
 
 @lru_cache(maxsize=1)
@@ -188,6 +198,12 @@ def load_selector_data() -> SelectorData | None:
         raise CoefficientError(
             f"AdaNewton selector file {SELECTOR_FILE} is corrupt: {exc}"
         ) from None
+    return parse_selector_data(raw)
+
+
+def parse_selector_data(raw: Any) -> SelectorData:
+    """The selector file's content, checked; :class:`CoefficientError` naming the file and
+    the first problem when it is malformed."""
     try:
         if raw.get("format") != SELECTOR_FORMAT:
             raise ValueError(f"unknown format {raw.get('format')!r}")
@@ -196,26 +212,44 @@ def load_selector_data() -> SelectorData | None:
         tau = float(raw["tau"])
         if not tau > 0:
             raise ValueError("tau must be positive")
+        soft = raw.get("soft_count")
+        delta: float | None = None
+        c_tau = math.inf
+        soft_dtypes: tuple[str, ...] = ()
+        if soft is not None:
+            delta, c_tau = float(soft["delta"]), float(soft["tau"])
+            soft_dtypes = tuple(str(d) for d in soft["dtypes"])
+            if not (0 < delta < 1 and 0 < c_tau < 1):
+                raise ValueError("soft_count needs 0 < delta < 1 and 0 < tau < 1")
+            unknown = [d for d in soft_dtypes if d not in UNIT_ROUNDOFF]
+            if unknown:
+                raise ValueError(f"soft_count names unknown dtypes {unknown}")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CoefficientError(
             f"AdaNewton selector file {SELECTOR_FILE} is corrupt: {exc}"
         ) from None
-    return SelectorData(spiky, tau, steps, dict(raw.get("provenance", {})))
+    return SelectorData(
+        spiky, tau, steps, dict(raw.get("provenance", {})), delta, c_tau, soft_dtypes
+    )
 
 
 @dataclass(frozen=True)
 class GramSelector:
-    """Per-matrix coefficients from ``s = ||X₀X₀ᵀ||_F²`` (``X₀`` Frobenius-normalised).
+    """Per-matrix coefficients from the first Gram matrix ``A₀ = X₀X₀ᵀ`` (``X₀``
+    Frobenius-normalised, ``m x m`` with ``m`` the short side).
 
-    ``selector(s)`` with ``s`` of shape ``(batch,)`` returns a float32 tensor of shape
-    ``(K, batch, 3)``: row ``k`` holds the ``(a, b, c)`` of step ``k`` for every matrix.
-    Step 1 is meant for the Frobenius-normalised ``X₀`` and its Gram matrix ``A₀``:
-    ``X₁ = a X₀ + (b A₀ + c A₀²) X₀``. Matrices with ``short · s > tau`` get ``spiky``,
-    the others ``flat``; either way the first tuple is rescaled by ``t = s^{1/4}·(1+margin)``
+    ``selector(A)`` with ``A`` of shape ``(batch, m, m)`` returns a float32 tensor of
+    shape ``(K, batch, 3)``: row ``k`` holds the ``(a, b, c)`` of step ``k`` for every
+    matrix. Step 1 is meant for ``X₀`` and ``A₀``: ``X₁ = a X₀ + (b A₀ + c A₀²) X₀``.
+    :meth:`statistics` reads ``s = ||A₀||_F² = Σσ⁴`` and, when ``soft_delta`` is set,
+    the soft count ``c = mean δ/(x² + δ)`` of the singular values ``x = σ/√(√s)``
+    below ``√δ``; :meth:`coefficients` maps them to the rows. A matrix gets ``spiky``
+    when ``c > soft_tau`` (with the soft count) or ``short · s > tau`` (without), else
+    ``flat``; either way the first tuple is rescaled by ``t = s^{1/4}·(1+margin)``
     (``(a/t, b/t³, c/t⁵)``), which equals running the schedule on ``X₀ / t`` whose
     singular values stay in ``[0, 1]`` because ``σ_max⁴ ≤ Σσ⁴ = s``. Both schedules are
-    certified on ``[0, 1]`` for the iteration dtype, so the amplification bound holds.
-    ``t`` is floored at ``t_min`` (a zero matrix gives ``s = 0``).
+    certified on ``[0, 1]`` for the iteration dtype, so the amplification bound holds
+    whichever is picked. ``t`` is floored at ``t_min`` (a zero matrix gives ``s = 0``).
     """
 
     short: int
@@ -224,7 +258,13 @@ class GramSelector:
     tau: float
     margin: float
     t_min: float = 1e-4
+    soft_delta: float | None = None
+    soft_tau: float = math.inf
+    soft_probes: int = 64  # Hutchinson probes for the trace; 0: the exact trace
     _cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    _probes: dict[tuple[int, torch.device, torch.dtype], Tensor] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -243,16 +283,69 @@ class GramSelector:
             self._cache[key] = hit
         return hit
 
-    def __call__(self, s: Tensor) -> Tensor:
+    def statistics(self, A: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(s, c)`` of a batch of Gram matrices ``A`` (``(batch, m, m)`` or ``(m, m)``);
+        ``c`` is None without the soft count. A Gram matrix whose shifted form does not
+        factor (it is numerically singular below ``-δ``) counts as ``c = inf``."""
+        acc = torch.float64 if A.dtype == torch.float64 else torch.float32
+        A = A.detach().to(acc)
+        if A.ndim == 2:
+            A = A[None]
+        s = A.square().sum(dim=(-2, -1))
+        if self.soft_delta is None:
+            return s, None
+        m = A.size(-1)
+        t2 = s.clamp_min(0.0).sqrt().clamp_min(self.t_min**2)[:, None, None]
+        eye = torch.eye(m, dtype=acc, device=A.device)
+        L, info = torch.linalg.cholesky_ex(A / t2 + self.soft_delta * eye)
+        if 0 < self.soft_probes < m:
+            # tr(B⁻¹) = E ||L⁻¹ z||² over Rademacher z: k triangular solves instead of
+            # the m³/3 of a full inverse. Fixed probes keep it deterministic and equal on
+            # every rank; relative spread ≈ √(2/k) / √(number of small singular values).
+            Z = self._probe_matrix(m, A.device, acc)
+            W = torch.linalg.solve_triangular(L, Z.expand(L.size(0), -1, -1), upper=False)
+            tr = W.square().sum(dim=(-2, -1)) / Z.size(-1)
+        else:
+            tr = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
+            tr = tr.square().sum(dim=(-2, -1))
+        c = tr * (self.soft_delta / m)
+        return s, torch.where(info > 0, torch.full_like(c, math.inf), c)
+
+    def _probe_matrix(self, m: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        key = (m, device, dtype)
+        Z = self._probes.get(key)
+        if Z is None:
+            g = torch.Generator().manual_seed(20251125 + m)
+            Z = torch.randint(0, 2, (m, self.soft_probes), generator=g).mul_(2).sub_(1)
+            Z = Z.to(device=device, dtype=dtype)
+            self._probes[key] = Z
+        return Z
+
+    def coefficients(self, s: Tensor, c: Tensor | None = None) -> Tensor:
+        """The ``(K, batch, 3)`` rows for statistics ``s`` (and ``c``), see the class."""
         s32 = s.detach().to(torch.float32).reshape(-1)
         flat, spiky = self._tables(s32.device)
-        use_spiky = (s32 * self.short > self.tau)[None, :, None]  # (1, batch, 1)
+        if self.soft_delta is not None:
+            if c is None:
+                raise ValueError("this selector needs the soft count c as well as s")
+            pick = c.detach().to(torch.float32).reshape(-1) > self.soft_tau
+        else:
+            pick = s32 * self.short > self.tau
+        use_spiky = pick[None, :, None]  # (1, batch, 1)
         coeffs = torch.where(use_spiky, spiky[:, None, :], flat[:, None, :])  # (K, batch, 3)
         t = s32.clamp_min(0.0).pow(0.25).mul(1.0 + self.margin).clamp_min(self.t_min)
         first = coeffs[0] * torch.stack((t.reciprocal(), t.pow(-3), t.pow(-5)), dim=-1)
         return torch.cat((first[None], coeffs[1:]), dim=0)
 
+    def __call__(self, A: Tensor) -> Tensor:
+        return self.coefficients(*self.statistics(A))
+
     def describe(self) -> str:
+        if self.soft_delta is not None:
+            return (
+                f"gram-rescaled, spiky schedule when the soft count of singular values "
+                f"below {math.sqrt(self.soft_delta):g}·s^(1/4) exceeds {self.soft_tau:g}"
+            )
         return f"gram-rescaled, spiky schedule when {self.short}·s > {self.tau:g}"
 
 
@@ -433,7 +526,16 @@ def _lookup_cached(m: int, n: int, steps: int, dtype: str, source: str) -> Resol
             raise CoefficientError(
                 f"AdaNewton selector schedule for {dtype} fails the certificate: {rep.reason}"
             )
-        selector = GramSelector(m, res.schedule, spiky, sel.tau, selector_margin(dtype))
+        soft = dtype in sel.soft_dtypes
+        selector = GramSelector(
+            m,
+            res.schedule,
+            spiky,
+            sel.tau,
+            selector_margin(dtype),
+            soft_delta=sel.soft_delta if soft else None,
+            soft_tau=sel.soft_tau if soft else math.inf,
+        )
         res = Resolution(res.key, res.schedule, res.source, res.detail, res.peak, selector)
     return res
 

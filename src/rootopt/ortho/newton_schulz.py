@@ -23,10 +23,11 @@ and ``X₀`` is never materialised.
 
 Coefficients: a schedule (a sequence of K ``(a, b, c)`` floats), or a float tensor of shape
 ``(K, 3)`` (per step) or ``(K, batch, 3)`` (per step and per matrix of a stack). With
-``select``, a callable receiving the per-matrix statistic ``s = ||X₀ X₀ᵀ||_F²`` (shape
-``(batch,)``, ``X₀`` Frobenius-normalised; ``1/s`` is the stable rank of ``X₀ X₀ᵀ``'s
-square root) and returning a ``(K, batch, 3)`` tensor, the coefficients are chosen per
-matrix from the first Gram matrix without a host synchronisation.
+``select``, a callable receiving the first Gram matrices ``A₀ = X₀ X₀ᵀ`` (shape
+``(batch, m, m)``, ``X₀`` Frobenius-normalised) and returning a ``(K, batch, 3)`` tensor,
+the coefficients are chosen per matrix from statistics of ``A₀`` (for AdaNewton: its
+squared Frobenius norm and a soft count of small singular values, see
+:class:`rootopt.coeffs.GramSelector`) without a host synchronisation.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ NORM_EPS = 1e-7
 
 # Coefficients as accepted by every iteration here.
 Coefficients = Sequence[Coeff] | Tensor
-# ``select(s)`` with ``s = ||X₀ X₀ᵀ||_F²`` of shape ``(batch,)`` -> ``(K, batch, 3)``.
+# ``select(A₀)`` with ``A₀ = X₀ X₀ᵀ`` of the Frobenius-normalised ``X₀``, shape
+# ``(batch, m, m)`` -> ``(K, batch, 3)`` (e.g. :class:`rootopt.coeffs.GramSelector`).
 Selector = Callable[[Tensor], Tensor]
 
 # Dtypes in which the normalisation is folded into the small matrix (their range holds
@@ -103,8 +105,7 @@ def _coefficient_rows(
     """The coefficients to use: the schedule, or a ``(K, batch, 3)`` / ``(K, 3)`` tensor."""
     batch = A.size(0) if A.ndim == 3 else 1
     if select is not None:
-        s = A.float().square().sum(dim=(-2, -1)).reshape(batch)
-        C = select(s)
+        C = select(A if A.ndim == 3 else A[None])
         if not isinstance(C, Tensor) or C.ndim != 3 or C.size(1) != batch or C.size(2) != 3:
             got = tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__
             raise ValueError(f"select must return a (K, {batch}, 3) tensor, got {got}")

@@ -13,7 +13,11 @@ the per-matrix :class:`~rootopt.coeffs.GramSelector`). Families:
 - ``momentum``: the held-out recorded momentum spectra (models no fit saw), carried to the
   shape by quantiles;
 - ``lowrank``: a rank ``r ∈ {4, 8, 16, 32}`` signal (power-law strengths ``k^-1/2``) plus
-  Gaussian noise whose Frobenius norm is ``f ∈ {1 %, 3 %, 10 %}`` of the signal's.
+  Gaussian noise whose Frobenius norm is ``f ∈ {1 %, 3 %, 10 %}`` of the signal's (each
+  noise singular value then sits at about 0.1–4 % of the largest);
+- ``floor``: a rank ``r ∈ {4, 8, 16, 32}`` signal with singular values evenly spaced in
+  ``[0.3, 1]`` plus Gaussian noise of entry std ``f/√n``, ``f ∈ {1 %, 3 %, 10 %}``: a noise
+  floor at about ``f·(1 ± √(m/n))`` of the largest singular value.
 
 Errors are computed on exact singular values in float64 (the scalar map is exact for
 Newton–Schulz in exact arithmetic; :func:`iterate_float64` runs the real iteration with a
@@ -43,9 +47,10 @@ SHAPES: dict[str, tuple[tuple[int, int], ...]] = {
     "wide": ((200, 700), (384, 1000)),
     "tall": ((900, 250), (640, 160)),
 }
-FAMILIES: tuple[str, ...] = ("gaussian", "heavytail", "momentum", "lowrank")
+FAMILIES: tuple[str, ...] = ("gaussian", "heavytail", "momentum", "lowrank", "floor")
 LOWRANK_RANKS: tuple[int, ...] = (4, 8, 16, 32)
 LOWRANK_NOISE: tuple[float, ...] = (0.01, 0.03, 0.1)
+FLOOR_LEVELS: tuple[float, ...] = (0.01, 0.03, 0.1)
 BASELINES: tuple[str, ...] = ("muon", "you", "polar_express", "cans")
 TARGET = 0.9
 
@@ -90,6 +95,14 @@ def draw_family(
                 S /= np.linalg.norm(S)
                 N *= f / np.linalg.norm(N)
                 out.append((f"rank {r} + {f:.0%} noise", _sv(S + N)))
+    elif family == "floor":
+        for r in LOWRANK_RANKS:
+            for f in FLOOR_LEVELS:
+                U, _ = np.linalg.qr(rng.standard_normal((m, r)))
+                V, _ = np.linalg.qr(rng.standard_normal((n, r)))
+                S = (U * np.linspace(1.0, 0.3, r)) @ V.T
+                N = rng.standard_normal((m, n)) * (f / np.sqrt(n))
+                out.append((f"rank {r} + floor {f:.0%} of σ_max", _sv(S + N)))
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     return out
@@ -100,10 +113,23 @@ def rel_error(schedule: Schedule, sigma: np.ndarray) -> float:
     return float(np.sqrt(np.mean((y - 1.0) ** 2)))
 
 
+def selector_statistics(
+    selector: GramSelector, sigma: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(s, c)`` as :meth:`GramSelector.statistics` computes them from ``A₀``, here from
+    the exact normalised singular values: ``s = Σσ⁴``, ``c = mean δ/(σ²/√s + δ)``."""
+    s = float(np.sum(sigma**4))
+    c = None
+    if selector.soft_delta is not None:
+        d = selector.soft_delta
+        x2 = sigma**2 / max(np.sqrt(s), selector.t_min**2)
+        c = torch.tensor([float(np.mean(d / (x2 + d)))], dtype=torch.float64)
+    return torch.tensor([s], dtype=torch.float64), c
+
+
 def selector_error(selector: GramSelector, sigma: np.ndarray) -> float:
-    """The error of the per-matrix path: coefficients from ``s = Σσ⁴`` of ``sigma``."""
-    s = torch.tensor([float(np.sum(sigma**4))], dtype=torch.float64)
-    coeffs = selector(s)[:, 0, :].double().numpy()
+    """The error of the per-matrix path: coefficients from the statistics of ``sigma``."""
+    coeffs = selector.coefficients(*selector_statistics(selector, sigma))[:, 0, :].double().numpy()
     sched = tuple((float(a), float(b), float(c)) for a, b, c in coeffs)
     return rel_error(sched, sigma)
 
@@ -111,15 +137,15 @@ def selector_error(selector: GramSelector, sigma: np.ndarray) -> float:
 def iterate_float64(G: torch.Tensor, selector: GramSelector, eps: float = 1e-7) -> torch.Tensor:
     """The Newton–Schulz iteration with per-matrix coefficients, in float64 (an oracle).
 
-    ``G`` is ``(batch, m, n)``; each matrix is Frobenius-normalised, ``s = ||X₀X₀ᵀ||_F²``
-    is read off the first Gram matrix and ``selector(s)`` gives ``(K, batch, 3)``."""
+    ``G`` is ``(batch, m, n)``; each matrix is Frobenius-normalised and
+    ``selector(X₀X₀ᵀ)`` gives ``(K, batch, 3)``."""
     X = G.double()
     tr = X.size(-2) > X.size(-1)
     if tr:
         X = X.mT
     X = X / (X.square().sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
     A = X @ X.mT
-    coeffs = selector(A.square().sum(dim=(-2, -1))).double()
+    coeffs = selector(A).double()
     for k in range(coeffs.shape[0]):
         if k > 0:
             A = X @ X.mT

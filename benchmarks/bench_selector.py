@@ -1,0 +1,232 @@
+"""What AdaNewton's per-matrix selector costs, and a whole optimizer step against
+torch.optim.Muon, on this machine's device (CUDA when present, else CPU).
+
+Part 1, per shape and iteration dtype, for a bucket of ``--batch`` matrices:
+- the Newton–Schulz iteration with the shape's schedule (``select=None``);
+- the same with the :class:`~rootopt.coeffs.GramSelector` (float32: ``s`` plus the soft
+  count, one Cholesky factorisation and 64 triangular solves; bfloat16: ``s`` only);
+- the selector's statistics alone, on the Gram matrices.
+
+Part 2, optimizer steps on the matrices of a GPT-style decoder (``--d-model``,
+``--layers``): ROOT (default fp32 iteration and bf16 iteration), ROOT's Muon mode
+(threshold off, Muon's tuple) and ``torch.optim.Muon``; every contender owns its copy of
+the weights and the same gradients. Times are medians of ``--reps`` after a warm-up (CUDA
+events on a GPU). Prints tables and ratios; ``--json`` writes them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+import rootopt
+from rootopt.coeffs.adanewton import lookup
+from rootopt.optim.functional import orthogonal_direction
+
+
+def timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up."""
+    fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def selector_costs(
+    shapes: list[tuple[int, int]], batch: int, device: torch.device, reps: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for r, c in shapes:
+        G = torch.randn(batch, r, c, device=device)
+        for dt in (torch.float32, torch.bfloat16):
+            name = str(dt).removeprefix("torch.")
+            res = lookup(r, c, 5, dtype=name)
+            sel = res.selector
+            assert sel is not None
+            m = min(r, c)
+            X = G.to(dt)
+            X = X.mT if r > c else X
+            A = X @ X.mT
+            A = A / A.float().diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None].to(A.dtype)
+
+            ns = partial(orthogonal_direction, G, res.schedule, method="newton_schulz", dtype=dt)
+            plain, chosen = ns, partial(ns, select=sel)
+            stats = partial(sel.statistics, A)
+            t_plain, t_sel, t_stat = (timed(f, device, reps) for f in (plain, chosen, stats))
+            rows.append(
+                {
+                    "shape": [r, c],
+                    "dtype": name,
+                    "batch": batch,
+                    "soft_count": sel.soft_delta is not None,
+                    "ns_ms": t_plain,
+                    "ns_with_selector_ms": t_sel,
+                    "statistics_ms": t_stat,
+                    "overhead": t_sel / t_plain,
+                    "short_side": m,
+                }
+            )
+    return rows
+
+
+class Decoder(nn.Module):
+    """The weight matrices of a GPT-style decoder (no forward pass is needed here)."""
+
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            blk = nn.ModuleDict(
+                {
+                    "qkv": nn.Linear(d, 3 * d, bias=False),
+                    "proj": nn.Linear(d, d, bias=False),
+                    "fc": nn.Linear(d, 4 * d, bias=False),
+                    "out": nn.Linear(4 * d, d, bias=False),
+                }
+            )
+            self.blocks.append(blk)
+
+
+def step_costs(
+    d: int, layers: int, device: torch.device, reps: int, profile: str = ""
+) -> dict[str, float]:
+    torch.manual_seed(0)
+    base = Decoder(d, layers).to(device)
+    grads = [torch.randn_like(p) for p in base.parameters()]
+
+    def make(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = Decoder(d, layers).to(device)
+        model.load_state_dict(base.state_dict())
+        params = list(model.parameters())
+        if kind == "root":
+            return model, rootopt.ROOT(params, lr=0.02)
+        if kind == "root_bf16":
+            return model, rootopt.ROOT(params, lr=0.02, ns_dtype="bfloat16")
+        if kind == "root_muon_mode_fp32":
+            return model, rootopt.ROOT(
+                params, lr=0.02, outlier_quantile=None, ns_coefficients="muon"
+            )
+        if kind == "root_muon_mode_bf16":
+            return model, rootopt.ROOT(
+                params, lr=0.02, outlier_quantile=None, ns_coefficients="muon", ns_dtype="bfloat16"
+            )
+        return model, torch.optim.Muon(params, lr=0.02)  # type: ignore[attr-defined]
+
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        model, opt = make(profile)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with prof(activities=acts) as pr:
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"\nprofile of one {profile} step (top ops by {key}):")
+        print(pr.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
+    kinds = ["root", "root_bf16", "root_muon_mode_fp32", "root_muon_mode_bf16"]
+    if hasattr(torch.optim, "Muon"):
+        kinds.append("torch_muon")
+    out: dict[str, float] = {}
+    for kind in kinds:
+        model, opt = make(kind)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        out[kind] = timed(opt.step, device, reps)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--d-model", type=int, default=0, help="decoder width (0: 2048 on CUDA, 768 on CPU)"
+    )
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: 8 on CUDA, 2 on CPU)")
+    ap.add_argument("--shapes", default="", help="e.g. 1024x1024,1024x4096 (default by device)")
+    ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--profile", default="", help="profile one step of this contender, e.g. root_bf16"
+    )
+    a = ap.parse_args()
+    if a.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    elif cuda:
+        shapes = [
+            (1024, 1024),
+            (1024, 4096),
+            (4096, 1024),
+            (2048, 2048),
+            (4096, 4096),
+            (4096, 14336),
+        ]
+    else:
+        shapes = [(256, 256), (512, 512), (768, 768), (768, 3072)]
+    d = a.d_model or (2048 if cuda else 768)
+    layers = a.layers or (8 if cuda else 2)
+    name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    print(f"device: {name}; torch {torch.__version__}; batch {a.batch}; reps {a.reps}")
+    rows = selector_costs([(int(r), int(c)) for r, c in shapes], a.batch, device, a.reps)
+    print("\nshape        dtype     soft  NS ms   NS+selector ms  statistics ms  overhead")
+    for r in rows:
+        print(
+            f"{r['shape'][0]}x{r['shape'][1]:<7} {r['dtype']:<9} {'yes' if r['soft_count'] else 'no':<5}"
+            f"{r['ns_ms']:7.2f}   {r['ns_with_selector_ms']:9.2f}      {r['statistics_ms']:9.3f}     "
+            f"{r['overhead']:.3f}"
+        )
+    steps = step_costs(d, layers, device, a.reps, a.profile)
+    print(f"\noptimizer step, decoder d={d}, {layers} layers (ms, median of {a.reps}):")
+    for k, v in steps.items():
+        print(f"  {k:<22} {v:9.2f}")
+    ratios = {
+        "root / root_muon_mode_fp32": steps["root"] / steps["root_muon_mode_fp32"],
+        "root_bf16 / root_muon_mode_bf16": steps["root_bf16"] / steps["root_muon_mode_bf16"],
+    }
+    if "torch_muon" in steps:
+        ratios["root_bf16 / torch_muon"] = steps["root_bf16"] / steps["torch_muon"]
+        ratios["root (fp32) / torch_muon"] = steps["root"] / steps["torch_muon"]
+    for k, v in ratios.items():
+        print(f"  {k:<34} {v:.3f}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": name, "torch": torch.__version__, "selector": rows, "steps": steps,
+                       "ratios": ratios, "d_model": d, "layers": layers}, fh, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
