@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import Tensor
 
+from _timing import median_ms
 from rootopt.optim.functional import abs_quantile
 
 
@@ -72,24 +71,6 @@ def _flat_quantile(M: Tensor, q: float) -> Tensor:
     return abs_quantile(M, q).flatten()
 
 
-def timed(fn: Callable[[], Tensor], device: torch.device, reps: int) -> tuple[float, Tensor]:
-    out = fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -128,7 +109,7 @@ def main() -> int:
                 fn: Callable[[], Tensor] = partial(_flat_quantile, M, a.q)
             else:
                 fn = partial(fns[name], v, lo, frac)
-            ms, out = timed(fn, device, a.reps)
+            ms, out = median_ms(fn, device, a.reps)
             same = bool(torch.equal(out.float().cpu(), ref.cpu()))
             line[name] = {"ms": ms, "exact": same}
         rows.append(line)

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -28,27 +25,9 @@ import torch
 from torch import nn
 
 import rootopt
+from _timing import median_ms
 from rootopt.coeffs.adanewton import lookup
 from rootopt.optim.functional import orthogonal_direction
-
-
-def timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up."""
-    fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
 
 
 def selector_costs(
@@ -71,7 +50,7 @@ def selector_costs(
             ns = partial(orthogonal_direction, G, res.schedule, method="newton_schulz", dtype=dt)
             plain, chosen = ns, partial(ns, select=sel)
             stats = partial(sel.statistics, A)
-            t_plain, t_sel, t_stat = (timed(f, device, reps) for f in (plain, chosen, stats))
+            t_plain, t_sel, t_stat = (median_ms(f, device, reps)[0] for f in (plain, chosen, stats))
             rows.append(
                 {
                     "shape": [r, c],
@@ -155,7 +134,7 @@ def step_costs(
         model, opt = make(kind)
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g.clone()
-        out[kind] = timed(opt.step, device, reps)
+        out[kind] = median_ms(opt.step, device, reps)[0]
     return out
 
 

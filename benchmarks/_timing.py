@@ -1,0 +1,36 @@
+"""Timing shared by the device benchmarks: the median of repeated runs after a warm-up,
+with CUDA events on a GPU (so that asynchronous launches are counted) and the wall clock
+elsewhere."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def median_ms(fn: Callable[[], T], device: torch.device, reps: int) -> tuple[float, T]:
+    """``(median milliseconds over reps, the warm-up's result)``."""
+    out = fn()
+    times: list[float] = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
+
+
+__all__ = ["median_ms"]
