@@ -296,8 +296,9 @@ class GramSelector:
             return s, None
         m = A.size(-1)
         t2 = s.clamp_min(0.0).sqrt().clamp_min(self.t_min**2)[:, None, None]
-        eye = torch.eye(m, dtype=acc, device=A.device)
-        L, info = torch.linalg.cholesky_ex(A / t2 + self.soft_delta * eye)
+        B = A / t2  # a new tensor: the shift below does not touch the caller's A
+        B.diagonal(dim1=-2, dim2=-1).add_(self.soft_delta)
+        L, info = torch.linalg.cholesky_ex(B)
         if 0 < self.soft_probes < m:
             # tr(B⁻¹) = E ||L⁻¹ z||² over Rademacher z: k triangular solves instead of
             # the m³/3 of a full inverse. Fixed probes keep it deterministic and equal on
@@ -306,8 +307,8 @@ class GramSelector:
             W = torch.linalg.solve_triangular(L, Z.expand(L.size(0), -1, -1), upper=False)
             tr = W.square().sum(dim=(-2, -1)) / Z.size(-1)
         else:
-            tr = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
-            tr = tr.square().sum(dim=(-2, -1))
+            eye = torch.eye(m, dtype=acc, device=A.device).expand_as(L)
+            tr = torch.linalg.solve_triangular(L, eye, upper=False).square().sum(dim=(-2, -1))
         c = tr * (self.soft_delta / m)
         return s, torch.where(info > 0, torch.full_like(c, math.inf), c)
 

@@ -177,17 +177,27 @@ def finish(code: int = 0) -> NoReturn:
     run, and restarts a finished run under ``--max-restarts``. Nothing is lost by
     skipping the interpreter's clean-up: callers close and fsync what they own first
     (docs/distributed.md, "Ending a run")."""
-    import logging
-
     try:
         shutdown()
     except Exception as exc:  # a peer died after the work was done: say so, keep `code`
-        print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
+        print(_first_line(exc), file=sys.stderr)
     finally:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush stdio and logging, then end the process through ``os._exit(code)``, without
+    the interpreter's clean-up (see :func:`finish` and :func:`abort` for why)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def collective_timeout_s() -> float:
@@ -292,7 +302,5 @@ def abort(exc: BaseException, code: int = 1) -> NoReturn:
     cannot be shut down cleanly (destroying it may block or abort), so a rank that lost
     its peers leaves through ``os._exit``; torchrun then stops (or restarts) the others.
     """
-    print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(code)
+    print(_first_line(exc), file=sys.stderr)
+    exit_now(code)

@@ -45,8 +45,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _world() -> Any:
+    """:class:`rootopt.dist.WorldInfo` of the running process group (rank 0 of 1 without)."""
+    from rootopt.dist import world
+
+    return world()
+
+
 def _err(msg: str) -> None:
-    where = f" (rank {_rank})" if _world_size() > 1 and not msg.startswith("rank ") else ""
+    info = _world()
+    where = f" (rank {info.rank})" if info.world_size > 1 and not msg.startswith("rank ") else ""
     print(f"rootopt train{where}: {msg}", file=sys.stderr)
 
 
@@ -96,47 +104,25 @@ def _main(argv: list[str] | None) -> int:
         where = f" ({exc.filename})" if exc.filename else ""
         _err(f"I/O error: {exc.strerror or exc}{where}")
         return _leave(1)
-    _world_size()  # remembers this rank
-    if _rank == 0:  # rank 0 reports for the run
+    info = _world()
+    if info.is_main:  # rank 0 reports for the run
         total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
         _report(summary, total)
-    if _process_group():
+    if info.backend is not None:  # a process group is running (any world size)
         from rootopt.dist import finish
 
         finish(_status(summary))  # every file of the run is closed; see dist.finish
     return _status(summary)
 
 
-def _process_group() -> bool:
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized())
-
-
-_rank = 0
-
-
-def _world_size() -> int:
-    """World size of the running process group (1 without one); remembers this rank."""
-    global _rank
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        _rank = dist.get_rank()
-        return dist.get_world_size()
-    return 1
-
-
 def _leave(code: int) -> int:
     """Exit status after a failure. With peers (world size > 1) the process group may
     have a collective in flight that cannot be shut down cleanly, so the process leaves at
     once (``rootopt.dist.abort``'s rule); the launcher then stops or restarts the others."""
-    if _world_size() > 1:
-        import os
+    if _world().world_size > 1:
+        from rootopt.dist import exit_now
 
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
     return code
 
 
