@@ -1,9 +1,10 @@
-"""Timing shared by the device benchmarks: the median of repeated runs after a warm-up,
+"""Helpers shared by the device benchmarks: the median of repeated runs after a warm-up,
 with CUDA events on a GPU (so that asynchronous launches are counted) and the wall clock
-elsewhere."""
+elsewhere; an argparse type for lists of shapes."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -33,4 +34,27 @@ def median_ms(fn: Callable[[], T], device: torch.device, reps: int) -> tuple[flo
     return statistics.median(times), out
 
 
-__all__ = ["median_ms"]
+def shape_list(dims: int) -> Callable[[str], list[tuple[int, ...]]]:
+    """argparse type: ``"AxB,CxD"`` → ``[(A, B), (C, D)]`` with ``dims`` positive sizes each;
+    anything else is one usage error naming the bad item."""
+
+    def parse(text: str) -> list[tuple[int, ...]]:
+        out = []
+        for item in text.split(","):
+            parts = item.strip().split("x")
+            try:
+                shape = tuple(int(p) for p in parts)
+            except ValueError:
+                shape = ()
+            if len(shape) != dims or min(shape) < 1:
+                want = "x".join("N" * dims)
+                raise argparse.ArgumentTypeError(
+                    f"{item!r} is not a shape {want} of positive sizes"
+                )
+            out.append(shape)
+        return out
+
+    return parse
+
+
+__all__ = ["median_ms", "shape_list"]

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from _timing import median_ms
+from _timing import median_ms, shape_list
 from rootopt.optim.functional import abs_quantile
 
 
@@ -78,14 +78,20 @@ def main() -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--q", type=float, default=0.9)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--shapes", default="", help="BxMxN,... (default by device)")
+    ap.add_argument(
+        "--shapes", type=shape_list(3), default=None, help="BxMxN,... (default by device)"
+    )
     ap.add_argument("--methods", default="rootopt,kthvalue,sort,topk,bisect")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    known = ("rootopt", "kthvalue", "sort", "topk", "bisect")
+    unknown = [m for m in a.methods.split(",") if m not in known]
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; choose from {', '.join(known)}")
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if a.device == "auto" else a.device)
     if a.shapes:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+        shapes = a.shapes
     elif device.type == "cuda":
         shapes = [(4, 1024, 4096), (4, 2048, 8192), (1, 4096, 14336), (16, 1024, 1024)]
     else:

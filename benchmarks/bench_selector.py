@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import rootopt
-from _timing import median_ms
+from _timing import median_ms, shape_list
 from rootopt.coeffs.adanewton import lookup
 from rootopt.optim.functional import orthogonal_direction
 
@@ -149,7 +149,12 @@ def main() -> int:
         "--d-model", type=int, default=0, help="decoder width (0: 2048 on CUDA, 768 on CPU)"
     )
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: 8 on CUDA, 2 on CPU)")
-    ap.add_argument("--shapes", default="", help="e.g. 1024x1024,1024x4096 (default by device)")
+    ap.add_argument(
+        "--shapes",
+        type=shape_list(2),
+        default=None,
+        help="e.g. 1024x1024,1024x4096 (default by device)",
+    )
     ap.add_argument("--json", default="")
     ap.add_argument(
         "--profile", default="", help="profile one step of this contender, e.g. root_bf16"
@@ -163,7 +168,7 @@ def main() -> int:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     if a.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+        shapes = a.shapes
     elif cuda:
         shapes = [
             (1024, 1024),
