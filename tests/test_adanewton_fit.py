@@ -226,3 +226,61 @@ def test_cli_bench_small(capsys, tmp_path):
     assert row["peak"]["paper"] == pytest.approx(
         verify_schedule((PAPER_TABLE[(2048, 8192)],) * 5).peak, abs=1e-6
     )
+
+
+def test_build_table_keeps_other_dtypes_and_never_overwrites_a_foreign_file(
+    tmp_path, monkeypatch, capsys
+):
+    """``rootopt coeffs build-table`` replaces only its own (K, dtype) entries and that
+    dtype's provenance block; a file at ``--out`` that is not an AdaNewton table is refused
+    before any fit and left as it was."""
+    import json
+
+    from rootopt.tools import build
+    from rootopt.tools import fit as fit_mod
+
+    fits = []
+
+    def fake(rows, cols, config, **kw):
+        fits.append((rows, cols, config.dtype))
+        a = 1.5 if config.dtype == "float32" else 1.25  # tells the builds apart
+        sched = ((a, -0.5, 0.0),) * config.steps
+        return fit_mod.FitResult(rows, cols, sched, "single", 0.5, 1.0, {}, config, "stub", 0.0)
+
+    monkeypatch.setattr(build, "fit_coefficients", fake)
+    monkeypatch.setattr(build, "table_shapes", lambda: {(64, 64): ["a"], (64, 256): ["b"]})
+    out = tmp_path / "table.json"
+
+    # a user's file: refused with one line, before any fit, byte-identical afterwards
+    out.write_text('{"mine": 1}\n')
+    assert build.main(["--dtype", "bfloat16", "--shape", "64x64", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not an AdaNewton table" in err[0]
+    assert out.read_text() == '{"mine": 1}\n' and fits == []
+    out.unlink()
+
+    assert build.main(["--out", str(out)]) == 0  # float32, every shape
+    first = json.loads(out.read_text())
+    assert build.main(["--dtype", "bfloat16", "--out", str(out)]) == 0
+    both = json.loads(out.read_text())
+    assert both["provenance"] == first["provenance"]  # the float32 build's, untouched
+    assert both["provenance_bfloat16"]["fit_config"]["dtype"] == "bfloat16"
+    keys = sorted((e["dtype"], *e["shape"]) for e in both["entries"])
+    assert keys == [
+        ("bfloat16", 64, 64),
+        ("bfloat16", 64, 256),
+        ("float32", 64, 64),
+        ("float32", 64, 256),
+    ]
+    f32 = [e for e in both["entries"] if e["dtype"] == "float32"]
+    assert f32 == [e for e in first["entries"] if e["dtype"] == "float32"]
+
+    # a partial float32 rebuild replaces one entry and keeps everything else
+    before = {(e["dtype"], *e["shape"]): e for e in both["entries"]}
+    assert build.main(["--shape", "64x256", "--out", str(out)]) == 0
+    after = {(e["dtype"], *e["shape"]): e for e in json.loads(out.read_text())["entries"]}
+    assert sorted(after) == sorted(before)
+    for k in before:
+        if k != ("float32", 64, 256):
+            assert after[k] == before[k], k
+    assert len(fits) == 2 + 2 + 1

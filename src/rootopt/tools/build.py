@@ -53,6 +53,7 @@ def build_table(
     code_version: str = "",
     verbose: bool = True,
 ) -> dict[str, Any]:
+    old = _existing_table(out)  # refuses a file that is not an AdaNewton table, before fitting
     allshapes = table_shapes()
     todo = list(allshapes) if shapes is None else [(min(s), max(s)) for s in shapes]
     cfg = FitConfig(steps=steps, dtype=dtype, seed=seed, delta=delta, **TABLE_FIT)
@@ -82,49 +83,49 @@ def build_table(
                 f"peak {res.peak:.3f} ({res.seconds:.1f}s)",
                 flush=True,
             )
-    table: dict[str, Any] = {
-        "format": TABLE_FORMAT,
-        "provenance": {
-            "objective": OBJECTIVE,
-            "constraint": (
-                f"K-fold composition in [0, 1 + delta] with delta = {delta}, partial "
-                f"compositions in [0, {cfg.prefix_bound}], no local max above the upper "
-                "fixed point for a repeated tuple; verified by "
-                "rootopt.coeffs.stability.verify_schedule (uniform + geometric grid, refined)"
-            ),
-            "fit_config": cfg.to_json(),
-            "spectra": {
-                "mix": dict(cfg.mix),
-                "families": "see rootopt.tools.spectra (gaussian, lowrank, heavytail, momentum)",
-                "recorded": rec.source,
-                "recorded_count": len(rec.spectra),
-            },
-            "fitter_version": FITTER_VERSION,
-            "package_version": _package_version(),
-            "code_version": code_version,
-            "torch_threads": _threads(),
-            # The fit is an L-BFGS descent on a flat optimum: a one-ulp change in any input
-            # (e.g. numpy's geomspace) moves coefficients by ~1% at equal objective, so the
-            # versions that produced the table are part of its provenance.
-            "versions": _versions(),
-            "python": platform.python_version(),
-            "build_seconds": round(time.perf_counter() - t0, 1),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    provenance = {
+        "objective": OBJECTIVE,
+        "constraint": (
+            f"K-fold composition in [0, 1 + delta] with delta = {delta}, partial "
+            f"compositions in [0, {cfg.prefix_bound}], no local max above the upper "
+            "fixed point for a repeated tuple; verified by rootopt.coeffs.stability.certify "
+            f"for {dtype} (verify_schedule's uniform + geometric grid, refined, plus the "
+            "rounding envelope of bfloat16/float16)"
+        ),
+        "fit_config": cfg.to_json(),
+        "spectra": {
+            "mix": dict(cfg.mix),
+            "families": "see rootopt.tools.spectra (gaussian, lowrank, heavytail, momentum)",
+            "recorded": rec.source,
+            "recorded_count": len(rec.spectra),
         },
-        "entries": entries,
+        "fitter_version": FITTER_VERSION,
+        "package_version": _package_version(),
+        "code_version": code_version,
+        "torch_threads": _threads(),
+        # The fit is an L-BFGS descent on a flat optimum: a one-ulp change in any input
+        # (e.g. numpy's geomspace) moves coefficients by ~1% at equal objective, so the
+        # versions that produced the table are part of its provenance.
+        "versions": _versions(),
+        "python": platform.python_version(),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    if out.exists() and shapes is not None:
-        # Partial rebuild: keep the other entries of the existing table.
-        old = json.loads(out.read_text())
-        done = {(e["shape"][0], e["shape"][1], e["steps"], e["dtype"]) for e in entries}
+    # One table holds every (K, dtype): a build replaces its own (K, dtype) entries (all of
+    # them, or only the shapes asked for) and its dtype's provenance block, and keeps the
+    # rest of an existing table as it was.
+    table: dict[str, Any] = dict(old) if old is not None else {"format": TABLE_FORMAT}
+    table[provenance_key(dtype)] = provenance
+    if old is not None:
+        done = {(e["shape"][0], e["shape"][1]) for e in entries}
         keep = [
             e
             for e in old.get("entries", [])
-            if (e["shape"][0], e["shape"][1], e["steps"], e["dtype"]) not in done
+            if (e["steps"], e["dtype"]) != (steps, dtype)
+            or (shapes is not None and (e["shape"][0], e["shape"][1]) not in done)
         ]
-        table["entries"] = sorted(
-            keep + entries, key=lambda e: (e["steps"], e["dtype"], e["shape"])
-        )
+        entries = keep + entries
+    table["entries"] = sorted(entries, key=lambda e: (e["steps"], e["dtype"], e["shape"]))
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=out.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -133,6 +134,31 @@ def build_table(
     os.chmod(tmp, 0o644)  # mkstemp creates 0600; the table is package data
     os.replace(tmp, out)
     return table
+
+
+def provenance_key(dtype: str) -> str:
+    """The header key of a dtype's build provenance: ``provenance`` for float32 (the
+    table's first and main build), ``provenance_<dtype>`` for the others."""
+    return "provenance" if dtype == "float32" else f"provenance_{dtype}"
+
+
+class TableFileError(ValueError):
+    """``--out`` names a file that is not an AdaNewton table (it is never overwritten)."""
+
+
+def _existing_table(out: Path) -> dict[str, Any] | None:
+    if not out.exists():
+        return None
+    try:
+        raw = json.loads(out.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TableFileError(f"{out} exists and is not an AdaNewton table ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != TABLE_FORMAT:
+        raise TableFileError(
+            f"{out} exists and is not an AdaNewton table (no format {TABLE_FORMAT!r}); "
+            "choose a new --out"
+        )
+    return raw
 
 
 def _versions() -> dict[str, str]:
@@ -179,17 +205,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = None
     if a.shape:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shape]
-    t = build_table(
-        steps=a.steps,
-        dtype=a.dtype,
-        seed=a.seed,
-        delta=a.delta,
-        shapes=shapes,  # type: ignore[arg-type]
-        out=a.out,
-        code_version=_git_version(),
-    )
+    try:
+        t = build_table(
+            steps=a.steps,
+            dtype=a.dtype,
+            seed=a.seed,
+            delta=a.delta,
+            shapes=shapes,  # type: ignore[arg-type]
+            out=a.out,
+            code_version=_git_version(),
+        )
+    except TableFileError as exc:
+        print(f"rootopt coeffs build-table: {exc}", file=sys.stderr)
+        return 2
+    built = t[provenance_key(a.dtype)]
+    n_built = len(shapes) if shapes is not None else len(table_shapes())
     print(
-        f"wrote {len(t['entries'])} entries to {a.out.name} in {t['provenance']['build_seconds']}s"
+        f"wrote {n_built} {a.dtype} entries to {a.out.name} ({len(t['entries'])} in the table) "
+        f"in {built['build_seconds']}s"
     )
     return 0
 
