@@ -705,3 +705,23 @@ def test_cli_show_reports_corrupt_table_in_one_line(tmp_path, monkeypatch, capsy
     assert main(["show", "90x40", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "90x40, K=5, bfloat16" in out and "per-matrix selector" in out
+
+
+def test_family_and_coefficient_benches_never_overwrite_an_output_file(tmp_path, capsys):
+    """``rootopt coeffs families|bench --json/--plot`` on an existing file: one usage line,
+    exit 2, before any work, and the file keeps its bytes."""
+    from rootopt.tools import bench, families
+
+    mine = tmp_path / "results.json"
+    mine.write_text("my numbers\n")
+    for main, args in (
+        (families.main, ["--json", str(mine)]),
+        (bench.main, ["--json", str(mine)]),
+        (bench.main, ["--plot", str(mine)]),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "exists; choose a new file" in err[-1]
+        assert mine.read_text() == "my numbers\n"

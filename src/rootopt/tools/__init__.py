@@ -11,3 +11,17 @@ package: the runtime reads the shipped table and certifies schedules
 ``ROOT(..., ns_fit=True)`` imports :mod:`rootopt.tools.fitcache` while the optimizer is
 being built (never in ``step()``).
 """
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def new_file(text: str) -> Path:
+    """argparse type for an output file the tool creates: an existing path is refused
+    (one usage line) so that a results file of the user's is never overwritten."""
+    path = Path(text)
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} exists; choose a new file")
+    return path

@@ -32,6 +32,7 @@ import numpy as np
 from rootopt.coeffs import CANS, CUBIC, MUON, PAPER_TABLE, POLAR_EXPRESS, QUINTIC, YOU, Schedule
 from rootopt.coeffs.adanewton import lookup
 from rootopt.coeffs.stability import apply_schedule, verify_schedule
+from rootopt.tools import new_file
 from rootopt.tools.shapes import family_of, table_shapes
 from rootopt.tools.spectra import (
     SpectrumSample,
@@ -309,8 +310,12 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--samples", type=int, default=8, help="spectra per family and shape")
     ap.add_argument("--max-dim", type=int, default=256)
-    ap.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
-    ap.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    ap.add_argument(
+        "--plot", type=new_file, default=None, help="write the PNG plot here (a new file)"
+    )
+    ap.add_argument(
+        "--json", type=new_file, default=None, help="write all numbers here (a new file)"
+    )
     ap.add_argument(
         "--matrix-check", default="", help="comma list of shapes for real NS, e.g. 128x512,256x256"
     )
@@ -355,18 +360,15 @@ def main(argv: list[str]) -> int:
         print(f"\nmax |float32 - scalar| = {dev:.2e}")
     print(f"\n({time.perf_counter() - t0:.0f}s)")
     if a.json:
-        a.json.write_text(
-            json.dumps(
-                {
-                    "shapes": rows,
-                    "recorded": recorded,
-                    "matrix_check": checks,
-                    "steps": a.steps,
-                    "seed": a.seed,
-                },
-                indent=1,
-            )
-        )
+        record = {
+            "shapes": rows,
+            "recorded": recorded,
+            "matrix_check": checks,
+            "steps": a.steps,
+            "seed": a.seed,
+        }
+        with open(a.json, "x", encoding="utf-8") as fh:  # never replaces a file
+            fh.write(json.dumps(record, indent=1))
     if a.plot:
         plot(rows, recorded, a.plot)
         print(f"plot: {a.plot}")

@@ -31,7 +31,6 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +39,7 @@ import torch
 from rootopt.coeffs import CANS, MUON, POLAR_EXPRESS, YOU, GramSelector, Schedule
 from rootopt.coeffs.adanewton import lookup
 from rootopt.coeffs.stability import apply_schedule, verify_schedule
+from rootopt.tools import new_file
 from rootopt.tools.spectra import load_recorded, transport
 
 SHAPES: dict[str, tuple[tuple[int, int], ...]] = {
@@ -274,7 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["float32", "bfloat16", "float16", "float64"],
         help="resolve as for this iteration dtype (errors stay exact-arithmetic)",
     )
-    ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    ap.add_argument(
+        "--json", type=new_file, default=None, help="also write the result as JSON (a new file)"
+    )
     a = ap.parse_args(list(argv) if argv is not None else None)
     t0 = time.perf_counter()
     res = bench(dtype=a.dtype, steps=a.steps, seed=a.seed, draws=a.draws)
@@ -284,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"worst ratio to the best baseline: {worst:.2f} (target {TARGET}); {time.perf_counter() - t0:.1f}s"
     )
     if a.json is not None:
-        a.json.write_text(json.dumps(res, indent=1))
+        with open(a.json, "x", encoding="utf-8") as fh:  # never replaces a file
+            fh.write(json.dumps(res, indent=1))
     return 0
 
 
