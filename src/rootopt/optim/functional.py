@@ -102,12 +102,16 @@ def _quantile_select(x: Tensor, lo: int, frac: float) -> Tensor:
     v_lo = torch.kthvalue(x, lo + 1, dim=-1, keepdim=True).values
     if frac == 0.0 or lo + 1 >= n:
         return v_lo
-    at_or_below = x <= v_lo
-    # s_{lo+1} equals s_lo when more than lo+1 entries are <= s_lo (ties);
-    # otherwise it is the smallest entry strictly above s_lo.
-    ties = at_or_below.sum(dim=-1, keepdim=True) > lo + 1
+    return _interpolate(v_lo, _next_above(x, v_lo, lo + 1), frac)
+
+
+def _next_above(x: Tensor, v: Tensor, k: int) -> Tensor:
+    """Per row, the order statistic after ``v`` when ``v`` is the ``k``-th smallest: ``v``
+    itself when more than ``k`` entries are ``<= v`` (ties), otherwise the smallest entry
+    strictly above ``v``."""
+    at_or_below = x <= v
     above = x.masked_fill(at_or_below, math.inf).amin(dim=-1, keepdim=True)
-    return _interpolate(v_lo, torch.where(ties, v_lo, above), frac)
+    return torch.where(at_or_below.sum(dim=-1, keepdim=True) > k, v, above)
 
 
 def _bracket(x: Tensor, lo: int) -> tuple[Tensor, Tensor]:
@@ -187,17 +191,13 @@ def quantile_topk_rows(v: Tensor, lo: int, frac: float) -> Tensor:
         v_lo = t.amin(dim=-1, keepdim=True)
         if hi == lo:
             return v_lo
-        at_lo = t == v_lo
-        nxt = t.masked_fill(at_lo, math.inf).amin(dim=-1, keepdim=True)
-        v_hi = torch.where(at_lo.sum(dim=-1, keepdim=True) > 1, v_lo, nxt)
+        v_hi = _next_above(t, v_lo, 1)
     else:
         t = a.topk(hi + 1, dim=-1, largest=False, sorted=False).values  # s_0 .. s_hi
         v_hi = t.amax(dim=-1, keepdim=True)
         if hi == lo:
             return v_hi
-        at_hi = t == v_hi
-        prev = t.masked_fill(at_hi, -math.inf).amax(dim=-1, keepdim=True)
-        v_lo = torch.where(at_hi.sum(dim=-1, keepdim=True) > 1, v_hi, prev)
+        v_lo = -_next_above(-t, -v_hi, 1)  # the same rule from the other end
     return _interpolate(v_lo, v_hi, frac)
 
 
