@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from rootopt.coeffs import CoefficientSpec, resolve
+from rootopt.coeffs.adanewton import lookup
 from rootopt.ortho.newton_schulz import (
     GRAM_DTYPES,
     NORM_EPS,
@@ -21,6 +22,41 @@ from rootopt.ortho.polar import qr_direction, svd_polar
 
 Method = Literal["newton_schulz", "svd", "qr"]
 METHODS: tuple[str, ...] = ("newton_schulz", "svd", "qr")
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+
+
+def direction(
+    B: Tensor,
+    schedule: Coefficients,
+    *,
+    method: Method = "newton_schulz",
+    dtype: torch.dtype = torch.float32,
+    gram: bool | None = None,
+    select: Selector | None = None,
+    eps: float = NORM_EPS,
+) -> Tensor:
+    """The orthogonalization step shared by the optimizer and :func:`orthogonalize`: for
+    Newton–Schulz, per-matrix coefficient selection (``select``, e.g. AdaNewton's
+    :class:`~rootopt.coeffs.GramSelector`, else ``schedule``) and the iteration, plain or in
+    Gram space (``gram=None``: :func:`prefer_gram` decides by shape and dtype); else the SVD
+    polar factor or the QR direction. ``B``: ``(m, n)`` or ``(batch, m, n)``; returns
+    ``dtype``, ``B``'s shape."""
+    if method == "newton_schulz":
+        if gram is None:
+            gram = prefer_gram(B.size(-2), B.size(-1), dtype)
+        ns = gram_newton_schulz if gram else newton_schulz
+        return ns(B, schedule, dtype=dtype, eps=eps, select=select)
+    if method == "svd":
+        return svd_polar(B, dtype=dtype)
+    if method == "qr":
+        return qr_direction(B, dtype=dtype)
+    raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
 
 
 def orthogonalize(
@@ -37,12 +73,15 @@ def orthogonalize(
     """Approximately (NS) or exactly (svd) map ``G = U S Vᵀ`` to ``U Vᵀ``.
 
     ``G`` is 2-D ``(m, n)`` or a batch ``(B, m, n)``. For Newton–Schulz, ``coefficients``
-    is resolved for the shape ``(m, n)`` and ``steps`` iterations (see
+    is resolved for the shape ``(m, n)``, ``steps`` iterations and ``dtype`` (see
     :func:`rootopt.coeffs.resolve`), or given as a ``(K, 3)`` / ``(K, B, 3)`` tensor;
-    ``select`` chooses per-matrix coefficients from ``||X₀X₀ᵀ||_F²`` (see
-    :mod:`rootopt.ortho.newton_schulz`). ``gram``: run the iteration in Gram space
-    (``None``: where :func:`prefer_gram` says it pays and holds). ``dtype`` is the
-    iteration dtype (float32 default, bfloat16 for speed). Returns ``dtype``.
+    ``select`` chooses per-matrix coefficients from ``X₀X₀ᵀ`` (see
+    :mod:`rootopt.ortho.newton_schulz`). ``"adanewton"`` brings its own per-matrix selector
+    (:class:`~rootopt.coeffs.GramSelector`) unless ``select`` is given, so the result is
+    exactly the direction :class:`rootopt.ROOT` computes for ``G`` with the threshold off
+    (``outlier_quantile=None``). ``gram``: run the iteration in Gram space (``None``: where
+    :func:`prefer_gram` says it pays and holds). ``dtype`` is the iteration dtype (float32
+    default, bfloat16 for speed). Returns ``dtype``.
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(G.shape)}")
@@ -52,19 +91,17 @@ def orthogonalize(
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         rows, cols = G.size(-2), G.size(-1)
-        coeffs = (
-            coefficients
-            if isinstance(coefficients, Tensor)
-            else resolve(coefficients, rows, cols, steps)
-        )
-        use_gram = prefer_gram(rows, cols, dtype) if gram is None else gram
-        ns = gram_newton_schulz if use_gram else newton_schulz
-        return ns(G, coeffs, dtype=dtype, eps=eps, select=select)
-    if method == "svd":
-        return svd_polar(G, dtype=dtype)
-    if method == "qr":
-        return qr_direction(G, dtype=dtype)
-    raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
+        coeffs: Coefficients
+        if isinstance(coefficients, Tensor):
+            coeffs = coefficients
+        elif coefficients == "adanewton" and dtype in _DTYPE_NAMES:
+            res = lookup(rows, cols, steps, dtype=_DTYPE_NAMES[dtype])
+            coeffs, select = res.schedule, select if select is not None else res.selector
+        else:
+            coeffs = resolve(coefficients, rows, cols, steps)
+    else:
+        coeffs = ()
+    return direction(G, coeffs, method=method, dtype=dtype, gram=gram, select=select, eps=eps)
 
 
 __all__ = [
@@ -74,6 +111,7 @@ __all__ = [
     "Coefficients",
     "Method",
     "Selector",
+    "direction",
     "gram_newton_schulz",
     "newton_schulz",
     "orthogonalize",

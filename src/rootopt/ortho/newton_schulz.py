@@ -87,16 +87,22 @@ def _wide(G: Tensor, dtype: torch.dtype, eps: float, name: str) -> tuple[Tensor,
     return (X.float() / (norm + eps)).to(dtype), transpose, False
 
 
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` as one ``mm``/``bmm`` (``@`` on 3-D tensors dispatches several reshapes)."""
+    return torch.mm(a, b) if a.ndim == 2 else torch.bmm(a, b)
+
+
 def _first_gram(X: Tensor, eps: float, folded: bool) -> tuple[Tensor, Tensor]:
     """``(A₀, inv)``: the Gram matrix of the normalised ``X₀`` and ``1/(||X||_F + eps)``
     (shape ``(..., 1, 1)``, float32 or float64) by which ``X`` is still to be scaled."""
-    A = X @ X.mT
+    A = _mm(X, X.mT)
     acc = torch.float64 if X.dtype == torch.float64 else torch.float32
     if not folded:
         return A, torch.ones((*X.shape[:-2], 1, 1), dtype=acc, device=X.device)
-    sq = torch.diagonal(A, dim1=-2, dim2=-1).to(acc).sum(-1)[..., None, None]
-    inv = 1.0 / (sq.sqrt() + eps)
-    return (A * (inv * inv)).to(X.dtype), inv
+    sq = torch.diagonal(A, dim1=-2, dim2=-1).sum(-1, keepdim=True, dtype=acc).unsqueeze(-1)
+    inv = sq.sqrt_().add_(eps).reciprocal_()
+    # In place: one rounding to A's dtype, as (A * inv²).to(A.dtype) would round.
+    return A.mul_(inv.square()), inv
 
 
 def _coefficient_rows(
@@ -131,19 +137,29 @@ def _coefficient_rows(
     return sched
 
 
+def _per_step(C: Sequence[Coeff] | Tensor, A: Tensor) -> Sequence[Coeff] | Tensor:
+    """Tensor coefficients laid out once as ``(K, 3, batch, 1, 1)`` (``(K, 3, 1)`` for one
+    matrix, ``(K, 3)`` for rows shared by the stack) in the accumulation dtype, so that each
+    step takes its ``(a, b, c)`` as views."""
+    if not isinstance(C, Tensor):
+        return C
+    C = C.to(torch.float64 if A.dtype == torch.float64 else torch.float32)
+    if C.ndim == 2:
+        return C
+    if A.ndim == 2 and C.size(1) != 1:
+        raise ValueError(f"per-matrix coefficients of batch {C.size(1)} for one matrix")
+    C = C.permute(0, 2, 1)  # (K, 3, batch)
+    return C[..., None, None] if A.ndim == 3 else C
+
+
 def _step_coeffs(
-    C: Sequence[Coeff] | Tensor, k: int, A: Tensor
+    C: Sequence[Coeff] | Tensor, k: int
 ) -> tuple[float | Tensor, float | Tensor, float | Tensor]:
     """Step ``k``'s ``(a, b, c)``: floats, or tensors that broadcast against ``A``."""
     if not isinstance(C, Tensor):
         return C[k]
-    row = C[k].to(torch.float64 if A.dtype == torch.float64 else torch.float32)
-    if row.ndim == 2:  # (batch, 3): one triple per matrix
-        shape = (row.size(0), 1, 1) if A.ndim == 3 else (1, 1)
-        if A.ndim == 2 and row.size(0) != 1:
-            raise ValueError(f"per-matrix coefficients of batch {row.size(0)} for one matrix")
-        return tuple(row[:, j].reshape(shape) for j in range(3))  # type: ignore[return-value]
-    return row[0], row[1], row[2]
+    a, b, c = C[k].unbind(0)
+    return a, b, c
 
 
 def _poly(A: Tensor, a: float | Tensor, b: float | Tensor, c: float | Tensor) -> Tensor:
@@ -156,8 +172,8 @@ def _poly(A: Tensor, a: float | Tensor, b: float | Tensor, c: float | Tensor) ->
     assert isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(c, Tensor)
     # Small-matrix arithmetic in (at least) float32, cast back for the big matmul.
     acc = torch.float64 if A.dtype == torch.float64 else torch.float32
-    Z = torch.addcmul(A.to(acc) * b, (A @ A).to(acc), c)
-    Z.diagonal(dim1=-2, dim2=-1).add_(a if a.ndim == 0 else a.squeeze(-1))
+    Z = torch.addcmul(A.to(acc) * b, _mm(A, A).to(acc), c)
+    Z.diagonal(dim1=-2, dim2=-1).add_(a.squeeze(-1))
     return Z.to(A.dtype)
 
 
@@ -176,24 +192,24 @@ def newton_schulz(
     """
     X, transpose, folded = _wide(G, dtype, eps, "newton_schulz")
     A, inv = _first_gram(X, eps, folded)
-    C = _coefficient_rows(coefficients, select, A)
+    C = _per_step(_coefficient_rows(coefficients, select, A), A)
     mm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for k in range(len(C)):
         if k > 0:
-            A = X @ X.mT
-        a, b, c = _step_coeffs(C, k, A)
-        if k > 0 and isinstance(a, float) and isinstance(b, float) and isinstance(c, float):
-            # addmm/baddbmm fold the scalar combinations into the matmuls:
+            A = _mm(X, X.mT)
+        a, b, c = _step_coeffs(C, k)
+        if k > 0 and not isinstance(a, Tensor) and not isinstance(b, Tensor):
+            # Python scalars fold into the matmuls (one launch each):
             #   B = b A + c A A,   X = a X + B X
-            B = mm(A, A, A, beta=b, alpha=c)
+            B = mm(A, A, A, beta=b, alpha=float(c))
             X = mm(X, B, X, beta=a)
         else:
             # X_{k+1} = (a I + b A + c A²) X_k; at k = 0 the normalisation 1/||G|| rides
             # on the small matrix instead of a pass over G.
             Z = _poly(A, a, b, c)
             if k == 0 and folded:
-                Z = (Z * inv).to(X.dtype)
-            X = Z @ X
+                Z = Z.mul_(inv) if Z.dtype == inv.dtype else (Z * inv).to(X.dtype)
+            X = _mm(Z, X)
     if transpose:
         X = X.mT
     return X.contiguous()
@@ -221,19 +237,19 @@ def gram_newton_schulz(
     # (A₀ from X₀ and Q_K X₀) see X₀'s own dtype.
     acc = torch.float64 if X.dtype == torch.float64 else torch.float32
     A, inv = _first_gram(X.to(acc), eps, folded)
-    C = _coefficient_rows(coefficients, select, A)
+    C = _per_step(_coefficient_rows(coefficients, select, A), A)
     K = len(C)
     Q: Tensor | None = None
     for k in range(K):
-        a, b, c = _step_coeffs(C, k, A)
+        a, b, c = _step_coeffs(C, k)
         Z = _poly(A, a, b, c)
-        Q = Z if Q is None else Z @ Q
+        Q = Z if Q is None else _mm(Z, Q)
         if k < K - 1:
-            A = Z @ A @ Z
+            A = _mm(_mm(Z, A), Z)
     assert Q is not None
     if folded:
-        Q = Q * inv
-    X = Q.to(X.dtype) @ X
+        Q = Q.mul_(inv)
+    X = _mm(Q.to(X.dtype), X)
     if transpose:
         X = X.mT
     return X.contiguous()
