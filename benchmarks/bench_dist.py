@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from rootopt.dist import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
-    from rootopt.optim.functional import clip_outliers, orthogonal_direction
+    from rootopt.optim.functional import root_direction
 
     info = init_distributed(backend=args.backend, timeout_s=600)
     dev = torch.device("cuda", info.local_rank) if args.backend == "nccl" else torch.device("cpu")
@@ -122,9 +122,8 @@ def worker(args: argparse.Namespace) -> None:
                     st = opt.state[p]
                     st["momentum_buffer"].mul_(0.95).add_(p.grad)
                     v = p.grad.add(st["momentum_buffer"], alpha=0.95)
-                    B, _ = clip_outliers(v, 0.9)
-                    sched = opt._schedule(root_group, *p.shape)
-                    U = orthogonal_direction(B, sched, method="newton_schulz", dtype=torch.float32)
+                    sched, select = opt._coefficients(root_group, dev)(*p.shape)
+                    U = root_direction(v, sched, select=select, quantile=0.9)
                     buf[off : off + p.numel()] = U.reshape(-1)
                     off += p.numel()
                     n_ns += 1

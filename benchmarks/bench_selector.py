@@ -27,7 +27,7 @@ from torch import nn
 import rootopt
 from _timing import median_ms, shape_list
 from rootopt.coeffs.adanewton import lookup
-from rootopt.optim.functional import orthogonal_direction
+from rootopt.ortho import direction
 
 
 def selector_costs(
@@ -47,7 +47,7 @@ def selector_costs(
             A = X @ X.mT
             A = A / A.float().diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None].to(A.dtype)
 
-            ns = partial(orthogonal_direction, G, res.schedule, method="newton_schulz", dtype=dt)
+            ns = partial(direction, G, res.schedule, method="newton_schulz", dtype=dt)
             plain, chosen = ns, partial(ns, select=sel)
             stats = partial(sel.statistics, A)
             t_plain, t_sel, t_stat = (median_ms(f, device, reps)[0] for f in (plain, chosen, stats))

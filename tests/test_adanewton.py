@@ -230,9 +230,9 @@ def test_step_never_fits_reads_or_writes(monkeypatch, tmp_path):
         raise AssertionError("no resolution, fit or file access in step()")
 
     import rootopt.coeffs as coeffs_pkg
-    import rootopt.optim.root as root_mod
+    import rootopt.coeffs.cache as cache_mod
 
-    monkeypatch.setattr(root_mod, "resolve_record", boom)
+    monkeypatch.setattr(cache_mod, "resolve_record", boom)
     monkeypatch.setattr(coeffs_pkg, "resolve_record", boom)
     monkeypatch.setattr(an, "lookup", boom)
     monkeypatch.setattr(an, "_resolve", boom)
@@ -550,12 +550,12 @@ def test_zero_matrix_through_selector_is_finite():
 def test_optimizer_exposes_selector_for_adanewton_only():
     p = torch.nn.Parameter(torch.randn(37, 101))
     opt = ROOT([p])
-    g = opt.param_groups[0]
-    sel = opt._selector(g, 37, 101)
+    coefficients = opt._coefficients(opt.param_groups[0], p.device)
+    schedule, sel = coefficients(37, 101)
     assert isinstance(sel, GramSelector) and sel.short == 37
-    assert opt._schedule(g, 101, 37) == sel.flat
+    assert coefficients(101, 37)[0] == schedule == sel.flat
     opt2 = ROOT([torch.nn.Parameter(torch.randn(37, 101))], ns_coefficients="muon")
-    assert opt2._selector(opt2.param_groups[0], 37, 101) is None
+    assert opt2._coefficients(opt2.param_groups[0], p.device)(37, 101)[1] is None
 
 
 # ----------------------------------------------------------------- robustness (families)

@@ -67,7 +67,7 @@ def test_cuda_selector_statistics_and_direction_match_cpu() -> None:
     """AdaNewton's per-matrix selector on CUDA (batched Cholesky, fixed probes) reads the
     same statistics and gives the same direction as on the CPU (docs/adanewton.md)."""
     from rootopt.coeffs.adanewton import lookup
-    from rootopt.optim.functional import orthogonal_direction
+    from rootopt.ortho import direction
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(0)
@@ -91,8 +91,8 @@ def test_cuda_selector_statistics_and_direction_match_cpu() -> None:
     assert torch.equal(c_gpu.cpu() > sel.soft_tau, c_cpu > sel.soft_tau)
     assert (c_cpu > sel.soft_tau).tolist()[:2] == [False, True]
     kw = {"method": "newton_schulz", "dtype": torch.float32, "select": sel}
-    out_cpu = orthogonal_direction(G, res.schedule, **kw)  # type: ignore[arg-type]
-    out_gpu = orthogonal_direction(G.cuda(), res.schedule, **kw)  # type: ignore[arg-type]
+    out_cpu = direction(G, res.schedule, **kw)  # type: ignore[arg-type]
+    out_gpu = direction(G.cuda(), res.schedule, **kw)  # type: ignore[arg-type]
     # The directions of the noise floor's tiny singular values are ill-conditioned, so
     # CPU and GPU rounding part there (measured up to 1.6e-3 per entry); what must agree
     # is the polar error each reaches, i.e. the same schedule was chosen and applied.

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rootopt import abs_quantile, soft_threshold_split
-from rootopt.optim import functional as fn
+from rootopt.optim import quantile as fn
 from rootopt.optim.functional import clip_outliers
 
 

@@ -1,7 +1,8 @@
-"""The per-matrix reference function ``root_update_`` is the ground truth: the class's
-reference path calls it (bit for bit), and the batched path — stacked buckets, byte
-budget, one quantile selection per bucket, Gram-space iteration — matches it on
-parameters and state over a grid of shapes and dtypes."""
+"""The per-matrix reference ``_single_tensor_root`` against the class on coefficient sets
+and speed options beyond ``tests/test_paths.py``'s (Polar Express, Muon mode, Gram-space
+iteration forced on and off, a bfloat16 iteration): the class's reference path calls it
+bit for bit, and the batched path — stacked buckets, byte budget, one quantile selection
+per bucket — matches it on parameters and state."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from torch import nn
 
 from rootopt import ROOT
 from rootopt.coeffs import resolve
-from rootopt.optim import root as root_module
-from rootopt.optim.functional import matrix_view, root_update_
+from rootopt.optim import functional
+from rootopt.optim.functional import RootOptions, _single_tensor_root
 
 # tall, wide, square, odd, conv 4-D, 3-D stack sharing a bucket with two 2-D params,
 # and a shape the Gram-space iteration takes by default (64 x 160, aspect 2.5).
@@ -53,30 +54,27 @@ def _grads(params: list[nn.Parameter], steps: int) -> list[list[torch.Tensor]]:
 def _by_reference(
     params: list[nn.Parameter], grads: list[list[torch.Tensor]], options: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """Drive root_update_ directly, keeping state the way torch optimizers do."""
+    """Drive _single_tensor_root directly, keeping state the way torch optimizers do."""
     states: list[dict[str, Any]] = [
-        {"step": 0, "momentum_buffer": torch.zeros_like(p, dtype=torch.float32)} for p in params
+        {"step": torch.tensor(0.0), "momentum_buffer": torch.zeros_like(p, dtype=torch.float32)}
+        for p in params
     ]
     spec = options.get("ns_coefficients", "polar_express")
+    o = RootOptions(
+        lr=0.02,
+        nesterov=options.get("nesterov", True),
+        quantile=options.get("outlier_quantile", 0.9),
+        ns_dtype=_DT[options.get("ns_dtype", "float32")],
+        gram={"auto": None, "on": True, "off": False}[options.get("ns_gram", "auto")],
+    )
     for gs in grads:
         for p, g, st in zip(params, gs, states, strict=True):
             st["step"] += 1
-            view = matrix_view(p.shape, "auto")
             with torch.no_grad():
-                root_update_(
-                    p,
-                    g,
-                    st["momentum_buffer"],
-                    step=st["step"],
-                    lr=0.02,
-                    momentum=0.95,
-                    nesterov=options.get("nesterov", True),
-                    weight_decay=0.1,
-                    coefficients=resolve(spec, view.rows, view.cols, 5),
-                    outlier_quantile=options.get("outlier_quantile", 0.9),
-                    ns_dtype=_DT[options.get("ns_dtype", "float32")],
-                    gram={"auto": None, "on": True, "off": False}[options.get("ns_gram", "auto")],
-                )
+                _single_tensor_root(
+                    p, g, st["momentum_buffer"], st["step"], o,
+                    lambda r, c: (resolve(spec, r, c, 5), None),
+                )  # fmt: skip
     return states
 
 
@@ -154,13 +152,13 @@ def test_byte_budget_bounds_every_stack(monkeypatch: pytest.MonkeyPatch) -> None
     alone), and the result equals the unbounded path."""
     budget = 24 * 40 * 4 * 2
     sizes: list[int] = []
-    real = root_module.orthogonal_direction
+    real = functional.direction
 
     def spy(B: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         sizes.append(B.numel() * 4 if B.size(0) > 1 else 0)
         return real(B, *args, **kw)
 
-    monkeypatch.setattr(root_module, "orthogonal_direction", spy)
+    monkeypatch.setattr(functional, "direction", spy)
     bounded, unbounded = _params(torch.float32), _params(torch.float32)
     grads = _grads(bounded, 2)
     _by_class(bounded, grads, bucket_bytes=budget)
@@ -168,9 +166,9 @@ def test_byte_budget_bounds_every_stack(monkeypatch: pytest.MonkeyPatch) -> None
     assert sizes and max(sizes) <= budget
     sizes.clear()
     _by_class(unbounded, grads, bucket_bytes=0)
-    # The 24x40 group (a matrix, a stack of 3, a matrix) is one call unbounded; bounded
-    # it is four per step: [1], [2 + 1 chunks of the stack], [1].
-    assert calls_bounded == len(sizes) + 2 * 3
+    # The 24x40 matrices (a matrix, a stack of 3, a matrix) are one call unbounded;
+    # bounded, three per step: [1], [2 of the stack], [the stack's last, 1].
+    assert calls_bounded == len(sizes) + 2 * 2
     for a, b in zip(bounded, unbounded, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 

@@ -19,7 +19,8 @@ from rootopt.optim import (
     make_optimizer,
     param_groups,
 )
-from rootopt.optim.functional import abs_quantile, soft_threshold_split
+from rootopt.optim.functional import soft_threshold_split
+from rootopt.optim.quantile import abs_quantile
 from rootopt.ortho import orthogonalize
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from common import HYPER, global_batch, groups, make_model, write
 from torch.distributed.tensor import DTensor, Shard
 
 import rootopt
-import rootopt.dist.root as droot
+import rootopt.optim.functional as fn
 from rootopt.dist import DistributedROOT, finish, init_distributed, wrap_model
 
 STEPS = 4
@@ -107,16 +107,16 @@ def main() -> None:
 
     # FSDP2, recording every threshold the owners compute
     seen: list[tuple[tuple[int, ...], list[float]]] = []
-    plain_clip = droot.clip_outliers
+    plain_quantile = fn.abs_quantile
 
-    def recording_clip(M: torch.Tensor, q: float | None) -> Any:
-        B, eps = plain_clip(M, q)
-        seen.append((tuple(M.shape), [] if eps is None else eps.flatten().tolist()))
-        return B, eps
+    def recording_quantile(M: torch.Tensor, q: float) -> torch.Tensor:
+        out = plain_quantile(M, q)
+        seen.append((tuple(M.shape), (out + fn.THRESHOLD_EPS).flatten().tolist()))
+        return out
 
-    droot.clip_outliers = recording_clip  # type: ignore[assignment]
+    fn.abs_quantile = recording_quantile  # type: ignore[assignment]
     model, opt = train("fsdp", STEPS)
-    droot.clip_outliers = plain_clip  # type: ignore[assignment]
+    fn.abs_quantile = plain_quantile  # type: ignore[assignment]
     res["fsdp_param_diff"] = max_diff(model, ref_params)
     res["fsdp_vs_ddp"] = max_diff(model, ddp_params)
     # one matrix shape per round: the return all-to-all of a round overlaps the next
@@ -126,12 +126,13 @@ def main() -> None:
     res["fsdp_state_diff"] = state_diff(opt, model, ref_state)
     res["fsdp_ns_matrices"] = opt.stats.ns_matrices
     w1 = dict(model.named_parameters())["w1"]
+    # every state tensor but the 0-d step count (a plain tensor, as torch.optim keeps it)
     res["fsdp_state_sharded"] = all(
         isinstance(v, DTensor) and tuple(v.placements) == (Shard(0),)
         for p in model.parameters()
-        for v in opt.state[p].values()
-        if isinstance(v, torch.Tensor)
-    )
+        for k, v in opt.state[p].items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    ) and all(not isinstance(opt.state[p]["step"], DTensor) for p in model.parameters())
     res["w1_local_rows"] = int(w1.to_local().shape[0])
     # thresholds of the (10 x 33) matrix: rows do not divide by 3 or 4
     res["owner_eps_w1"] = [e for shape, eps in seen if shape == (1, 10, 33) for e in eps]

@@ -19,7 +19,10 @@ created eagerly for every parameter, is identical (replicated) or identically pl
 (sharded) on every rank and never depends on ownership, so checkpoints load at any world
 size. At world size 1 with plain tensors :meth:`DistributedROOT.step` *is*
 :meth:`rootopt.ROOT.step`. The numerics follow :mod:`rootopt.optim.functional` (paper,
-arXiv 2511.20626); tests compare against single-process :class:`rootopt.ROOT`.
+arXiv 2511.20626): momentum, the owners' stacked threshold + orthogonalization, robust
+scaling, decay and step and the AdamW part are the functions :class:`rootopt.ROOT` calls;
+this class only assigns owners and moves tensors. ``tests/test_paths.py`` compares it with
+the per-matrix reference at world sizes 1 and 2, replicated and sharded.
 """
 
 from __future__ import annotations
@@ -35,24 +38,24 @@ from torch import Tensor
 
 from rootopt.dist.group import PendingCollective, collective, start_collective, world
 from rootopt.dist.owners import assign_owners, chunk_rows, ns_cost
+from rootopt.optim.adamw import adamw_
 from rootopt.optim.functional import (
+    Matrix,
     MatrixView,
-    adamw_update_,
-    adamw_update_foreach_,
-    clip_outliers,
+    _directions,
+    _robust,
+    apply_,
+    matrices,
     matrix_view,
-    orthogonal_direction,
-    robust_scale,
+    momentum_,
+    robust_moments_,
 )
 from rootopt.optim.root import (
-    _DTYPES,
     DEFAULT_BUCKET_BYTES,
     ROOT,
     NonFiniteGradientError,
     algorithm_of,
-    group_scale_factor,
 )
-
 
 
 def _dtensor_types() -> tuple[type, type] | None:
@@ -98,12 +101,19 @@ class _Task:
 
     group: dict[str, Any]
     gi: int
+    pi: int  # index in the group (for ns_split)
     p: Tensor
     name: str
     view: MatrixView
+    mats: list[Matrix]  # the view's matrices, or a fused weight's blocks
     v: Tensor  # the vector to orthogonalize: the whole tensor (replicated) or the local shard
     cost: float
     splits: list[int] = field(default_factory=list)  # rows per rank (sharded only)
+
+    @property
+    def scale(self) -> float:
+        """The step's ``s`` for the update an owner returns (blocks carry their own)."""
+        return self.mats[0].scale if self.mats[0].block is None else 1.0
 
     @property
     def numel(self) -> int:
@@ -159,26 +169,12 @@ class DistributedROOT(ROOT):
         super().add_param_group(param_group)
         for group in self.param_groups[before:]:
             for p in group["params"]:
-                self._init_state(group, p)
-
-    def _init_state(self, group: dict[str, Any], p: Tensor) -> None:
-        state = self.state[p]
-        if state:
-            return
-        state["step"] = 0
-        if algorithm_of(group, p) == "root":
-            if group["robust_scaling"] and _is_dtensor(p):
-                raise ValueError(
-                    "robust_scaling is not supported for sharded (FSDP2) parameters; "
-                    "turn it off or use DDP"
-                )
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            if group["robust_scaling"]:
-                state["robust_mean"] = torch.zeros_like(p, dtype=torch.float32)
-                state["robust_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        else:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                if group["robust_scaling"] and _is_dtensor(p) and algorithm_of(group, p) == "root":
+                    raise ValueError(
+                        "robust_scaling is not supported for sharded (FSDP2) parameters; "
+                        "turn it off or use DDP"
+                    )
+                self._init_state(group, p)  # ROOT's own: the same dtypes and keys
 
     # ----------------------------------------------------------------------------------
     # step
@@ -209,18 +205,20 @@ class DistributedROOT(ROOT):
         replicated: list[_Task] = []
         sharded: list[_Task] = []
         for gi, (group, entries) in enumerate(zip(self.param_groups, per_group)):
-            if not entries:
-                continue
-            adamw = [e for e in entries if algorithm_of(group, e[0]) == "adamw"]
+            adamw = [e for e in entries if algorithm_of(group, e[1]) == "adamw"]
+            root = [e for e in entries if algorithm_of(group, e[1]) == "root"]
             if adamw:
                 self._adamw_local(group, adamw)
-            for p, name, g in entries:
-                if algorithm_of(group, p) != "root":
-                    continue
+            if not root:
+                continue
+            vs = self._momentum_local(group, root)
+            o = self._options(group, _local(root[0][1]).device)
+            splits = group.get("ns_split")
+            for (pi, p, name, _), v in zip(root, vs):
                 view = matrix_view(p.shape, group["nd_view"])
-                v = self._momentum_local(group, p, g)
-                cost = ns_cost(view.batch, view.rows, view.cols, group["ns_steps"])
-                task = _Task(group, gi, p, name, view, v, cost)
+                mats = matrices(view, o, splits[pi] if splits else None)
+                cost = sum(ns_cost(m.batch, m.rows, m.cols, group["ns_steps"]) for m in mats)
+                task = _Task(group, gi, pi, p, name, view, mats, v, cost)
                 (sharded if _is_dtensor(p) else replicated).append(task)
         if replicated:
             self._root_replicated(replicated, info.rank, info.world_size)
@@ -230,16 +228,16 @@ class DistributedROOT(ROOT):
 
     def _count_plain(self) -> None:
         for group in self.param_groups:
-            for p in group["params"]:
+            for pi, p in enumerate(group["params"]):
                 if algorithm_of(group, p) == "root" and p.grad is not None and p.numel() > 0:
-                    view = matrix_view(p.shape, group["nd_view"])
-                    self.stats.ns_matrices += view.batch
-                    self.stats.ns_cost += ns_cost(
-                        view.batch, view.rows, view.cols, group["ns_steps"]
-                    )
+                    for m in self._matrices(group, pi, p):
+                        self.stats.ns_matrices += m.batch
+                        self.stats.ns_cost += ns_cost(m.batch, m.rows, m.cols, group["ns_steps"])
 
-    def _collect_dist(self, rank: int, world_size: int) -> list[list[tuple[Tensor, str, Tensor]]]:
-        """Per group: ``(param, name, local gradient)`` of the parameters every rank will
+    def _collect_dist(
+        self, rank: int, world_size: int
+    ) -> list[list[tuple[int, Tensor, str, Tensor]]]:
+        """Per group: ``(index, param, name, local gradient)`` of the parameters every rank will
         update. One all-reduce (MAX) of two flags per parameter makes the decision the
         same everywhere: a parameter with a gradient on any rank is updated on all ranks
         (a rank without one contributes zeros, so no rank skips a collective), and a
@@ -257,7 +255,7 @@ class DistributedROOT(ROOT):
                     raise RuntimeError(f"ROOT does not support complex gradients ({name})")
                 entries.append((gi, pi, p, name))
         self.skipped = []
-        per_group: list[list[tuple[Tensor, str, Tensor]]] = [[] for _ in self.param_groups]
+        per_group: list[list[tuple[int, Tensor, str, Tensor]]] = [[] for _ in self.param_groups]
         if not entries:
             return per_group
         dev = _local(entries[0][2]).device
@@ -292,9 +290,9 @@ class DistributedROOT(ROOT):
         active = [e for e, h, b in zip(entries, has, bad) if h and not b]
         if self.average_grads and world_size > 1:
             self._average_grads([p for _, _, p, _ in active if not _is_dtensor(p)], world_size)
-        for gi, _, p, name in active:
+        for gi, pi, p, name in active:
             g = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
-            per_group[gi].append((p, name, g))
+            per_group[gi].append((pi, p, name, g))
         return per_group
 
     def _average_grads(self, params: list[Tensor], world_size: int) -> None:
@@ -331,104 +329,88 @@ class DistributedROOT(ROOT):
         flush()
 
     # ----------------------------------------------------------------------------------
-    # AdamW part: elementwise, on local tensors (shards under FSDP2)
+    # the math, on local tensors (shards under FSDP2): ROOT's own functions
     # ----------------------------------------------------------------------------------
     def _adamw_local(
-        self, group: dict[str, Any], entries: list[tuple[Tensor, str, Tensor]]
+        self, group: dict[str, Any], entries: list[tuple[int, Tensor, str, Tensor]]
     ) -> None:
-        hyper = dict(
-            lr=float(group["lr"]),
-            betas=group["adamw_betas"],
-            eps=group["adamw_eps"],
+        states = [self.state[p] for _, p, _, _ in entries]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        adamw_(
+            [_local(p) for _, p, _, _ in entries], [g for *_, g in entries],
+            [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+            steps, lr=float(group["lr"]), betas=group["adamw_betas"], eps=group["adamw_eps"],
             weight_decay=group["weight_decay"],
-        )
-        by_step: dict[tuple[int, torch.device], list[tuple[Tensor, ...]]] = {}
-        for p, _name, g in entries:
-            state = self.state[p]
-            state["step"] += 1
-            pl = _local(p)
-            ea, es = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            if group["batched"] and pl.dtype == torch.float32 and g.dtype == torch.float32:
-                by_step.setdefault((state["step"], pl.device), []).append((pl, g, ea, es))
-            else:
-                adamw_update_(pl, g, ea, es, step=state["step"], **hyper)  # type: ignore[arg-type]
-        for (step, _), items in by_step.items():
-            ps, gs, eas, ess = (list(x) for x in zip(*items))
-            adamw_update_foreach_(ps, gs, eas, ess, step=step, **hyper)  # type: ignore[arg-type]
+        )  # fmt: skip
 
-    # ----------------------------------------------------------------------------------
-    # ROOT part
-    # ----------------------------------------------------------------------------------
-    def _momentum_local(self, group: dict[str, Any], p: Tensor, grad: Tensor) -> Tensor:
-        """Momentum (and robust statistics) on the local tensors; returns the local part
-        of the vector to orthogonalize. Same operations as :class:`rootopt.ROOT`."""
-        state = self.state[p]
-        state["step"] += 1
-        g = grad.float()
-        mu = group["momentum"]
-        buf = _local(state["momentum_buffer"])
-        buf.mul_(mu).add_(g)
+    def _momentum_local(
+        self, group: dict[str, Any], entries: list[tuple[int, Tensor, str, Tensor]]
+    ) -> list[Tensor]:
+        """Momentum (and robust moments) of the local tensors; returns the local part of
+        each vector to orthogonalize."""
+        states = [self.state[p] for _, p, _, _ in entries]
+        torch._foreach_add_([s["step"] for s in states], 1)
+        bufs = [_local(s["momentum_buffer"]) for s in states]
+        grads = [g.to(b.dtype) for (*_, g), b in zip(entries, bufs)]
         if group["robust_scaling"]:
-            beta = 1.0 - 1.0 / group["robust_window"]
-            _local(state["robust_mean"]).lerp_(g, 1 - beta)
-            _local(state["robust_sq"]).mul_(beta).addcmul_(g, g, value=1 - beta)
-        return g.add(buf, alpha=mu) if group["nesterov"] else buf
+            robust_moments_(
+                [s["robust_mean"] for s in states], [s["robust_sq"] for s in states], grads,
+                window=group["robust_window"],
+            )  # fmt: skip
+        return momentum_(bufs, grads, momentum=group["momentum"], nesterov=group["nesterov"])
 
     def _orthogonalize(self, tasks: list[_Task], full: list[Tensor]) -> list[Tensor]:
-        """Threshold + orthogonalize whole matrices (this rank owns them), stacking the
-        same-shape matrices of one group; returns ``U`` as ``(batch, rows, cols)``."""
+        """Threshold + orthogonalize whole matrices (this rank owns them), stacked as
+        ROOT's batched path stacks them, one group at a time; returns each task's update
+        (shaped like the parameter; a fused weight's block scales folded in)."""
         start = time.perf_counter()
-        buckets: dict[tuple[int, int, int], list[int]] = {}
-        for i, t in enumerate(tasks):
-            buckets.setdefault((t.gi, t.view.rows, t.view.cols), []).append(i)
         out: list[Tensor | None] = [None] * len(tasks)
-        for (_, rows, cols), idx in buckets.items():
+        by_group: dict[int, list[int]] = {}
+        for i, t in enumerate(tasks):
+            by_group.setdefault(t.gi, []).append(i)
+        for idx in by_group.values():
             group = tasks[idx[0]].group
-            Ms = [full[i].reshape(tasks[i].view.batch, rows, cols) for i in idx]
-            M = Ms[0] if len(Ms) == 1 else torch.cat(Ms)
-            B, _ = clip_outliers(M, group["outlier_quantile"])
-            U = orthogonal_direction(
-                B,
-                self._schedule(group, rows, cols),
-                method=group["ortho_method"],
-                dtype=_DTYPES[group["ns_dtype"]],
-                gram=self._gram(group),
-                select=self._selector(group, rows, cols),
-            )
-            off = 0
-            for i in idx:
-                b = tasks[i].view.batch
-                out[i] = U[off : off + b]
-                off += b
-                self.stats.ns_matrices += b
-                self.stats.ns_cost += tasks[i].cost
+            device = full[idx[0]].device
+            splits = group.get("ns_split")
+
+            def whole(new: list[int], idx: list[int] = idx) -> tuple[list[Tensor], bool]:
+                return [full[idx[j]] for j in new], False  # not private: stacks copy them
+
+            updates = _directions(
+                [tasks[i].p.shape for i in idx], [full[i].dtype for i in idx],
+                self._options(group, device), self._coefficients(group, device), whole,
+                blocks=[splits[tasks[i].pi] for i in idx] if splits else None,
+            )  # fmt: skip
+            for done, Us, _ in updates:
+                for j, U in zip(done, Us):
+                    out[idx[j]] = U
+        for t in tasks:
+            self.stats.ns_matrices += sum(m.batch for m in t.mats)
+            self.stats.ns_cost += t.cost
         self.stats.ns_seconds += time.perf_counter() - start
         return [cast(Tensor, u) for u in out]
 
-    def _apply_local(self, t: _Task, U: Tensor) -> None:
+    def _apply_local(self, tasks: list[_Task], Us: list[Tensor]) -> None:
         """Robust scaling (replicated only), decoupled decay and the scaled step on the
-        local tensor; ``U`` is the local part of the update."""
-        group, p = t.group, t.p
-        state = self.state[p]
-        pl = _local(p)
-        if group["robust_scaling"]:
-            beta = 1.0 - 1.0 / group["robust_window"]
-            U3 = U.reshape(t.view.batch, t.view.rows, t.view.cols)
-            U = robust_scale(
-                U3,
-                state["robust_mean"].reshape(U3.shape),
-                state["robust_sq"].reshape(U3.shape),
-                bias_correction=1.0 - beta ** state["step"],
-                lam=group["robust_lambda"],
-            )
-        lr = float(group["lr"])
-        scale = group_scale_factor(group, t.view.rows, t.view.cols)
-        step = U.reshape(pl.shape).mul(lr * scale)
-        p32 = pl if pl.dtype == torch.float32 else pl.float()
-        p32.mul_(1 - lr * group["weight_decay"])
-        p32.sub_(step)
-        if p32 is not pl:
-            pl.copy_(p32)
+        local tensors, one :func:`apply_` call per group; ``Us``: the local parts."""
+        by_group: dict[int, list[int]] = {}
+        for i, t in enumerate(tasks):
+            by_group.setdefault(t.gi, []).append(i)
+        for idx in by_group.values():
+            group = tasks[idx[0]].group
+            o = self._options(group, _local(tasks[idx[0]].p).device)
+            updates = []
+            for i in idx:
+                t, U = tasks[i], Us[i].reshape(_local(tasks[i].p).shape)
+                if group["robust_scaling"]:
+                    st = self.state[t.p]
+                    U = _robust(U, st["robust_mean"], st["robust_sq"], st["step"], o)
+                updates.append(U)
+            apply_(
+                [_local(tasks[i].p) for i in idx], updates, lr=o.lr,
+                weight_decay=o.weight_decay, scales=[tasks[i].scale for i in idx],
+            )  # fmt: skip
 
     def _rounds(self, tasks: list[_Task]) -> list[list[_Task]]:
         """Tasks in a fixed order (shape, then position) cut into rounds of at most
@@ -486,10 +468,11 @@ class DistributedROOT(ROOT):
     ) -> None:
         work.wait()
         offs = [q * width for q in range(world_size)]
+        Us = []
         for t, o in zip(rnd, owners):
-            U = recv[offs[o] : offs[o] + t.numel]
+            Us.append(recv[offs[o] : offs[o] + t.numel])
             offs[o] += t.numel
-            self._apply_local(t, U)
+        self._apply_local(rnd, Us)
 
     def _root_sharded(self, tasks: list[_Task]) -> None:
         """FSDP2 parameters: shards → owner (all_to_all_single), whole-matrix threshold +
@@ -562,7 +545,8 @@ class DistributedROOT(ROOT):
             for s in range(world_size):
                 for t, U in zip(mine, Us):
                     row0 = sum(t.splits[:s])
-                    back.append(U.reshape(t.p.shape)[row0 : row0 + t.splits[s]].reshape(-1))
+                    rows = U.reshape(t.p.shape)[row0 : row0 + t.splits[s]]
+                    back.append(rows.reshape(-1).float())
             send2 = torch.cat(back) if back else torch.zeros(0, device=dev)
             recv2 = torch.empty(sum(in_splits), dtype=torch.float32, device=dev)
             work = start_collective(
@@ -590,11 +574,14 @@ class DistributedROOT(ROOT):
     ) -> None:
         work.wait()
         off = 0
+        done, Us = [], []
         for tasks in by_owner:
             for t in tasks:
                 n = t.splits[rank] * t.rest
-                self._apply_local(t, recv2[off : off + n])
+                done.append(t)
+                Us.append(recv2[off : off + n])
                 off += n
+        self._apply_local(done, Us)
 
 
 def _all_gather_fn(out: Tensor, inp: Tensor, *, async_op: bool, group: Any) -> Any:

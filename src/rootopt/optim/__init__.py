@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from rootopt.optim.baselines import NAMES as OPTIMIZER_NAMES
-from rootopt.optim.baselines import make_optimizer
-from rootopt.optim.functional import (
-    abs_quantile,
-    clip_outliers,
-    lr_scale_factor,
-    soft_threshold_split,
-)
+from rootopt.optim.functional import clip_outliers, lr_scale_factor, soft_threshold_split
+from rootopt.optim.quantile import abs_quantile
+from rootopt.optim.registry import REGISTRY, make_optimizer
 from rootopt.optim.root import ROOT, NonFiniteGradientError
 from rootopt.optim.routing import Route, RoutingReport, Rule, default_rules, param_groups
+
+# Names accepted by make_optimizer (and ``optimization.optimizer``), ROOT first.
+OPTIMIZER_NAMES: tuple[str, ...] = tuple(REGISTRY)
 
 __all__ = [
     "OPTIMIZER_NAMES",

@@ -1,6 +1,7 @@
-"""ROOT numerics as pure tensor functions.
+"""ROOT's update as pure tensor functions: the one core every path calls.
 
-Notation follows the paper (arXiv 2511.20626) and the official example code:
+The update of the paper's official code (arXiv 2511.20626; reference numerics in
+docs/performance.md, "One reference, several fast paths"), per weight matrix::
 
     buf  = mu * buf + g                          sum-form momentum
     v    = g + mu * buf  (nesterov)  else buf
@@ -9,30 +10,30 @@ Notation follows the paper (arXiv 2511.20626) and the official example code:
     U    = NS_K(B)                               orthogonalized on the wide orientation
     p    = p (1 - lr wd) - lr * s(rows, cols) * U
 
-Everything here is tensor-in / tensor-out; the :class:`rootopt.ROOT` class only manages
-state and calls these. :func:`root_update_` is the whole update for one parameter, one
-matrix at a time (the reference every fast path is tested against).
+Three units do it, on lists and stacks: :func:`momentum_`, :func:`root_direction`
+(threshold → per-matrix coefficient selection → Newton–Schulz, or SVD / QR) and
+:func:`apply_` (decay and scaled step). :func:`_single_tensor_root` writes the update
+plainly for one parameter, one matrix at a time: the reference. :func:`_multi_tensor_root`
+stacks matrices of one shape (a fused projection's Q/K/V blocks are just more entries of a
+stack) into buckets and calls the units once per bucket; it and every other path
+(compiled, distributed, sharded) are tested equal to the reference on parameters and state
+(``tests/test_paths.py``). :class:`rootopt.ROOT` only gathers state and calls these.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from rootopt.ortho import (
-    Coefficients,
-    Selector,
-    gram_newton_schulz,
-    newton_schulz,
-    prefer_gram,
-    qr_direction,
-    svd_polar,
-)
+from rootopt.coeffs import Coeff
+from rootopt.optim.quantile import abs_quantile
+from rootopt.ortho import Selector, direction
 
 # Added to the quantile so that an all-zero matrix has a positive threshold (official code).
 THRESHOLD_EPS = 1e-9
@@ -40,6 +41,8 @@ THRESHOLD_EPS = 1e-9
 LrScale = Literal["moonlight", "muon", "none"]
 NDView = Literal["auto", "flatten", "batch"]
 OrthoMethod = Literal["newton_schulz", "svd", "qr"]
+# (rows, cols) of a matrix -> its schedule and per-matrix selector (resolved ahead)
+CoefficientsFor = Callable[[int, int], tuple[Sequence[Coeff], Selector | None]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,152 +86,393 @@ def lr_scale_factor(rows: int, cols: int, mode: LrScale) -> float:
     raise ValueError(f"lr_scale={mode!r} is unknown; choose 'moonlight', 'muon' or 'none'")
 
 
-# ---------------------------------------------------------------------------------------
-# outlier suppression
-# ---------------------------------------------------------------------------------------
-# Below this many entries per matrix the plain selection is already cheap.
-BRACKET_MIN_ENTRIES = 1 << 16
-_BRACKET_SAMPLES = 8192
+@dataclass(frozen=True)
+class RootOptions:
+    """One parameter group's options as the update needs them (for one device)."""
+
+    lr: float | Tensor
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.1
+    quantile: float | None = 0.9
+    method: OrthoMethod = "newton_schulz"
+    ns_dtype: torch.dtype = torch.float32
+    gram: bool | None = None
+    lr_scale: LrScale = "moonlight"
+    transposed: bool = False  # weights stored (in, out): the fan-out is the second dim
+    nd_view: NDView = "auto"
+    robust_window: int = 100
+    robust_lambda: float = 0.1
+    bucket_bytes: int = 32 << 20  # most bytes of float32 matrices per stack; 0: no limit
+
+    def scale(self, rows: int, cols: int) -> float:
+        """``s(rows, cols)`` of a matrix as stored."""
+        fan = (cols, rows) if self.transposed else (rows, cols)
+        return lr_scale_factor(*fan, self.lr_scale)
 
 
-def _interpolate(v_lo: Tensor, v_hi: Tensor, frac: float) -> Tensor:
-    return v_lo + frac * (v_hi - v_lo)
+@dataclass(frozen=True)
+class Matrix:
+    """Matrices ``start .. start+batch`` of a parameter's view, or one fused block
+    ``(dim, offset, size)`` of a 2-D weight, with its step scale ``s``."""
+
+    batch: int
+    rows: int
+    cols: int
+    scale: float
+    start: int = 0
+    block: tuple[int, int, int] | None = None
+
+    def of(self, t: Tensor, view: MatrixView) -> Tensor:
+        """Its ``(batch, rows, cols)`` part of a parameter-shaped ``t`` (a view of a
+        contiguous ``t``; reading only otherwise)."""
+        if self.block is not None:
+            dim, offset, size = self.block
+            return t.narrow(dim, offset, size).unsqueeze(0)
+        return t.reshape(view.batch, view.rows, view.cols).narrow(0, self.start, self.batch)
 
 
-def _quantile_select(x: Tensor, lo: int, frac: float) -> Tensor:
-    """Order statistics ``lo`` (and ``lo+1``) of each row of ``x`` by ``kthvalue``:
-    O(N) selection, no sort, no host synchronisation (the reference method)."""
-    n = x.size(-1)
-    v_lo = torch.kthvalue(x, lo + 1, dim=-1, keepdim=True).values
-    if frac == 0.0 or lo + 1 >= n:
-        return v_lo
-    return _interpolate(v_lo, _next_above(x, v_lo, lo + 1), frac)
-
-
-def _next_above(x: Tensor, v: Tensor, k: int) -> Tensor:
-    """Per row, the order statistic after ``v`` when ``v`` is the ``k``-th smallest: ``v``
-    itself when more than ``k`` entries are ``<= v`` (ties), otherwise the smallest entry
-    strictly above ``v``."""
-    at_or_below = x <= v
-    above = x.masked_fill(at_or_below, math.inf).amin(dim=-1, keepdim=True)
-    return torch.where(at_or_below.sum(dim=-1, keepdim=True) > k, v, above)
-
-
-def _bracket(x: Tensor, lo: int) -> tuple[Tensor, Tensor]:
-    """Per row of ``|x|`` (``x``: ``(R, N)``), two values ``a <= s_lo`` and ``b >= s_hi`` that hold
-    the wanted order statistics with high probability: order statistics of a fixed
-    random sample (the same indices for every row, so one gather serves the stack)."""
-    n = x.size(-1)
-    gen = torch.Generator(device=x.device).manual_seed(0x5EED)
-    idx = torch.randint(0, n, (_BRACKET_SAMPLES,), generator=gen, device=x.device)
-    sample = x[:, idx].abs().sort(dim=-1).values
-    p = lo / max(n - 1, 1)
-    # 6 binomial standard deviations of the sample rank, plus slack for ties.
-    margin = 6.0 * math.sqrt(_BRACKET_SAMPLES * p * (1 - p)) + 16
-    r = p * (_BRACKET_SAMPLES - 1)
-    ia = max(0, math.floor(r - margin))
-    ib = min(_BRACKET_SAMPLES - 1, math.ceil(r + margin))
-    return sample[:, ia : ia + 1], sample[:, ib : ib + 1]
-
-
-def _quantile_bracket_rows(v: Tensor, lo: int, frac: float) -> Tensor:
-    """The order statistics ``lo``/``lo+1`` of ``|v|`` for every row of ``v`` (``(R, N)``,
-    float32), interpolated, with one comparison pass over the whole stack and no
-    materialised ``|v|``.
-
-    A sampled bracket ``[a, b]`` per row (:func:`_bracket`); one pass over the stack marks
-    the side of the bracket that holds the smaller share of the entries (``|v| >= a`` for
-    upper quantiles, about ``(1 - q) N`` per row), a compaction per row gathers them, and
-    the few percent inside ``[a, b]`` give the order statistics by ``kthvalue`` on that
-    small set, exactly. Each row's bracket is checked (never assumed); rows whose bracket
-    missed, or holds a large share of the row (heavy ties, e.g. an all-zero gradient),
-    are recomputed by the plain selection. Sizes are read on the host, so this path is
-    used on the CPU only.
-    """
-    R, n = v.shape
-    hi = lo + 1 if (frac > 0.0 and lo + 1 < n) else lo
-    a, b = _bracket(v, lo)
-    upper = 2 * lo >= n
-    side = (v >= a) | (v <= -a) if upper else (v <= b) & (v >= -b)
-    out = torch.empty((R, 1), dtype=torch.float32, device=v.device)
-    for r in range(R):
-        seg = torch.masked_select(v[r], side[r]).abs_()
-        if upper:
-            below = n - seg.numel()
-            inside = seg[seg <= b[r, 0]]
-        else:
-            low = seg < a[r, 0]
-            below = int(low.sum())
-            inside = seg[~low]
-        m = inside.numel()
-        if not (below <= lo and below + m > hi) or m > n // 8:
-            out[r] = _quantile_select(v[r : r + 1].abs(), lo, frac)[0]
-            continue
-        v_lo = torch.kthvalue(inside, lo - below + 1).values
-        v_hi = v_lo if hi == lo else torch.kthvalue(inside, hi - below + 1).values
-        out[r, 0] = _interpolate(v_lo, v_hi, frac)
+def matrices(view: MatrixView, o: RootOptions, blocks: Sequence[int] | None) -> list[Matrix]:
+    """The matrices ROOT orthogonalizes in a parameter: its view, or the blocks of a fused
+    projection (``ns_split``: Q/K/V or gate/up output sizes, each orthogonalized and scaled
+    as the matrix it would be unfused; docs/integrations.md, "Fused projections")."""
+    if blocks is None:
+        return [Matrix(view.batch, view.rows, view.cols, o.scale(view.rows, view.cols))]
+    out, offset, dim = [], 0, 1 if o.transposed else 0
+    for n in blocks:
+        rows, cols = (view.rows, n) if o.transposed else (n, view.cols)
+        out.append(Matrix(1, rows, cols, o.scale(rows, cols), block=(dim, offset, n)))
+        offset += n
     return out
 
 
-def quantile_topk_rows(v: Tensor, lo: int, frac: float) -> Tensor:
-    """The order statistics ``lo`` (and ``lo+1``) of ``|v|`` per row of ``v`` (``(R, N)``,
-    float32), interpolated by ``frac``, from one ``topk`` per row: the ``N - lo`` largest
-    values for an upper quantile (their smallest is statistic ``lo``), the ``lo + 2``
-    smallest for a lower one. Exact, no host synchronisation.
+# ---------------------------------------------------------------------------------------
+# the three units
+# ---------------------------------------------------------------------------------------
+def momentum_(
+    bufs: list[Tensor], grads: list[Tensor], *, momentum: float, nesterov: bool
+) -> list[Tensor]:
+    """``buf = mu buf + g`` in place (sum form, as the official code); returns the vectors
+    to orthogonalize: ``g + mu buf`` (Nesterov, new tensors) or the buffers themselves.
+    ``grads`` in the buffers' dtype."""
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    return list(torch._foreach_add(grads, bufs, alpha=momentum)) if nesterov else list(bufs)
 
-    On CUDA this replaces ``kthvalue``, which works through a row of millions of entries
-    with one thread block: for four 2048×8192 matrices on an H200, kthvalue took 260 ms
-    and this 1.3 ms (``benchmarks/bench_quantile.py``, docs/performance.md).
+
+def robust_moments_(
+    means: list[Tensor], sqs: list[Tensor], grads: list[Tensor], *, window: int
+) -> None:
+    """Running (EMA) estimates of ``E[g]`` and ``E[g²]`` with factor ``1 - 1/window``."""
+    beta = 1.0 - 1.0 / window
+    torch._foreach_lerp_(means, grads, 1 - beta)
+    torch._foreach_mul_(sqs, beta)
+    torch._foreach_addcmul_(sqs, grads, grads, value=1 - beta)
+
+
+def robust_scale(
+    U: Tensor,
+    mean: Tensor,
+    sq: Tensor,
+    *,
+    bias_correction: float | Tensor,
+    lam: float,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Per-element robust scaling (an option beyond the paper; docs/performance.md,
+    "One reference, several fast paths"), made norm-preserving.
+
+    ``mean`` / ``sq`` are running estimates of E[g] and E[g²] (bias corrected by
+    ``bias_correction = 1 - beta^t``), so ``delta = sqrt(E[g²] - E[g]²)``; then
+    ``sigma = 1 / (|mu| + lam delta + eps)``. The update becomes
+    ``U ⊙ sigma · ||U||_F / ||U ⊙ sigma||_F`` per matrix: the same Frobenius norm as ``U``
+    (so the lr keeps its meaning), redistributed towards entries whose gradient is small and
+    steady relative to its noise; the result is no longer orthogonal.
     """
-    a = v.abs()
-    n = a.size(-1)
-    hi = lo + 1 if (frac > 0.0 and lo + 1 < n) else lo
-    # Unsorted topk: the two order statistics are the extreme and the next value of the
-    # selected set (a masked reduction over its k entries, ties checked), which is
-    # cheaper than sorting k ~ (1 - q) N values.
-    if 2 * lo >= n:
-        t = a.topk(n - lo, dim=-1, largest=True, sorted=False).values  # s_lo .. s_{n-1}
-        v_lo = t.amin(dim=-1, keepdim=True)
-        if hi == lo:
-            return v_lo
-        v_hi = _next_above(t, v_lo, 1)
-    else:
-        t = a.topk(hi + 1, dim=-1, largest=False, sorted=False).values  # s_0 .. s_hi
-        v_hi = t.amax(dim=-1, keepdim=True)
-        if hi == lo:
-            return v_hi
-        v_lo = -_next_above(-t, -v_hi, 1)  # the same rule from the other end
-    return _interpolate(v_lo, v_hi, frac)
+    mu = mean / bias_correction
+    var = (sq / bias_correction - mu * mu).clamp_min(0.0)
+    sigma = 1.0 / (mu.abs() + lam * var.sqrt() + eps)
+    S = U * sigma.reshape(U.shape)
+    dims = (-2, -1)
+    ratio = U.norm(dim=dims, keepdim=True) / S.norm(dim=dims, keepdim=True).clamp_min(1e-30)
+    scaled: Tensor = S * ratio
+    return scaled
 
 
-def abs_quantile(M: Tensor, q: float) -> Tensor:
-    """Exact ``q``-quantile of ``|M|`` per matrix over the last two dims.
-
-    Same definition as ``torch.quantile(..., interpolation="linear")``: linear
-    interpolation between the order statistics at ``floor(q (N-1))`` and the next one,
-    but without torch.quantile's 2**24-element limit and without a full sort. Small
-    matrices: one ``kthvalue`` selection plus one masked minimum. Large ones on the CPU: a
-    sampled bracket, checked, then one selection inside it for the whole stack; on an
-    accelerator: one ``topk`` per row (:func:`quantile_topk_rows`), no host
-    synchronisation. All give the same result bit for bit (docs/performance.md).
-    ``M``: ``(m, n)`` or ``(B, m, n)``; returns float32 of shape ``(1, 1)`` / ``(B, 1, 1)``.
+def root_direction(
+    V: Tensor,
+    schedule: Sequence[Coeff],
+    *,
+    select: Selector | None = None,
+    quantile: float | None,
+    method: OrthoMethod = "newton_schulz",
+    dtype: torch.dtype = torch.float32,
+    gram: bool | None = None,
+) -> Tensor:
+    """``U`` for a matrix or a stack ``(batch, rows, cols)``: each matrix clipped at its own
+    threshold ``quantile(|v|, q) + 1e-9`` (in place on ``V``; ``quantile=None``: no clip),
+    then :func:`rootopt.ortho.direction` — per-matrix coefficient selection (``select``)
+    and Newton–Schulz in ``dtype``, or the SVD / QR factor (float32). Returns ``V``'s shape,
+    contiguous, in the iteration dtype. ``rootopt.orthogonalize`` is this without the clip.
     """
-    v = M.detach().float().flatten(-2)  # (..., N); a view for a float32 M
-    n = v.size(-1)
-    if n == 0:
-        raise ValueError("abs_quantile of an empty matrix")
-    pos = q * (n - 1)
-    lo = min(math.floor(pos), n - 1)
-    frac = pos - lo
-    if v.device.type == "cpu" and n >= BRACKET_MIN_ENTRIES:
-        out = _quantile_bracket_rows(v.reshape(-1, n), lo, frac).reshape(*v.shape[:-1], 1)
-    elif v.device.type != "cpu" and n >= BRACKET_MIN_ENTRIES:
-        out = quantile_topk_rows(v.reshape(-1, n), lo, frac).reshape(*v.shape[:-1], 1)
-    else:
-        out = _quantile_select(v.abs(), lo, frac)
-    return out.unsqueeze(-1)
+    if quantile is not None:
+        eps = abs_quantile(V, quantile).add_(THRESHOLD_EPS)
+        V = V.clamp_(min=-eps, max=eps)  # = V - sign(V) relu(|V| - eps), one pass
+    if method != "newton_schulz":
+        dtype = torch.float32
+    return direction(V, schedule, method=method, dtype=dtype, gram=gram, select=select)
 
 
+def apply_(
+    params: list[Tensor],
+    updates: list[Tensor],
+    *,
+    lr: float | Tensor,
+    weight_decay: float,
+    scales: Sequence[float],
+) -> None:
+    """``p = p (1 - lr wd) - lr s U`` per parameter: decoupled decay with the unscaled lr,
+    then the step scaled by its ``s`` (one ``_foreach`` call per distinct ``s``).
+    Float32/float64 parameters in place; lower precision in float32, rounded once."""
+    if not params:
+        return
+    work = [p if p.dtype in (torch.float32, torch.float64) else p.float() for p in params]
+    torch._foreach_mul_(work, 1 - lr * weight_decay)
+    by_scale: dict[float, list[int]] = {}
+    for i, s in enumerate(scales):
+        by_scale.setdefault(s, []).append(i)
+    for s, idx in by_scale.items():
+        ws, us = [work[i] for i in idx], [updates[i] for i in idx]
+        if isinstance(lr, Tensor):  # a tensor lr in a compiled step: no Python scalar
+            torch._foreach_sub_(ws, torch._foreach_mul(us, lr * s))
+        else:
+            torch._foreach_add_(ws, us, alpha=-lr * s)
+    for p, w in zip(params, work):
+        if w is not p:
+            p.copy_(w)
+
+
+# ---------------------------------------------------------------------------------------
+# the reference: one parameter, one matrix at a time
+# ---------------------------------------------------------------------------------------
+# (param index, matrix, M before the clip, U), as (batch, rows, cols); for telemetry
+Record = Callable[[int, "Matrix", Tensor, Tensor], None]
+
+
+def _single_tensor_root(
+    p: Tensor,
+    grad: Tensor,
+    buf: Tensor,
+    step: Tensor,
+    o: RootOptions,
+    coefficients: CoefficientsFor,
+    *,
+    blocks: Sequence[int] | None = None,
+    robust: tuple[Tensor, Tensor] | None = None,
+    record: Record | None = None,
+) -> None:
+    """One ROOT step for one parameter, in place: the paper's update, plainly (ground
+    truth). ``step`` already counts this step."""
+    g = grad.to(buf.dtype)
+    buf.mul_(o.momentum).add_(g)  # 1. momentum, sum form
+    v = g + o.momentum * buf if o.nesterov else buf
+    beta = 1.0 - 1.0 / o.robust_window
+    if robust is not None:  # (option) running moments of g for robust scaling
+        robust[0].lerp_(g, 1 - beta)
+        robust[1].mul_(beta).addcmul_(g, g, value=1 - beta)
+    view = matrix_view(p.shape, o.nd_view)
+    update = torch.zeros(p.shape, dtype=buf.dtype, device=p.device)
+    for m in matrices(view, o, blocks):
+        for j in range(m.batch):  # one matrix at a time
+            M = m.of(v, view)[j]
+            B = M
+            if o.quantile is not None:  # 2. threshold: clamp at the per-matrix quantile
+                eps = abs_quantile(M, o.quantile) + THRESHOLD_EPS
+                B = M.clamp(-eps, eps)
+            schedule, select = coefficients(m.rows, m.cols)
+            dtype = o.ns_dtype if o.method == "newton_schulz" else torch.float32
+            U = direction(B, schedule, method=o.method, dtype=dtype, gram=o.gram, select=select)
+            if record is not None:
+                record(0, m, M[None], U[None])
+            if robust is not None:  # (option) robust per-element scaling
+                U = robust_scale(
+                    U[None],
+                    m.of(robust[0], view)[j : j + 1],
+                    m.of(robust[1], view)[j : j + 1],
+                    bias_correction=1.0 - beta ** _count(step),
+                    lam=o.robust_lambda,
+                )[0]
+            m.of(update, view)[j] = U * m.scale  # 3. orthogonalized and scaled
+    p32 = p if p.dtype in (torch.float32, torch.float64) else p.float()
+    p32.mul_(1 - o.lr * o.weight_decay)  # 4. decoupled decay, unscaled lr
+    p32.sub_(o.lr * update)  # 5. the step
+    if p32 is not p:
+        p.copy_(p32)
+
+
+# ---------------------------------------------------------------------------------------
+# the batched path: stacks of same-shape matrices
+# ---------------------------------------------------------------------------------------
+def _buckets(
+    entries: list[tuple[int, Matrix]], keys: Sequence[Hashable], budget: int
+) -> list[list[tuple[int, Matrix]]]:
+    """Entries of one key (shape, dtype) in runs of at most ``budget`` bytes of float32
+    matrices; a larger stack is cut into pieces of that size."""
+    by_key: dict[Hashable, tuple[int, list[tuple[int, Matrix]]]] = {}
+    for (i, m), key in zip(entries, keys):
+        per = max(1, budget // (m.rows * m.cols * 4)) if budget > 0 else 1 << 62
+        pieces = [
+            Matrix(min(per, m.batch - s), m.rows, m.cols, m.scale, m.start + s, m.block)
+            for s in range(0, m.batch, per)
+        ]
+        by_key.setdefault(key, (per, []))[1].extend((i, piece) for piece in pieces)
+    out: list[list[tuple[int, Matrix]]] = []
+    for per, items in by_key.values():
+        cur: list[tuple[int, Matrix]] = []
+        for item in items:
+            if cur and sum(m.batch for _, m in cur) + item[1].batch > per:
+                out.append(cur)
+                cur = []
+            cur.append(item)
+        out.append(cur)
+    return out
+
+
+def _directions(
+    shapes: list[torch.Size],
+    dtypes: list[torch.dtype],
+    o: RootOptions,
+    coefficients: CoefficientsFor,
+    open_: Callable[[list[int]], tuple[list[Tensor], bool]],
+    *,
+    blocks: Sequence[Sequence[int] | None] | None = None,
+    record: Record | None = None,
+) -> Iterator[tuple[list[int], list[Tensor], list[float]]]:
+    """Stack the matrices of same-shape parameters bucket by bucket and yield, per bucket,
+    the parameters it finished: ``(indices, updates U shaped like them, scales s)`` (a
+    fused block's ``s`` is folded into its part of ``U``; its scale is then 1). ``dtypes``:
+    each parameter's state dtype (stacks hold one dtype).
+
+    ``open_(indices)`` returns the vectors to orthogonalize of those parameters (their
+    first bucket is being stacked) and whether they are private copies (then clipped in
+    place where no stack copy is needed)."""
+    views = [matrix_view(s, o.nd_view) for s in shapes]
+    entries = [
+        (i, m)
+        for i, view in enumerate(views)
+        for m in matrices(view, o, None if blocks is None else blocks[i])
+    ]
+    keys = [(m.rows, m.cols, dtypes[i]) for i, m in entries]
+    buckets = _buckets(entries, keys, o.bucket_bytes)
+    remaining = Counter(i for bucket in buckets for i, _ in bucket)
+    vs: dict[int, Tensor] = {}
+    private = False
+    parts_of: dict[int, Tensor] = {}
+    for bucket in buckets:
+        new = list(dict.fromkeys(i for i, _ in bucket if i not in vs))
+        if new:
+            opened, private = open_(new)
+            vs.update(zip(new, opened))
+        parts = [m.of(vs[i], views[i]) for i, m in bucket]
+        V = parts[0] if len(parts) == 1 and private else torch.cat(parts)
+        M = V.clone() if record is not None else None
+        first, (rows, cols) = bucket[0][0], (bucket[0][1].rows, bucket[0][1].cols)
+        schedule, select = coefficients(rows, cols)
+        U = root_direction(
+            V, schedule, select=select, quantile=o.quantile, method=o.method,
+            dtype=o.ns_dtype, gram=o.gram,
+        )  # fmt: skip
+        if U.dtype != dtypes[first] and U.device.type != "cpu":
+            # one cast per stack keeps the step's _foreach calls on their fused path
+            U = U.to(dtypes[first])
+        done: list[int] = []
+        updates: list[Tensor] = []
+        scales: list[float] = []
+        off = 0
+        for i, m in bucket:
+            Um = U.narrow(0, off, m.batch)
+            if record is not None and M is not None:
+                record(i, m, M.narrow(0, off, m.batch), Um)
+            off += m.batch
+            remaining[i] -= 1
+            whole = m.block is None and m.batch == views[i].batch
+            if not whole:  # a fused block or a piece of a large stack: assemble
+                full = parts_of.get(i)
+                if full is None:
+                    full = parts_of[i] = torch.empty(shapes[i], dtype=U.dtype, device=U.device)
+                m.of(full, views[i]).copy_(Um if m.block is None else Um * m.scale)
+            if remaining[i] == 0:
+                del vs[i]
+                done.append(i)
+                updates.append(Um.reshape(shapes[i]) if whole else parts_of.pop(i))
+                scales.append(m.scale if m.block is None else 1.0)
+        yield done, updates, scales
+
+
+def _multi_tensor_root(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    steps: list[Tensor],
+    o: RootOptions,
+    coefficients: CoefficientsFor,
+    *,
+    blocks: Sequence[Sequence[int] | None] | None = None,
+    robust: tuple[list[Tensor], list[Tensor]] | None = None,
+    record: Record | None = None,
+) -> None:
+    """:func:`_single_tensor_root` for many parameters (one device, ``grads`` in the
+    buffers' dtype, ``steps`` counting this step) with stacks: momentum for a bucket's parameters when the bucket is
+    built (temporaries stay within ``bucket_bytes``), one threshold and one batched
+    iteration per bucket, decay and step per bucket with ``_foreach`` calls."""
+    if not params:
+        return
+
+    def open_(idx: list[int]) -> tuple[list[Tensor], bool]:
+        gs = [grads[i] for i in idx]
+        if robust is not None:
+            robust_moments_(
+                [robust[0][i] for i in idx], [robust[1][i] for i in idx], gs,
+                window=o.robust_window,
+            )  # fmt: skip
+        vs = momentum_([bufs[i] for i in idx], gs, momentum=o.momentum, nesterov=o.nesterov)
+        return vs, o.nesterov
+
+    for done, updates, scales in _directions(
+        [p.shape for p in params], [b.dtype for b in bufs], o, coefficients, open_,
+        blocks=blocks, record=record,
+    ):  # fmt: skip
+        if robust is not None:
+            updates = [
+                _robust(U, robust[0][i], robust[1][i], steps[i], o) for i, U in zip(done, updates)
+            ]
+        apply_(
+            [params[i] for i in done], updates, lr=o.lr, weight_decay=o.weight_decay,
+            scales=scales,
+        )  # fmt: skip
+
+
+def _count(step: Tensor) -> float | Tensor:
+    """A step count as a Python number (eager: read from the CPU), or the tensor itself in a
+    traced step, where reading it would make it a guard."""
+    return step if torch.compiler.is_compiling() else float(step)
+
+
+def _robust(U: Tensor, mean: Tensor, sq: Tensor, step: Tensor, o: RootOptions) -> Tensor:
+    """:func:`robust_scale` of a parameter's update (per matrix of its view)."""
+    view = matrix_view(U.shape, o.nd_view)
+    shape = (view.batch, view.rows, view.cols)
+    bc = 1.0 - (1.0 - 1.0 / o.robust_window) ** _count(step)
+    out = robust_scale(
+        U.reshape(shape), mean.reshape(shape), sq.reshape(shape), bias_correction=bc,
+        lam=o.robust_lambda,
+    )  # fmt: skip
+    return out.reshape(U.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# the threshold on its own (public helpers)
+# ---------------------------------------------------------------------------------------
 def soft_threshold_split(M: Tensor, eps: Tensor) -> tuple[Tensor, Tensor]:
     """Split ``M`` into the kept part ``B = clamp(M, -eps, eps)`` and the outliers
     ``O = sign(M) relu(|M| - eps) = M - B``. ``eps`` broadcasts per matrix."""
@@ -242,286 +486,4 @@ def clip_outliers(M: Tensor, q: float | None) -> tuple[Tensor, Tensor | None]:
     if q is None:
         return M, None
     eps = abs_quantile(M, q) + THRESHOLD_EPS
-    # One pass: clamp takes per-matrix tensor bounds.
-    B = torch.clamp(M, -eps, eps)
-    return B, eps
-
-
-def clip_outliers_(M: Tensor, q: float | None, *, out: Tensor) -> tuple[Tensor, Tensor | None]:
-    """:func:`clip_outliers` writing ``B`` into ``out`` (which may be ``M`` itself: then
-    the clamp is in place and no new matrix is allocated). Returns ``(out, eps)``."""
-    if q is None:
-        if out is not M:
-            out.copy_(M)
-        return out, None
-    eps = abs_quantile(M, q) + THRESHOLD_EPS
-    torch.clamp(M, -eps, eps, out=out)
-    return out, eps
-
-
-# ---------------------------------------------------------------------------------------
-# orthogonalization and robust scaling
-# ---------------------------------------------------------------------------------------
-def orthogonal_direction(
-    B: Tensor,
-    schedule: Coefficients,
-    *,
-    method: OrthoMethod,
-    dtype: torch.dtype,
-    gram: bool | None = None,
-    select: Selector | None = None,
-) -> Tensor:
-    """U for a matrix or a stack of matrices; returned as float32.
-
-    ``schedule``: K ``(a, b, c)`` tuples or a ``(K, 3)`` / ``(K, batch, 3)`` tensor;
-    ``select`` picks per-matrix coefficients from statistics of ``X₀X₀ᵀ`` (see
-    :mod:`rootopt.ortho.newton_schulz`). ``gram``: Newton–Schulz in Gram space
-    (``None``: :func:`rootopt.ortho.prefer_gram` decides by shape and dtype).
-    """
-    if method == "newton_schulz":
-        if gram is None:
-            gram = prefer_gram(B.size(-2), B.size(-1), dtype)
-        ns = gram_newton_schulz if gram else newton_schulz
-        U = ns(B, schedule, dtype=dtype, select=select)
-    elif method == "svd":
-        U = svd_polar(B, dtype=torch.float32)
-    elif method == "qr":
-        U = qr_direction(B, dtype=torch.float32)
-    else:
-        raise ValueError(f"ortho_method={method!r} is unknown")
-    return U.float()
-
-
-def robust_scale(
-    U: Tensor,
-    mean: Tensor,
-    sq: Tensor,
-    *,
-    bias_correction: float,
-    lam: float,
-    eps: float = 1e-8,
-) -> Tensor:
-    """Per-element robust scaling (an option beyond the paper; docs/performance.md,
-    "One reference, several fast paths"), made norm-preserving.
-
-    ``mean`` / ``sq`` are running (EMA) estimates of E[g] and E[g²] (bias corrected by
-    ``bias_correction = 1 - beta^t``), so ``delta = sqrt(E[g²] - E[g]²)``; then
-    ``sigma = 1 / (|mu| + lam delta + eps)``. The update becomes
-    ``U ⊙ sigma · ||U||_F / ||U ⊙ sigma||_F``: the same Frobenius norm as ``U`` (so the
-    lr keeps its meaning), redistributed towards entries whose gradient is small and
-    steady relative to its noise; the result is no longer orthogonal.
-    """
-    mu = mean / bias_correction
-    var = (sq / bias_correction - mu * mu).clamp_min(0.0)
-    sigma = 1.0 / (mu.abs() + lam * var.sqrt() + eps)
-    S = U * sigma.reshape(U.shape)
-    dims = (-2, -1)
-    ratio = U.norm(dim=dims, keepdim=True) / S.norm(dim=dims, keepdim=True).clamp_min(1e-30)
-    scaled: Tensor = S * ratio
-    return scaled
-
-
-# ---------------------------------------------------------------------------------------
-# the whole update, one parameter at a time (the reference)
-# ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RootTrace:
-    """What one :func:`root_update_` computed, for telemetry (``(batch, rows, cols)``)."""
-
-    M: Tensor  # the vector that was thresholded (Nesterov vector or momentum)
-    B: Tensor  # its soft-threshold residual
-    eps: Tensor | None  # per-matrix threshold, (batch, 1, 1); None without suppression
-    U: Tensor  # the orthogonal direction (after robust scaling, if on)
-    step: Tensor  # the applied orthogonal step lr * s(rows, cols) * U, shaped like param
-
-
-def root_update_(
-    param: Tensor,
-    grad: Tensor,
-    momentum_buffer: Tensor,
-    *,
-    step: int,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    weight_decay: float,
-    coefficients: Coefficients,
-    outlier_quantile: float | None,
-    ortho_method: OrthoMethod = "newton_schulz",
-    ns_dtype: torch.dtype = torch.float32,
-    gram: bool | None = None,
-    select: Selector | None = None,
-    lr_scale: LrScale = "moonlight",
-    transposed: bool = False,
-    nd_view: NDView = "auto",
-    robust_mean: Tensor | None = None,
-    robust_sq: Tensor | None = None,
-    robust_window: int = 100,
-    robust_lambda: float = 0.1,
-) -> RootTrace:
-    """One ROOT step for one parameter, in place on ``param``, ``momentum_buffer`` (and the
-    robust statistics), one matrix at a time — the readable ground truth.
-
-    ``step`` is this step's count (1 on the first step). Follows the paper's official
-    code (arXiv 2511.20626; reference numerics in docs/performance.md):
-
-    1. momentum (sum form): ``buf = mu buf + g``; ``v = g + mu buf`` (Nesterov) or ``buf``;
-    2. threshold, per matrix: ``eps = quantile(|v|, q) + 1e-9``, ``B = clamp(v, -eps, eps)``;
-    3. orthogonalize, per matrix: ``U = NS_K(B)`` (or SVD / QR);
-    4. decoupled decay with the unscaled lr: ``p = p (1 - lr wd)``;
-    5. scaled step: ``p = p - lr s(rows, cols) U``.
-
-    With ``robust_mean``/``robust_sq`` (the optional per-element scaling,
-    :func:`robust_scale`) their EMAs are updated in step 1 and ``U`` is rescaled before
-    step 4. ``transposed``: the weight is stored ``(in, out)`` (``transformers``
-    ``Conv1D``), so ``s`` takes rows = the view's second dimension. State has the higher of
-    float32 and the parameter's dtype; a low-precision parameter is updated in float32 and
-    written back.
-    """
-    g = grad.to(momentum_buffer.dtype)
-    # 1. momentum
-    momentum_buffer.mul_(momentum).add_(g)
-    v = g.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
-    robust = robust_mean is not None and robust_sq is not None
-    beta = 1.0 - 1.0 / robust_window
-    if robust_mean is not None and robust_sq is not None:
-        robust_mean.lerp_(g, 1 - beta)
-        robust_sq.mul_(beta).addcmul_(g, g, value=1 - beta)
-    # 2-3. threshold and orthogonalize each matrix of the parameter's view
-    view = matrix_view(param.shape, nd_view)
-    M = v.reshape(view.batch, view.rows, view.cols)
-    Bs, Us, epss = [], [], []
-    for i in range(view.batch):
-        B_i, eps_i = clip_outliers(M[i], outlier_quantile)
-        U_i = orthogonal_direction(
-            B_i, coefficients, method=ortho_method, dtype=ns_dtype, gram=gram, select=select
-        )
-        Bs.append(B_i)
-        Us.append(U_i)
-        if eps_i is not None:
-            epss.append(eps_i)
-    U = torch.stack(Us)
-    if robust:
-        assert robust_mean is not None and robust_sq is not None
-        U = robust_scale(
-            U,
-            robust_mean.reshape(U.shape),
-            robust_sq.reshape(U.shape),
-            bias_correction=1.0 - beta**step,
-            lam=robust_lambda,
-        )
-    # 4-5. decoupled decay, then the scaled orthogonal step
-    rows, cols = (view.cols, view.rows) if transposed else (view.rows, view.cols)
-    update = U.reshape(param.shape).mul(lr * lr_scale_factor(rows, cols, lr_scale))
-    p32 = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    p32.mul_(1 - lr * weight_decay)
-    p32.sub_(update)
-    if p32 is not param:
-        param.copy_(p32)
-    eps = torch.stack(epss) if epss else None
-    return RootTrace(M, torch.stack(Bs), eps, U, update)
-
-
-# ---------------------------------------------------------------------------------------
-# AdamW (for everything that is not a weight matrix)
-# ---------------------------------------------------------------------------------------
-def adamw_update_(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    *,
-    step: int,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One bias-corrected AdamW step in place (decoupled decay ``p *= 1 - lr wd`` first).
-
-    State has the higher of float32 and the parameter's dtype; a low-precision parameter
-    is updated in float32 and written back. The formula and operation order are torch.optim.AdamW's.
-    """
-    beta1, beta2 = betas
-    p32 = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    g = grad.to(exp_avg.dtype)
-    p32.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1 = 1 - beta1**step
-    bc2 = 1 - beta2**step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-    p32.addcdiv_(exp_avg, denom, value=-lr / bc1)
-    if p32 is not param:
-        param.copy_(p32)
-
-
-def adamw_update_foreach_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    *,
-    step: int,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """:func:`adamw_update_` for many float32 tensors at one step count, with ``_foreach``
-    kernels (a handful of launches instead of eight per tensor)."""
-    beta1, beta2 = betas
-    bc1 = 1 - beta1**step
-    bc2 = 1 - beta2**step
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, math.sqrt(bc2))
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
-
-
-# ---------------------------------------------------------------------------------------
-# telemetry
-# ---------------------------------------------------------------------------------------
-def matrix_telemetry(
-    M: Tensor,
-    B: Tensor,
-    eps: Tensor | None,
-    U: Tensor,
-    update: Tensor,
-    param: Tensor,
-    *,
-    spectra: bool,
-) -> dict[str, object]:
-    """Diagnostics of one ROOT update (``M``, ``B``, ``U`` as ``(batch, rows, cols)``).
-
-    eps: threshold (mean over a stack); clip_fraction: share of entries with
-    ``|M| > eps``; outlier_energy: ``||O||_F / ||M||_F``; ortho_residual:
-    ``||W Wᵀ - I||_F / sqrt(r)`` on the wide orientation ``W`` of ``U`` (0 = exactly
-    orthogonal); update_rms and update_param_ratio ``||Δp||_F / ||p||_F`` of the applied
-    orthogonal step (decay excluded).
-    """
-    out: dict[str, object] = {}
-    m_norm = M.norm()
-    if eps is None:
-        out["eps"] = float("nan")
-        out["clip_fraction"] = 0.0
-        out["outlier_energy"] = 0.0
-    else:
-        out["eps"] = float(eps.mean())
-        out["clip_fraction"] = float((M.abs() > eps).float().mean())
-        out["outlier_energy"] = float((M - B).norm() / m_norm.clamp_min(1e-30))
-    W = U if U.size(-2) <= U.size(-1) else U.mT
-    r = W.size(-2)
-    eye = torch.eye(r, dtype=W.dtype, device=W.device)
-    resid = (W @ W.mT - eye).norm(dim=(-2, -1)) / math.sqrt(r)
-    out["ortho_residual"] = float(resid.mean())
-    out["update_rms"] = float(update.float().pow(2).mean().sqrt())
-    out["update_param_ratio"] = float(update.float().norm() / param.float().norm().clamp_min(1e-30))
-    if spectra:
-        Bn = B / B.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
-        out["singular_values"] = torch.linalg.svdvals(Bn.double()).float().cpu()
-    return out
+    return torch.clamp(M, -eps, eps), eps

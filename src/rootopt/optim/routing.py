@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -501,3 +502,81 @@ def param_groups(
             group["weight_decay"] = weight_decay
         groups.append(group)
     return groups, RoutingReport(routes, frozen)
+
+
+# ------------------------------------------------------------------------------------------
+# fused projections and LoRA factors in groups handed to ROOT
+# ------------------------------------------------------------------------------------------
+def fused_splits(groups: list[dict[str, Any]], report: RoutingReport) -> list[dict[str, Any]]:
+    """Copies of ``groups`` (from :func:`param_groups`) in which every fused projection the
+    routing ``report`` found with known block sizes (``Route.split``: GPT-2 ``c_attn``,
+    ``qkv_proj``, ``gate_up_proj``, ...) gets ``ns_split``, so that ROOT orthogonalizes its
+    Q/K/V (or gate/up) blocks separately."""
+    by_name = report.by_name()
+    out = []
+    for g in groups:
+        g = dict(g)
+        names = g.get("param_names")
+        if names is not None and g.get("algorithm") == "root":
+            splits = [tuple(by_name[n].split) if by_name[n].split else None for n in names]
+            if any(x is not None for x in splits):
+                g["ns_split"] = splits
+        out.append(g)
+    return out
+
+
+def check_splits(group: dict[str, Any], params: list[Tensor], robust: bool) -> None:
+    """Validate ``ns_split``: one entry per parameter, ``None`` or output block sizes of a
+    2-D weight that add up to its fan-out (dim 0, dim 1 for a transposed group)."""
+    splits = group.get("ns_split")
+    if splits is None:
+        return
+    if not isinstance(splits, (list, tuple)) or len(splits) != len(params):
+        raise ValueError(
+            f"Invalid ns_split: needs one entry (None or block sizes) per parameter, "
+            f"got {splits!r} for {len(params)} parameters"
+        )
+    dim = 1 if group.get("transposed", False) else 0
+    for sizes, p in zip(splits, params):
+        if sizes is None:
+            continue
+        if (
+            p.ndim != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+            or sum(sizes) != p.shape[dim]
+        ):
+            raise ValueError(
+                f"Invalid ns_split: {sizes!r} for a parameter of shape {tuple(p.shape)} "
+                f"(positive block sizes of a 2-D weight adding up to dim {dim})"
+            )
+        if robust:
+            raise ValueError("Invalid ns_split: not supported together with robust_scaling")
+
+
+def _is_lora_name(name: object) -> bool:
+    return isinstance(name, str) and any(
+        part.startswith(("lora_", "lora_embedding_")) for part in name.split(".")
+    )
+
+
+def warn_lora(items: list[Any], names: Any, stacklevel: int) -> None:
+    """Warn (once per call site, Python's default filter) when a group routed by shape
+    holds LoRA factors, which ROOT would orthogonalize. Only names can tell: a bare tensor
+    from ``model.parameters()`` carries nothing that marks it as a LoRA factor, so this
+    sees ``named_parameters()`` input (or ``param_names``), not bare tensors."""
+    found = [
+        item[0]
+        for item in items
+        if isinstance(item, tuple) and _is_lora_name(item[0]) and item[1].ndim >= 2
+    ]
+    if names is not None:
+        found += [n for n, item in zip(names, items) if _is_lora_name(n) and item.ndim >= 2]
+    if found:
+        warnings.warn(
+            f"ROOT got LoRA factors in a group routed by shape ({found[0]}"
+            f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}): they would be "
+            "orthogonalized. Build the groups with rootopt.param_groups(model), which puts "
+            "LoRA A/B on AdamW (docs/integrations.md).",
+            UserWarning,
+            stacklevel=stacklevel,
+        )

@@ -1,0 +1,134 @@
+"""Validation of ROOT's options, in one place; the iteration dtype and bucket budget per device."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rootopt.coeffs import validate_spec
+from rootopt.ortho import METHODS
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+# ``ns_dtype="auto"`` (the default) per device type; any other device: float32. The value for
+# CUDA is the one the training-evidence study decides; flipping it is this one line.
+# TF32: ROOT never changes torch's float32 matmul precision; a float32 iteration on CUDA uses
+# whatever the process set (torch's default "highest": no TF32).
+AUTO_NS_DTYPE: dict[str, str] = {"cpu": "float32", "cuda": "float32"}
+# Most bytes of float32 matrices stacked at once (docs/performance.md, "Memory"). "auto"
+# (the default): 32 MiB on the CPU, where stacking saves no time and bounds memory; on an
+# accelerator, where every stack saves launches (docs/performance.md, "Launches"), 1 GiB or
+# 1/32 of the device's memory, whichever is less.
+CPU_BUCKET_BYTES = 32 << 20
+ACCELERATOR_BUCKET_BYTES = 1 << 30
+GRAM_MODES = ("auto", "on", "off")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def ns_dtype_name(value: str, device: torch.device) -> str:
+    """The iteration dtype's name for parameters on ``device`` (``"auto"`` resolved)."""
+    return AUTO_NS_DTYPE.get(device.type, "float32") if value == "auto" else value
+
+
+def bucket_budget(value: int | str, device: torch.device) -> int:
+    """Bytes per stack for parameters on ``device`` (0: no limit)."""
+    if value != "auto":
+        return int(value)
+    if device.type == "cpu":
+        return CPU_BUCKET_BYTES
+    return min(ACCELERATOR_BUCKET_BYTES, _device_memory(device) // 32)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return 1 << 62  # unknown (e.g. the meta device of the launch counter): no cap
+
+
+def dtype_name(value: object) -> str:
+    if isinstance(value, torch.dtype):
+        for name, dt in DTYPES.items():
+            if dt == value:
+                return name
+    if isinstance(value, str) and (value in DTYPES or value == "auto"):
+        return value
+    raise ValueError(f"Invalid ns_dtype: {value!r} (choose 'auto' or one of {sorted(DTYPES)})")
+
+
+def check_options(g: dict[str, Any]) -> None:
+    """Validate one group's (or the defaults') hyperparameters; raise naming the bad one.
+    Normalises ``ns_dtype`` to its name in place."""
+
+    def bad(key: str, rule: str) -> ValueError:
+        return ValueError(f"Invalid {key}: {g[key]!r} ({rule})")
+
+    def number(key: str) -> float:
+        v = g[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(key, "must be a finite number")
+        return float(v)
+
+    def flag(key: str) -> None:
+        if not isinstance(g.get(key, False), bool):
+            raise bad(key, "must be True or False")
+
+    lr = g["lr"]
+    if isinstance(lr, Tensor):
+        # As torch.optim.Adam: a 1-element tensor lr is accepted (schedulers fill it in place).
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not lr.is_floating_point() or not math.isfinite(float(lr)) or float(lr) < 0:
+            raise bad("lr", "must be a finite number >= 0")
+    elif number("lr") < 0:
+        raise bad("lr", "must be >= 0")
+    if not 0.0 <= number("momentum") < 1.0:
+        raise bad("momentum", "must be in [0, 1)")
+    if number("weight_decay") < 0:
+        raise bad("weight_decay", "must be >= 0")
+    for key in ("nesterov", "robust_scaling", "batched", "ns_fit"):
+        flag(key)
+    steps = g["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+        raise bad("ns_steps", "must be an integer in [1, 100]")
+    validate_spec(g["ns_coefficients"])
+    g["ns_dtype"] = dtype_name(g["ns_dtype"])
+    if g["ortho_method"] not in METHODS:
+        raise bad("ortho_method", f"choose one of {METHODS}")
+    q = g["outlier_quantile"]
+    if q is not None and (
+        isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 1.0
+    ):
+        raise bad("outlier_quantile", "must be in (0, 1], or None to disable")
+    if g["lr_scale"] not in ("moonlight", "muon", "none"):
+        raise bad("lr_scale", "choose 'moonlight', 'muon' or 'none'")
+    if g["nd_view"] not in ("auto", "flatten", "batch"):
+        raise bad("nd_view", "choose 'auto', 'flatten' or 'batch'")
+    if number("robust_window") < 1:
+        raise bad("robust_window", "must be >= 1")
+    if number("robust_lambda") < 0:
+        raise bad("robust_lambda", "must be >= 0")
+    betas = g["adamw_betas"]
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise bad("adamw_betas", "must be two numbers in [0, 1)")
+    if number("adamw_eps") < 0:
+        raise bad("adamw_eps", "must be >= 0")
+    if g.get("ns_gram", "auto") not in GRAM_MODES:
+        raise bad("ns_gram", f"choose one of {GRAM_MODES}")
+    b = g.get("bucket_bytes", "auto")
+    if b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+        raise bad("bucket_bytes", "must be 'auto' or an integer >= 0 (0: no limit)")
+    if g.get("algorithm") not in (None, "auto", "root", "adamw"):
+        raise bad("algorithm", "choose 'root', 'adamw' or 'auto'")
