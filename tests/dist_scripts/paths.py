@@ -1,0 +1,66 @@
+"""Worker of ``tests/test_paths.py``: DistributedROOT across the launched ranks on every
+option set of ``tests/path_cases.py``, replicated (plain tensors, the same gradient on
+every rank, as after DDP's all-reduce) and sharded (``DTensor`` parameters, ``Shard(0)`` on
+a 1-D mesh, as FSDP2 holds them). Rank 0 writes the full parameters and optimizer state
+of each run to ``OUT/<mode>-<option set>.pt``. Usage: paths.py OUT."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from path_cases import LR, OPTION_SETS, gradients, groups, make_params
+from rootopt.dist import DistributedROOT, finish, init_distributed
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run(out: Path, mode: str, name: str) -> None:
+    options, dtype = OPTION_SETS[name]
+    params = make_params(dtype)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if mode == "sharded" else None
+    if mesh is not None:
+        params = {
+            n: nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+            for n, p in params.items()
+        }
+    opt = DistributedROOT(groups(params, options), lr=LR, **options)
+    for grads in gradients(dtype):
+        for n, p in params.items():
+            g = grads[n]
+            p.grad = g if mesh is None else distribute_tensor(g, mesh, [Shard(0)])
+        opt.step()
+    result: dict[str, Any] = {
+        "params": {n: full(p.detach()).clone() for n, p in params.items()},
+        "state": {
+            n: {k: full(v).clone() for k, v in opt.state[p].items()} for n, p in params.items()
+        },
+        "world": dist.get_world_size(),
+    }
+    if dist.get_rank() == 0:
+        torch.save(result, out / f"{mode}-{name}.pt")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    init_distributed(backend="gloo", timeout_s=120)
+    for name in OPTION_SETS:
+        run(out, "replicated", name)
+        if not OPTION_SETS[name][0].get("robust_scaling"):  # not supported when sharded
+            run(out, "sharded", name)
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()
