@@ -63,6 +63,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from rootopt.dist import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
+    from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim.functional import root_direction
 
     info = init_distributed(backend=args.backend, timeout_s=600)
@@ -122,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
                     st = opt.state[p]
                     st["momentum_buffer"].mul_(0.95).add_(p.grad)
                     v = p.grad.add(st["momentum_buffer"], alpha=0.95)
-                    sched, select = opt._coefficients(root_group, dev)(*p.shape)
+                    sched, select = coefficients_for(opt._coeffs, root_group, dev)(*p.shape)
                     U = root_direction(v, sched, select=select, quantile=0.9)
                     buf[off : off + p.numel()] = U.reshape(-1)
                     off += p.numel()

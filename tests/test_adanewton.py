@@ -548,14 +548,16 @@ def test_zero_matrix_through_selector_is_finite():
 
 
 def test_optimizer_exposes_selector_for_adanewton_only():
+    from rootopt.optim._coefficients import coefficients_for
+
     p = torch.nn.Parameter(torch.randn(37, 101))
     opt = ROOT([p])
-    coefficients = opt._coefficients(opt.param_groups[0], p.device)
+    coefficients = coefficients_for(opt._coeffs, opt.param_groups[0], p.device)
     schedule, sel = coefficients(37, 101)
     assert isinstance(sel, GramSelector) and sel.short == 37
     assert coefficients(101, 37)[0] == schedule == sel.flat
     opt2 = ROOT([torch.nn.Parameter(torch.randn(37, 101))], ns_coefficients="muon")
-    assert opt2._coefficients(opt2.param_groups[0], p.device)(37, 101)[1] is None
+    assert coefficients_for(opt2._coeffs, opt2.param_groups[0], p.device)(37, 101)[1] is None
 
 
 # ----------------------------------------------------------------- robustness (families)

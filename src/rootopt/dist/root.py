@@ -38,6 +38,8 @@ from torch import Tensor
 
 from rootopt.dist.group import PendingCollective, collective, start_collective, world
 from rootopt.dist.owners import assign_owners, chunk_rows, ns_cost
+from rootopt.optim._coefficients import coefficients_for, group_matrices
+from rootopt.optim._options import root_options
 from rootopt.optim.adamw import adamw_
 from rootopt.optim.functional import (
     Matrix,
@@ -212,7 +214,7 @@ class DistributedROOT(ROOT):
             if not root:
                 continue
             vs = self._momentum_local(group, root)
-            o = self._options(group, _local(root[0][1]).device)
+            o = root_options(group, _local(root[0][1]).device, float(group["lr"]))
             splits = group.get("ns_split")
             for (pi, p, name, _), v in zip(root, vs):
                 view = matrix_view(p.shape, group["nd_view"])
@@ -230,7 +232,7 @@ class DistributedROOT(ROOT):
         for group in self.param_groups:
             for pi, p in enumerate(group["params"]):
                 if algorithm_of(group, p) == "root" and p.grad is not None and p.numel() > 0:
-                    for m in self._matrices(group, pi, p):
+                    for m in group_matrices(group, pi, p):
                         self.stats.ns_matrices += m.batch
                         self.stats.ns_cost += ns_cost(m.batch, m.rows, m.cols, group["ns_steps"])
 
@@ -379,7 +381,8 @@ class DistributedROOT(ROOT):
 
             updates = _directions(
                 [tasks[i].p.shape for i in idx], [full[i].dtype for i in idx],
-                self._options(group, device), self._coefficients(group, device), whole,
+                root_options(group, device, float(group["lr"])),
+                coefficients_for(self._coeffs, group, device), whole,
                 blocks=[splits[tasks[i].pi] for i in idx] if splits else None,
             )  # fmt: skip
             for done, Us, _ in updates:
@@ -399,7 +402,7 @@ class DistributedROOT(ROOT):
             by_group.setdefault(t.gi, []).append(i)
         for idx in by_group.values():
             group = tasks[idx[0]].group
-            o = self._options(group, _local(tasks[idx[0]].p).device)
+            o = root_options(group, _local(tasks[idx[0]].p).device, float(group["lr"]))
             updates = []
             for i in idx:
                 t, U = tasks[i], Us[i].reshape(_local(tasks[i].p).shape)

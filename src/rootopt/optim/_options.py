@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
 
 from rootopt.coeffs import validate_spec
+from rootopt.optim.functional import RootOptions
 from rootopt.ortho import METHODS
 
 DTYPES: dict[str, torch.dtype] = {
@@ -30,6 +31,7 @@ AUTO_NS_DTYPE: dict[str, str] = {"cpu": "float32", "cuda": "float32"}
 CPU_BUCKET_BYTES = 32 << 20
 ACCELERATOR_BUCKET_BYTES = 1 << 30
 GRAM_MODES = ("auto", "on", "off")
+Algorithm = Literal["root", "adamw"]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -132,3 +134,40 @@ def check_options(g: dict[str, Any]) -> None:
         raise bad("bucket_bytes", "must be 'auto' or an integer >= 0 (0: no limit)")
     if g.get("algorithm") not in (None, "auto", "root", "adamw"):
         raise bad("algorithm", "choose 'root', 'adamw' or 'auto'")
+
+
+def root_options(group: dict[str, Any], device: torch.device, lr: float | Tensor) -> RootOptions:
+    """A group's options as the update needs them, for its parameters on ``device``."""
+    gram = group.get("ns_gram", "auto")
+    return RootOptions(
+        lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
+        weight_decay=group["weight_decay"], quantile=group["outlier_quantile"],
+        method=group["ortho_method"], ns_dtype=DTYPES[ns_dtype_name(group["ns_dtype"], device)],
+        gram=None if gram == "auto" else gram == "on", lr_scale=group["lr_scale"],
+        transposed=bool(group.get("transposed", False)), nd_view=group["nd_view"],
+        robust_window=group["robust_window"], robust_lambda=group["robust_lambda"],
+        bucket_bytes=bucket_budget(group.get("bucket_bytes", "auto"), device),
+    )  # fmt: skip
+
+
+def state_dtype(p: Tensor) -> torch.dtype:
+    """dtype of a parameter's optimizer state: the higher of float32 and the parameter's
+    (bfloat16/float16 parameters keep float32 state, float64 parameters float64)."""
+    return torch.promote_types(p.dtype, torch.float32) if p.is_floating_point() else torch.float32
+
+
+def algorithm_of(group: dict[str, Any], p: Tensor) -> Algorithm:
+    """The update a parameter of ``group`` gets: the group's ``algorithm`` when it names
+    one, else (``"auto"``, a user group) ROOT for tensors with ``ndim >= 2``, AdamW for
+    the rest."""
+    algo = group.get("algorithm")
+    if algo in ("root", "adamw"):
+        return cast(Algorithm, algo)
+    return "root" if p.ndim >= 2 else "adamw"
+
+
+def _lr(group: dict[str, Any]) -> float | Tensor:
+    """The group's lr: a number, or a tensor lr kept as a tensor in a traced step (reading
+    it would be a guard; schedulers fill it in place)."""
+    lr = group["lr"]
+    return lr if isinstance(lr, Tensor) and torch.compiler.is_compiling() else float(lr)

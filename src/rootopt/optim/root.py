@@ -18,71 +18,29 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from rootopt.coeffs import CoefficientError, CoefficientSpec, Resolution
+from rootopt.coeffs import CoefficientSpec, Resolution
 from rootopt.coeffs.cache import CoefficientCache
 from rootopt.optim import _options
+from rootopt.optim._coefficients import coefficients_for, resolve_group
+from rootopt.optim._finite import NonFiniteGradientError, check_finite
+from rootopt.optim._options import _lr, algorithm_of, state_dtype
 from rootopt.optim.adamw import adamw_
 from rootopt.optim.functional import (
-    CoefficientsFor,
     LrScale,
-    Matrix,
     NDView,
     OrthoMethod,
-    Record,
-    RootOptions,
     _multi_tensor_root,
     _single_tensor_root,
-    matrices,
-    matrix_view,
 )
 from rootopt.optim.routing import check_splits, fused_splits, warn_lora
-from rootopt.optim.telemetry import matrix_telemetry
+from rootopt.optim.telemetry import Recorder
 
-Algorithm = Literal["root", "adamw"]
 NonFinite = Literal["error", "skip"]
 DEFAULT_BUCKET_BYTES = _options.CPU_BUCKET_BYTES  # "auto" on the CPU
 # Attributes rebuilt on unpickling instead of saved (see ROOT.__getstate__).
 _NOT_PICKLED = frozenset({"_coeffs", "telemetry", "_compiled"})
 
 __all__ = ["ROOT", "NonFiniteGradientError", "algorithm_of", "fused_splits", "state_dtype"]
-
-
-class NonFiniteGradientError(ValueError):
-    """A gradient holds NaN or Inf; nothing was updated."""
-
-
-def state_dtype(p: Tensor) -> torch.dtype:
-    """dtype of a parameter's optimizer state: the higher of float32 and the parameter's
-    (bfloat16/float16 parameters keep float32 state, float64 parameters float64)."""
-    return torch.promote_types(p.dtype, torch.float32) if p.is_floating_point() else torch.float32
-
-
-def algorithm_of(group: dict[str, Any], p: Tensor) -> Algorithm:
-    """The update a parameter of ``group`` gets: the group's ``algorithm`` when it names
-    one, else (``"auto"``, a user group) ROOT for tensors with ``ndim >= 2``, AdamW for
-    the rest."""
-    algo = group.get("algorithm")
-    if algo in ("root", "adamw"):
-        return cast(Algorithm, algo)
-    return "root" if p.ndim >= 2 else "adamw"
-
-
-def _lr(group: dict[str, Any]) -> float | Tensor:
-    """The group's lr: a number, or a tensor lr kept as a tensor in a traced step (reading
-    it would be a guard; schedulers fill it in place)."""
-    lr = group["lr"]
-    return lr if isinstance(lr, Tensor) and torch.compiler.is_compiling() else float(lr)
-
-
-def _at(record: Record | None, i: int) -> Record | None:
-    """``record`` for the reference path, which numbers its one parameter 0."""
-    if record is None:
-        return None
-
-    def at(_: int, m: Matrix, M: Tensor, U: Tensor) -> None:
-        record(i, m, M, U)
-
-    return at
 
 
 class ROOT(Optimizer):
@@ -102,45 +60,38 @@ class ROOT(Optimizer):
 
     Args:
         params: tensors, ``(name, tensor)`` pairs, or param-group dicts. A group without
-            ``"algorithm"`` routes per parameter: ``ndim >= 2`` ROOT, the rest AdamW.
-            :func:`rootopt.param_groups` builds safe groups from a model.
+            ``"algorithm"`` routes per parameter: ``ndim >= 2`` ROOT, the rest AdamW
+            (:func:`rootopt.param_groups` builds safe groups from a model).
         lr, momentum, nesterov, weight_decay: as in the update above.
-        ns_steps: Newton–Schulz iterations K.
-        ns_coefficients: ``"adanewton"`` (shape-specific, stable, per-matrix selection),
-            ``"official"`` (the paper's 4-shape table + Muon fallback), ``"muon"``,
-            ``"polar_express"``, ``"you"``, ``"cans"``, ``"cubic"``, ``"quintic"``, an
-            ``(a, b, c)`` tuple, a list of K tuples, or a callable ``(rows, cols, K) -> tuples``.
-        ns_dtype: iteration dtype: ``"auto"`` (per device, ``_options.AUTO_NS_DTYPE``:
-            float32 everywhere today; TF32 follows torch's own setting), ``"float32"``,
-            ``"bfloat16"``, ``"float16"``, ``"float64"``.
+        ns_steps, ns_coefficients: K iterations; ``"adanewton"`` (shape-specific, stable,
+            per-matrix selection), ``"official"`` (the paper's table + Muon fallback),
+            ``"muon"``, ``"polar_express"``, ``"you"``, ``"cans"``, ``"cubic"``,
+            ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
+        ns_dtype: iteration dtype; ``"auto"`` per device (``_options.AUTO_NS_DTYPE``:
+            float32 everywhere today; TF32 is torch's own setting), or a dtype name.
         ortho_method: ``"newton_schulz"``, ``"svd"`` (exact UVᵀ) or ``"qr"``.
         outlier_quantile: quantile q of the soft threshold; ``None`` disables it.
         lr_scale: ``"moonlight"``, ``"muon"`` or ``"none"``.
-        nd_view: how N-D weights become matrices: ``"auto"`` (3-D = stack of matrices,
-            4-D+ = flattened to ``(out, rest)``), ``"flatten"`` or ``"batch"``.
-        robust_scaling, robust_window, robust_lambda: per-element robust scaling (off by
-            default; :func:`rootopt.optim.functional.robust_scale`).
+        nd_view: N-D weights as matrices: ``"auto"`` (3-D: a stack, 4-D+: ``(out, rest)``),
+            ``"flatten"`` or ``"batch"``.
+        robust_scaling, robust_window, robust_lambda: per-element robust scaling (off;
+            :func:`rootopt.optim.functional.robust_scale`).
         adamw_betas, adamw_eps: the internal AdamW's constants.
         batched: stack same-shape matrices (fast path) instead of the reference loop.
-        ns_gram: ``"auto"`` runs Newton–Schulz in Gram space where it was measured to pay
-            and hold (:func:`rootopt.ortho.prefer_gram`), ``"on"``/``"off"`` force it.
-        bucket_bytes: most bytes of float32 matrices stacked at once (0: no limit);
-            ``"auto"``: 32 MiB on the CPU, up to 1 GiB on an accelerator (fewer launches).
-        ns_fit: opt-in offline fitting for ``"adanewton"``: a shape the table lacks is read
-            from the user cache or fitted and cached while the optimizer is built. Off by
-            default: coefficients come from the shipped table or its certified
-            generalisation, with no file read or written.
-        telemetry: record per-matrix diagnostics in ``self.telemetry`` after each step
-            (or set ``self.telemetry_enabled`` on the steps to record).
-        record_spectra: with telemetry, also the normalised singular values of ``B``.
+        ns_gram: ``"auto"``: Newton–Schulz in Gram space where measured to pay and hold
+            (:func:`rootopt.ortho.prefer_gram`); ``"on"``/``"off"`` force it.
+        bucket_bytes: most bytes of float32 matrices stacked at once (0: no limit;
+            ``"auto"``: 32 MiB on the CPU, up to 1 GiB on an accelerator).
+        ns_fit: opt-in: shapes the AdaNewton table lacks are fitted and cached while the
+            optimizer is built (off: the shipped table or its certified generalisation).
+        telemetry, record_spectra: per-matrix diagnostics in ``self.telemetry`` after each
+            step (or on the steps ``self.telemetry_enabled`` is set), with spectra of ``B``.
         nonfinite: ``"error"`` raises :class:`NonFiniteGradientError` before anything is
             updated; ``"skip"`` leaves parameters with NaN/Inf gradients (and their state)
             untouched and lists them in ``self.skipped``. One host sync per step.
-        compile_step: run the whole step (gradient check, both parts) through
-            ``torch.compile``: ``True`` (default mode) or a mode name
-            (``"reduce-overhead"`` captures CUDA graphs). The first step runs eagerly
-            (it creates the state) and the second compiles; steps with telemetry on run
-            eagerly (docs/performance.md, "Launches").
+        compile_step: the whole step through ``torch.compile``: ``True`` or a mode name
+            (``"reduce-overhead"`` captures CUDA graphs). The first step runs eagerly (it
+            creates the state); steps with telemetry on too (docs/performance.md).
     """
 
     def __init__(
@@ -253,51 +204,8 @@ class ROOT(Optimizer):
             raise
 
     # ------------------------------------------------------------------------ coefficients
-    def _matrices(self, group: dict[str, Any], pi: int, p: Tensor) -> list[Matrix]:
-        splits = group.get("ns_split")
-        blocks = splits[pi] if splits else None
-        o = RootOptions(
-            lr=0.0, lr_scale=group["lr_scale"], transposed=bool(group.get("transposed"))
-        )
-        return matrices(matrix_view(p.shape, group["nd_view"]), o, blocks)
-
-    def _coefficients(self, group: dict[str, Any], device: torch.device) -> CoefficientsFor:
-        spec, steps, fit = group["ns_coefficients"], group["ns_steps"], group.get("ns_fit", False)
-        dtype = _options.ns_dtype_name(group["ns_dtype"], device)
-        cache = self._coeffs
-        return lambda r, c: cache.schedule(spec, r, c, steps, dtype, fitted=fit)
-
     def _resolve_group(self, group: dict[str, Any]) -> None:
-        """Resolve (and certify) the coefficients of every matrix of a group's ROOT
-        parameters now, naming the parameter when one fails; nothing is fitted or written
-        unless ``ns_fit=True``."""
-        if group["ortho_method"] != "newton_schulz":
-            return
-        fitter = None
-        if group.get("ns_fit", False):
-            # Opt-in fitting: the one place the runtime reaches the offline tools, and only
-            # while the optimizer is being built.
-            from rootopt.tools.fitcache import fitted_resolution
-
-            fitter = lambda r, c, k, dt: fitted_resolution(r, c, k, dtype=dt)  # noqa: E731
-        for pi, p in enumerate(group["params"]):
-            if p.numel() == 0 or algorithm_of(group, p) != "root":
-                continue
-            dtype = _options.ns_dtype_name(group["ns_dtype"], p.device)
-            try:
-                for m in self._matrices(group, pi, p):
-                    self._coeffs.get(
-                        group["ns_coefficients"], m.rows, m.cols, group["ns_steps"], dtype,
-                        fitter=fitter,
-                    )  # fmt: skip
-            except (CoefficientError, ValueError) as exc:
-                names = group.get("param_names")
-                name = names[pi] if names is not None else f"of shape {tuple(p.shape)}"
-                v = matrix_view(p.shape, group["nd_view"])
-                raise CoefficientError(
-                    f"parameter {name} ({v.rows}x{v.cols} matrix, K={group['ns_steps']}, "
-                    f"{dtype}): {exc}"
-                ) from None
+        resolve_group(self._coeffs, group, lambda p: algorithm_of(group, p) == "root")
 
     def coefficient_resolutions(self) -> list[Resolution]:
         """What was resolved for every distinct matrix shape (for reports): schedule,
@@ -324,7 +232,7 @@ class ROOT(Optimizer):
         d.setdefault("telemetry", {})
         d.setdefault("skipped", [])
         d.setdefault("_compiled", None)
-        for st in self.state.values():  # step counts saved as Python numbers (before 0.2)
+        for st in self.state.values():  # step counts saved as Python numbers (older versions)
             if "step" in st and not isinstance(st["step"], Tensor):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         if "_coeffs" not in d:
@@ -367,8 +275,7 @@ class ROOT(Optimizer):
 
     def _collect(self) -> tuple[list[list[tuple[int, Tensor, str]]], float | Tensor]:
         """Per group: ``(index, param, name)`` of the parameters that will be updated, and
-        what their step counts advance by. Checks gradient kinds, and finiteness with one
-        host synchronisation."""
+        what their step counts advance by (:func:`~rootopt.optim._finite.check_finite`)."""
         entries: list[tuple[int, int, Tensor, str]] = []
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -379,29 +286,11 @@ class ROOT(Optimizer):
                     kind = "sparse" if p.grad.is_sparse else "complex"
                     raise RuntimeError(f"ROOT does not support {kind} gradients ({name})")
                 entries.append((gi, pi, p, name))
-        finite = [True] * len(entries)
-        count: float | Tensor = 1.0
-        if entries:
-            # max |g| per gradient, one _foreach call: NaN propagates and ±Inf shows
-            norms = torch._foreach_norm([cast(Tensor, e[2].grad) for e in entries], float("inf"))
-            ok = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
-            if torch.compiler.is_compiling() and self.nonfinite == "error":
-                # No host sync, no graph break: the assertion precedes every update in the
-                # graph, so a failing step changes nothing. The counts advance by the check
-                # itself: a compiler may order the CPU counters' update before the assertion.
-                every = ok.all()
-                msg = "non-finite gradient (NaN/Inf) in a parameter; nothing was updated"
-                torch._assert_async(every, msg)
-                count = every.to(torch.float32)
-            else:
-                finite = ok.tolist()  # the one host sync of the step
-        bad = [e[3] for e, f in zip(entries, finite) if not f]
-        if bad and self.nonfinite == "error":
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            raise NonFiniteGradientError(
-                f"non-finite gradient (NaN/Inf) in parameter {bad[0]}{more}; nothing was updated"
-            )
-        self.skipped = bad
+        finite, count = check_finite(
+            [cast(Tensor, e[2].grad) for e in entries], [e[3] for e in entries],
+            skip=self.nonfinite == "skip",
+        )  # fmt: skip
+        self.skipped = [e[3] for e, f in zip(entries, finite) if not f]
         per_group: list[list[tuple[int, Tensor, str]]] = [[] for _ in self.param_groups]
         for (gi, pi, p, name), f in zip(entries, finite):
             if f:
@@ -471,23 +360,11 @@ class ROOT(Optimizer):
             weight_decay=group["weight_decay"],
         )  # fmt: skip
 
-    def _options(self, group: dict[str, Any], device: torch.device) -> RootOptions:
-        dtype = _options.ns_dtype_name(group["ns_dtype"], device)
-        gram = group.get("ns_gram", "auto")
-        return RootOptions(
-            lr=_lr(group), momentum=group["momentum"], nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"], quantile=group["outlier_quantile"],
-            method=group["ortho_method"], ns_dtype=_options.DTYPES[dtype],
-            gram=None if gram == "auto" else gram == "on", lr_scale=group["lr_scale"],
-            transposed=bool(group.get("transposed", False)), nd_view=group["nd_view"],
-            robust_window=group["robust_window"], robust_lambda=group["robust_lambda"],
-            bucket_bytes=_options.bucket_budget(group.get("bucket_bytes", "auto"), device),
-        )  # fmt: skip
-
     def _root(
         self, group: dict[str, Any], part: list[tuple[int, Tensor, str]], device: torch.device
     ) -> None:
-        o, coefficients = self._options(group, device), self._coefficients(group, device)
+        o = _options.root_options(group, device, _lr(group))
+        coefficients = coefficients_for(self._coeffs, group, device)
         params = [p for _, p, _ in part]
         states = [self.state[p] for p in params]
         bufs = [s["momentum_buffer"] for s in states]
@@ -496,17 +373,11 @@ class ROOT(Optimizer):
         splits = group.get("ns_split")
         blocks = [splits[pi] for pi, _, _ in part] if splits else None
         robust = group["robust_scaling"]
-        pieces: dict[tuple[int, Any], list[tuple[Tensor, Tensor, float]]] = {}
-        record: Record | None = None
-        if self.telemetry_enabled:
-
-            def record(i: int, m: Matrix, M: Tensor, U: Tensor) -> None:
-                pieces.setdefault((i, m.block), []).append((M, U, m.scale))
-
+        rec = Recorder() if self.telemetry_enabled else None
         if group["batched"]:
             _multi_tensor_root(
                 params, grads, bufs, [s["step"] for s in states], o, coefficients,
-                blocks=blocks, record=record,
+                blocks=blocks, record=None if rec is None else rec.record,
                 robust=([s["robust_mean"] for s in states], [s["robust_sq"] for s in states])
                 if robust else None,
             )  # fmt: skip
@@ -516,14 +387,12 @@ class ROOT(Optimizer):
                     p, g, s["momentum_buffer"], s["step"], o, coefficients,
                     blocks=None if blocks is None else blocks[i],
                     robust=(s["robust_mean"], s["robust_sq"]) if robust else None,
-                    record=_at(record, i),
+                    record=None if rec is None else rec.at(i),
                 )  # fmt: skip
-        for (i, block), got in pieces.items():
-            name = (
-                part[i][2] if block is None else f"{part[i][2]}[{block[1]}:{block[1] + block[2]}]"
-            )
-            M, U = torch.cat([x[0] for x in got]), torch.cat([x[1] for x in got])
-            self.telemetry[name] = matrix_telemetry(
-                M, U, quantile=o.quantile, update=U * (float(o.lr) * got[0][2]),
-                param=params[i], spectra=self.record_spectra,
+        if rec is not None:
+            self.telemetry.update(
+                rec.finish(
+                    [name for _, _, name in part], params, quantile=o.quantile,
+                    lr=float(o.lr), spectra=self.record_spectra,
+                )
             )  # fmt: skip

@@ -58,3 +58,33 @@ def matrix_telemetry(
         Bn = B / B.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
         out["singular_values"] = torch.linalg.svdvals(Bn.double()).float().cpu()
     return out
+
+
+class Recorder:
+    """Collects what one step hands over per matrix (``record``) and turns it into
+    :func:`matrix_telemetry` per parameter, or per block of a fused weight
+    (``name[start:end]``)."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[tuple[int, Any], list[tuple[Tensor, Tensor, float]]] = {}
+
+    def record(self, i: int, m: Any, M: Tensor, U: Tensor) -> None:
+        self.pieces.setdefault((i, m.block), []).append((M, U, m.scale))
+
+    def at(self, i: int) -> Any:
+        """``record`` for the reference path, which numbers its one parameter 0."""
+        return lambda _, m, M, U: self.record(i, m, M, U)
+
+    def finish(
+        self, names: list[str], params: list[Tensor], *, quantile: float | None, lr: float,
+        spectra: bool,
+    ) -> dict[str, dict[str, Any]]:  # fmt: skip
+        out = {}
+        for (i, block), got in self.pieces.items():
+            name = names[i] if block is None else f"{names[i]}[{block[1]}:{block[1] + block[2]}]"
+            M, U = torch.cat([x[0] for x in got]), torch.cat([x[1] for x in got])
+            out[name] = matrix_telemetry(
+                M, U, quantile=quantile, update=U * (lr * got[0][2]), param=params[i],
+                spectra=spectra,
+            )  # fmt: skip
+        return out
