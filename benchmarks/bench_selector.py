@@ -2,16 +2,20 @@
 torch.optim.Muon, on this machine's device (CUDA when present, else CPU).
 
 Part 1, per shape and iteration dtype, for a bucket of ``--batch`` matrices:
-- the Newton–Schulz iteration with the shape's schedule (``select=None``);
+- the Newton–Schulz iteration with the shape's schedule (``select=None``), its GFLOP/s
+  and their share of the matmul peak measured at that shape and dtype (``X Xᵀ``);
 - the same with the :class:`~rootopt.coeffs.GramSelector` (float32: ``s`` plus the soft
   count, one Cholesky factorisation and 64 triangular solves; bfloat16: ``s`` only);
 - the selector's statistics alone, on the Gram matrices.
 
 Part 2, optimizer steps on the matrices of a GPT-style decoder (``--d-model``,
-``--layers``): ROOT (default fp32 iteration and bf16 iteration), ROOT's Muon mode
-(threshold off, Muon's tuple) and ``torch.optim.Muon``; every contender owns its copy of
-the weights and the same gradients. Times are medians of ``--reps`` after a warm-up (CUDA
-events on a GPU). Prints tables and ratios; ``--json`` writes them too.
+``--layers``): operations dispatched per step (``rootopt.tools.opcount``, meta tensors),
+then ROOT (default fp32 iteration and bf16 iteration), ROOT's Muon mode (threshold off,
+Muon's tuple) in both dtypes and ``torch.optim.Muon``; with ``--capture``, also ROOT
+with ``compile_step="reduce-overhead"`` (CUDA graphs on a GPU). Every contender owns its
+copy of the weights and the same gradients. Times are medians of ``--reps`` after a
+warm-up (CUDA events on a GPU). Prints tables and ratios (ROOT / its own Muon mode, ROOT
+/ torch.optim.Muon at the same dtype); ``--json`` writes them to a new file.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from torch import nn
 import rootopt
 from _timing import median_ms, shape_list
 from rootopt.coeffs.adanewton import lookup
-from rootopt.ortho import direction
+from rootopt.ortho import direction, prefer_gram
+from rootopt.tools.opcount import optimizer_counts, standard_makers
 
 
 def selector_costs(
@@ -51,6 +56,13 @@ def selector_costs(
             plain, chosen = ns, partial(ns, select=sel)
             stats = partial(sel.statistics, A)
             t_plain, t_sel, t_stat = (median_ms(f, device, reps)[0] for f in (plain, chosen, stats))
+            gram = prefer_gram(r, c, dt)
+            n = max(r, c)
+            flops = batch * (
+                4 * m * m * n + 17 * 2 * m**3 if gram else 5 * (4 * m * m * n + 2 * m**3)
+            )
+            t_mm = median_ms(lambda X=X: X @ X.mT, device, reps)[0]
+            peak = batch * 2 * m * m * n / t_mm / 1e6  # GFLOP/s
             rows.append(
                 {
                     "shape": [r, c],
@@ -62,6 +74,10 @@ def selector_costs(
                     "statistics_ms": t_stat,
                     "overhead": t_sel / t_plain,
                     "short_side": m,
+                    "gram": gram,
+                    "ns_gflops": flops / t_plain / 1e6,
+                    "matmul_peak_gflops": peak,
+                    "ns_of_peak": flops / t_plain / 1e6 / peak,
                 }
             )
     return rows
@@ -86,7 +102,7 @@ class Decoder(nn.Module):
 
 
 def step_costs(
-    d: int, layers: int, device: torch.device, reps: int, profile: str = ""
+    d: int, layers: int, device: torch.device, reps: int, profile: str = "", capture: bool = False
 ) -> dict[str, float]:
     torch.manual_seed(0)
     base = Decoder(d, layers).to(device)
@@ -100,6 +116,10 @@ def step_costs(
             return model, rootopt.ROOT(params, lr=0.02)
         if kind == "root_bf16":
             return model, rootopt.ROOT(params, lr=0.02, ns_dtype="bfloat16")
+        if kind == "root_bf16_captured":
+            return model, rootopt.ROOT(
+                params, lr=0.02, ns_dtype="bfloat16", compile_step="reduce-overhead"
+            )
         if kind == "root_muon_mode_fp32":
             return model, rootopt.ROOT(
                 params, lr=0.02, outlier_quantile=None, ns_coefficients="muon"
@@ -127,6 +147,8 @@ def step_costs(
         print(f"\nprofile of one {profile} step (top ops by {key}):")
         print(pr.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
     kinds = ["root", "root_bf16", "root_muon_mode_fp32", "root_muon_mode_bf16"]
+    if capture:
+        kinds.append("root_bf16_captured")
     if hasattr(torch.optim, "Muon"):
         kinds.append("torch_muon")
     out: dict[str, float] = {}
@@ -159,6 +181,9 @@ def main() -> int:
     ap.add_argument(
         "--profile", default="", help="profile one step of this contender, e.g. root_bf16"
     )
+    ap.add_argument(
+        "--capture", action="store_true", help="also ROOT bf16 with compile_step='reduce-overhead'"
+    )
     a = ap.parse_args()
     if a.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,30 +210,45 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"device: {name}; torch {torch.__version__}; batch {a.batch}; reps {a.reps}")
     rows = selector_costs([(int(r), int(c)) for r, c in shapes], a.batch, device, a.reps)
-    print("\nshape        dtype     soft  NS ms   NS+selector ms  statistics ms  overhead")
+    print(
+        "\nshape        dtype     soft  NS ms   NS+selector ms  statistics ms  overhead"
+        "  NS GFLOP/s (of the X Xt matmul at this shape)"
+    )
     for r in rows:
         print(
             f"{r['shape'][0]}x{r['shape'][1]:<7} {r['dtype']:<9} {'yes' if r['soft_count'] else 'no':<5}"
             f"{r['ns_ms']:7.2f}   {r['ns_with_selector_ms']:9.2f}      {r['statistics_ms']:9.3f}     "
-            f"{r['overhead']:.3f}"
+            f"{r['overhead']:.3f}   {r['ns_gflops']:8.0f} ({r['ns_of_peak'] * 100:3.0f}% of "
+            f"{r['matmul_peak_gflops']:.0f}{', Gram' if r['gram'] else ''})"
         )
-    steps = step_costs(d, layers, device, a.reps, a.profile)
+    counts = optimizer_counts(standard_makers(), d_model=d, layers=layers)
+    print(f"\noperations per step, decoder d={d}, {layers} layers (meta tensors):")
+    for k, v in counts.items():
+        print(f"  {k:<22} ops {v['ops']:5d}  kernels {v['kernels']:5d}  syncs {v['syncs']}")
+    steps = step_costs(d, layers, device, a.reps, a.profile, a.capture)
     print(f"\noptimizer step, decoder d={d}, {layers} layers (ms, median of {a.reps}):")
     for k, v in steps.items():
         print(f"  {k:<22} {v:9.2f}")
     ratios = {
         "root / root_muon_mode_fp32": steps["root"] / steps["root_muon_mode_fp32"],
         "root_bf16 / root_muon_mode_bf16": steps["root_bf16"] / steps["root_muon_mode_bf16"],
+        "root kernels / torch_muon kernels": counts["root"]["kernels"]
+        / counts["torch_muon"]["kernels"],
     }
+    if "root_bf16_captured" in steps and "torch_muon" in steps:
+        ratios["root_bf16_captured / torch_muon"] = (
+            steps["root_bf16_captured"] / steps["torch_muon"]
+        )
     if "torch_muon" in steps:
         ratios["root_bf16 / torch_muon"] = steps["root_bf16"] / steps["torch_muon"]
         ratios["root (fp32) / torch_muon"] = steps["root"] / steps["torch_muon"]
     for k, v in ratios.items():
         print(f"  {k:<34} {v:.3f}")
     if a.json:
-        with open(a.json, "w") as fh:
+        with open(a.json, "x") as fh:  # a new file: never overwrite one
             json.dump({"device": name, "torch": torch.__version__, "selector": rows, "steps": steps,
-                       "ratios": ratios, "d_model": d, "layers": layers}, fh, indent=1)  # fmt: skip
+                       "ratios": ratios, "op_counts": counts, "d_model": d, "layers": layers},
+                      fh, indent=1)  # fmt: skip
     return 0
 
 

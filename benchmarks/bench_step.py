@@ -1,28 +1,33 @@
-"""Optimizer step time, threshold and Newton–Schulz cost, GFLOP/s, state memory.
+"""One optimizer step: launches, time against Muon, Newton–Schulz against the matmul peak.
 
-Measures, in one process and on the same weights/gradients (a GPT-2-style decoder's
-matrices):
-  * step time of ROOT (default, reference path, without the Gram iteration, bf16
-    iteration with and without it), ROOT's Muon mode (threshold off, Muon's tuple) in
-    fp32 and bf16, torch.optim.Muon and fused AdamW. Every contender owns a copy of the
-    weights; rounds interleave the contenders (order rotated each round) and ratios are
-    taken within a round, then the median over rounds is reported. Times are process CPU
-    time (all threads; robust to a machine shared with other work) and wall time;
-  * per matrix shape: exact quantile (rootopt.abs_quantile vs torch.quantile), the whole
-    threshold (clip), Newton–Schulz (plain/Gram, fp32/bf16) with achieved GFLOP/s
-    against this machine's measured matmul throughput at the same shape (X Xᵀ of the
-    matrix, the iteration's dominant product), both per CPU-second;
-  * optimizer-state bytes per parameter byte; the issue's targets, met or not.
+Prints, in one run:
+  1. operations dispatched per step (``rootopt.tools.opcount``: a TorchDispatchMode counter
+     on meta tensors, i.e. what the step dispatches on an accelerator) for ROOT (default
+     and bf16 iteration), ROOT's Muon mode and torch.optim.Muon, on the d = 2048, 8-layer
+     decoder's 32 matrices (``--count-d-model``/``--count-layers``) and on this run's model;
+  2. step time (process CPU time, all threads; wall time beside it) on the weights and
+     gradients of a GPT-2-style decoder (``--d-model``, ``--layers``; fused QKV, 4x MLP,
+     tied embedding): ROOT default (fp32 iteration), ROOT's own Muon mode (threshold off,
+     Muon's tuple) in fp32, ROOT with a bf16 iteration, ROOT's Muon mode in bf16 and
+     torch.optim.Muon (bf16 iteration) + fused AdamW for the rest. Every contender owns a
+     copy; rounds interleave them (order rotated) and each ratio is the median over rounds
+     of the ratio within a round;
+  3. per matrix shape: Newton–Schulz GFLOP/s (plain and Gram, fp32 and bf16) against the
+     measured matmul peak at that shape (``X Xᵀ``, the iteration's dominant product), and
+     what the exact threshold costs;
+  4. the targets: ROOT <= 1.05x its own Muon mode (fp32); bf16 ROOT <= 1.0x
+     torch.optim.Muon (both bf16); ops per step <= torch.optim.Muon's.
 
-Usage: python benchmarks/bench_step.py [--d-model 768] [--layers 2] [--rounds 5] [--json out.json]
-Large elementwise ops are much slower with glibc's default malloc trimming, so the script
-re-executes itself with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 unless
---no-malloc-tuning is given; the setting is printed with the results.
+Usage: python benchmarks/bench_step.py [--threads 1] [--d-model 768] [--layers 2]
+[--rounds 5] [--json out.json]. glibc's malloc trimming makes large elementwise ops several
+times slower, so the script re-executes itself with MALLOC_MMAP_MAX_=0
+MALLOC_TRIM_THRESHOLD_=68719476736 unless --no-malloc-tuning is given (printed below).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -37,11 +42,12 @@ from torch import nn
 
 import rootopt
 from rootopt.coeffs import resolve
-from rootopt.optim import clip_outliers
 from rootopt.ortho import gram_newton_schulz, newton_schulz
+from rootopt.tools.opcount import optimizer_counts, standard_makers
 
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 NS_STEPS = 5
+MUON_MODE: dict[str, Any] = {"outlier_quantile": None, "ns_coefficients": "muon"}
 
 
 def transformer_matrices(d: int, layers: int, vocab: int) -> nn.Module:
@@ -74,15 +80,6 @@ def best_of(fn: Callable[[], Any], reps: int) -> float:
     return min(ts)
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    total = 0
-    for s in opt.state.values():
-        for v in s.values():
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-    return total
-
-
 def ns_flops(m: int, n: int, gram: bool) -> float:
     """Flops of K quintic steps on an m x n matrix (m <= n), as the code runs them."""
     if gram:
@@ -92,40 +89,7 @@ def ns_flops(m: int, n: int, gram: bool) -> float:
     return NS_STEPS * (4 * m * m * n + 2 * m**3)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per shape measurement")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    ap.add_argument("--skip-shapes", action="store_true", help="only the step-time table")
-    ap.add_argument("--json", default="", help="also write the results as JSON here")
-    ap.add_argument("--no-malloc-tuning", action="store_true")
-    args = ap.parse_args()
-    if not args.no_malloc_tuning and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    base_model = transformer_matrices(args.d_model, args.layers, args.vocab)
-    grads = {n: torch.randn_like(p) * 1e-2 for n, p in base_model.named_parameters()}
-
-    def fresh() -> nn.Module:
-        import copy
-
-        m = copy.deepcopy(base_model)
-        for n, p in m.named_parameters():
-            p.grad = grads[n].clone()
-        return m
-
-    def matrices_of(m: nn.Module) -> list[nn.Parameter]:
-        return [p for n, p in m.named_parameters() if p.ndim == 2 and not n.startswith("wte")]
-
+def contenders(matrices_of: Callable[[nn.Module], list[nn.Parameter]]) -> dict[str, Any]:
     def root(**kw: Any) -> Callable[[nn.Module], list[torch.optim.Optimizer]]:
         def make(m: nn.Module) -> list[torch.optim.Optimizer]:
             groups, _ = rootopt.param_groups(m, lr=1e-3)
@@ -137,29 +101,81 @@ def main() -> int:
         mats = matrices_of(m)
         others = [p for p in m.parameters() if all(p is not q for q in mats)]
         return [
-            torch.optim.Muon(mats, lr=1e-3, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.Muon(mats, lr=1e-3, adjust_lr_fn="match_rms_adamw"),  # type: ignore[attr-defined]
             torch.optim.AdamW(others, lr=1e-3, betas=(0.9, 0.95), fused=True),
         ]
 
-    muon_mode = {"outlier_quantile": None, "ns_coefficients": "muon"}
-    contenders: dict[str, Callable[[nn.Module], list[torch.optim.Optimizer]]] = {
-        "adamw_fused": lambda m: [
-            torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
-        ],
+    return {
         "root": root(),
-        "root_reference_path": root(batched=False),
-        "root_no_gram": root(ns_gram="off"),
-        "root_muon_mode_fp32": root(**muon_mode),
-        "root_muon_mode_fp32_no_gram": root(ns_gram="off", **muon_mode),
-        "root_bf16_ns": root(ns_dtype="bfloat16"),
-        "root_bf16_gram": root(ns_dtype="bfloat16", ns_gram="on"),
-        "root_muon_mode_bf16": root(ns_dtype="bfloat16", **muon_mode),
+        "root_muon_mode_fp32": root(**MUON_MODE),
+        "root_bf16": root(ns_dtype="bfloat16"),
+        "root_muon_mode_bf16": root(ns_dtype="bfloat16", **MUON_MODE),
         "torch_muon": torch_muon,
     }
-    models = {k: fresh() for k in contenders}
-    opts = {k: make(models[k]) for k, make in contenders.items()}
-    matrices = matrices_of(base_model)
-    params = list(base_model.parameters())
+
+
+def per_shape(shapes: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for shape in shapes:
+        m, n = min(shape), max(shape)
+        M = torch.randn(*shape)
+        sched = resolve("muon", shape[0], shape[1], NS_STEPS)
+        W = M if shape[0] <= shape[1] else M.mT.contiguous()
+        W16 = W.bfloat16()
+        row: dict[str, Any] = {"shape": list(shape)}
+        row["abs_quantile_ms"] = best_of(lambda M=M: rootopt.abs_quantile(M, 0.9), reps) * 1e3
+        peaks = {
+            "fp32": 2 * m * m * n / best_of(lambda W=W: W @ W.mT, reps) / 1e9,
+            "bf16": 2 * m * m * n / best_of(lambda W=W16: W @ W.mT, reps) / 1e9,
+        }
+        row["matmul_gflops"] = peaks
+        for label, fn, dt, gram in [
+            ("ns_fp32", newton_schulz, torch.float32, False),
+            ("gram_fp32", gram_newton_schulz, torch.float32, True),
+            ("ns_bf16", newton_schulz, torch.bfloat16, False),
+            ("gram_bf16", gram_newton_schulz, torch.bfloat16, True),
+        ]:
+            t = best_of(lambda fn=fn, dt=dt, M=M, s=sched: fn(M, s, dtype=dt), reps)
+            gf = ns_flops(m, n, gram) / t / 1e9
+            row[label] = {"ms": t * 1e3, "gflops": gf, "of_peak": gf / peaks[label[-4:]]}
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--count-d-model", type=int, default=2048)
+    ap.add_argument("--count-layers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per shape measurement")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--skip-shapes", action="store_true", help="no per-shape table")
+    ap.add_argument("--json", default="", help="also write the results as JSON here")
+    ap.add_argument("--no-malloc-tuning", action="store_true")
+    args = ap.parse_args()
+    if not args.no_malloc_tuning and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    base = transformer_matrices(args.d_model, args.layers, args.vocab)
+    grads = {n: torch.randn_like(p) * 1e-2 for n, p in base.named_parameters()}
+
+    def matrices_of(m: nn.Module) -> list[nn.Parameter]:
+        return [p for n, p in m.named_parameters() if p.ndim == 2 and not n.startswith("wte")]
+
+    def fresh() -> nn.Module:
+        m = copy.deepcopy(base)
+        for n, p in m.named_parameters():
+            p.grad = grads[n].clone()
+        return m
+
     results: dict[str, Any] = {
         "machine": {
             "python": platform.python_version(),
@@ -172,20 +188,27 @@ def main() -> int:
         "model": {
             "d_model": args.d_model,
             "layers": args.layers,
-            "matrix_shapes": sorted({tuple(p.shape) for p in matrices}),
-            "matrix_params": sum(p.numel() for p in matrices),
-            "all_params": sum(p.numel() for p in params),
+            "matrix_shapes": sorted({tuple(p.shape) for p in matrices_of(base)}),
         },
     }
-    # Two clocks: wall time, and process CPU time (all threads). On a machine shared with
-    # other work the CPU time is the robust one (it excludes time spent descheduled);
-    # targets are judged on it, and wall-time ratios are reported next to it.
-    wall: dict[str, list[float]] = {k: [] for k in contenders}
-    cpu: dict[str, list[float]] = {k: [] for k in contenders}
-    order = list(contenders)
+    # 1. launches
+    counted = {args.count_d_model: args.count_layers, args.d_model: args.layers}
+    results["op_counts"] = {
+        f"d{d}x{layers}": {
+            k: {x: v[x] for x in ("ops", "kernels", "syncs")}
+            for k, v in optimizer_counts(standard_makers(), d_model=d, layers=layers).items()
+        }
+        for d, layers in counted.items()
+    }
+    # 2. step time
+    makers = contenders(matrices_of)
+    models = {k: fresh() for k in makers}
+    opts = {k: make(models[k]) for k, make in makers.items()}
+    cpu: dict[str, list[float]] = {k: [] for k in makers}
+    wall: dict[str, list[float]] = {k: [] for k in makers}
+    order = list(makers)
     for r in range(args.rounds + 1):  # round 0 is the warm-up
-        rot = order[r % len(order) :] + order[: r % len(order)]
-        for k in rot:
+        for k in order[r % len(order) :] + order[: r % len(order)]:
             w0, c0 = time.perf_counter(), time.process_time()
             for o in opts[k]:
                 o.step()
@@ -197,116 +220,79 @@ def main() -> int:
                 f"  round {r} cpu ms: " + " ".join(f"{k}={cpu[k][-1] * 1e3:.0f}" for k in order),
                 flush=True,
             )
-    med = {k: statistics.median(v) for k, v in cpu.items()}
-    med_wall = {k: statistics.median(v) for k, v in wall.items()}
 
     def ratio(a: str, b: str, clock: dict[str, list[float]] = cpu) -> float:
         return statistics.median(x / y for x, y in zip(clock[a], clock[b], strict=True))
 
-    results["step_cpu_ms_median"] = {k: v * 1e3 for k, v in med.items()}
-    results["step_wall_ms_median"] = {k: v * 1e3 for k, v in med_wall.items()}
-    results["ratio_vs_torch_muon"] = {k: ratio(k, "torch_muon") for k in contenders}
-    results["wall_ratio_vs_torch_muon"] = {k: ratio(k, "torch_muon", wall) for k in contenders}
-    results["ratio_vs_adamw"] = {k: ratio(k, "adamw_fused") for k in contenders}
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    results["state_bytes_per_param_byte"] = {
-        k: sum(state_bytes(o) for o in opts[k]) / param_bytes for k in contenders
+    results["step_cpu_ms_median"] = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+    results["step_wall_ms_median"] = {k: statistics.median(v) * 1e3 for k, v in wall.items()}
+    results["ratios"] = {
+        "root / root_muon_mode_fp32": ratio("root", "root_muon_mode_fp32"),
+        "root_bf16 / root_muon_mode_bf16": ratio("root_bf16", "root_muon_mode_bf16"),
+        "root_bf16 / torch_muon": ratio("root_bf16", "torch_muon"),
+        "root_muon_mode_bf16 / torch_muon": ratio("root_muon_mode_bf16", "torch_muon"),
+        "root (fp32) / torch_muon (bf16)": ratio("root", "torch_muon"),
     }
+    results["ratios_wall"] = {
+        "root / root_muon_mode_fp32": ratio("root", "root_muon_mode_fp32", wall),
+        "root_bf16 / torch_muon": ratio("root_bf16", "torch_muon", wall),
+    }
+    del models, opts
+    # 3. per shape
+    results["per_shape"] = (
+        [] if args.skip_shapes else per_shape(results["model"]["matrix_shapes"], args.reps)
+    )
+    # 4. targets
+    big = results["op_counts"][f"d{args.count_d_model}x{args.count_layers}"]
     targets = {
-        "root / root_muon_mode_fp32 <= 1.10 (threshold overhead, fp32)": (
-            ratio("root", "root_muon_mode_fp32"),
-            1.10,
+        "root / own Muon mode (fp32) <= 1.05": (results["ratios"]["root / root_muon_mode_fp32"], 1.05),
+        "bf16 root / torch.optim.Muon <= 1.00": (results["ratios"]["root_bf16 / torch_muon"], 1.0),
+        "root kernels / torch.optim.Muon's <= 1": (big["root"]["kernels"] / big["torch_muon"]["kernels"], 1.0),
+        "bf16 root kernels / torch.optim.Muon's <= 1": (
+            big["root_bf16"]["kernels"] / big["torch_muon"]["kernels"], 1.0,
         ),
-        "root_bf16_ns / torch_muon <= 1.15": (ratio("root_bf16_ns", "torch_muon"), 1.15),
-        "goal: best ROOT bf16 / torch_muon <= 1.0": (
-            min(ratio("root_bf16_ns", "torch_muon"), ratio("root_bf16_gram", "torch_muon")),
-            1.0,
-        ),
-        "info: root (fp32, Gram) / torch_muon (bf16)": (ratio("root", "torch_muon"), 1.0),
-    }
+    }  # fmt: skip
     results["targets"] = {
         k: {"value": v, "limit": lim, "met": v <= lim} for k, (v, lim) in targets.items()
     }
-    results["targets_wall_clock"] = {
-        "root / root_muon_mode_fp32": ratio("root", "root_muon_mode_fp32", wall),
-        "root_bf16_ns / torch_muon": ratio("root_bf16_ns", "torch_muon", wall),
-        "root_bf16_gram / torch_muon": ratio("root_bf16_gram", "torch_muon", wall),
-    }
-    del models, opts
-
-    per_shape = []
-    if not args.skip_shapes:
-        for shape in sorted({tuple(p.shape) for p in matrices}):
-            m, n = min(shape), max(shape)
-            M = torch.randn(*shape)
-            sched = resolve("muon", shape[0], shape[1], NS_STEPS)
-            W = M if shape[0] <= shape[1] else M.mT.contiguous()
-            W16 = W.bfloat16()
-            reps = args.reps
-            row: dict[str, Any] = {"shape": list(shape)}
-            row["abs_quantile_ms"] = best_of(lambda M=M: rootopt.abs_quantile(M, 0.9), reps) * 1e3
-            row["torch_quantile_ms"] = (
-                best_of(lambda M=M: torch.quantile(M.abs().flatten(), 0.9), reps) * 1e3
-            )
-            row["clip_ms"] = best_of(lambda M=M: clip_outliers(M, 0.9), reps) * 1e3
-            peak32 = 2 * m * m * n / best_of(lambda W=W: W @ W.mT, reps) / 1e9
-            peak16 = 2 * m * m * n / best_of(lambda W=W16: W @ W.mT, reps) / 1e9
-            row["matmul_gflops_fp32"], row["matmul_gflops_bf16"] = peak32, peak16
-            for label, fn, dt, gram in [
-                ("ns_fp32", newton_schulz, torch.float32, False),
-                ("gram_fp32", gram_newton_schulz, torch.float32, True),
-                ("ns_bf16", newton_schulz, torch.bfloat16, False),
-                ("gram_bf16", gram_newton_schulz, torch.bfloat16, True),
-            ]:
-                t = best_of(lambda fn=fn, dt=dt, M=M, s=sched: fn(M, s, dtype=dt), reps)
-                gf = ns_flops(m, n, gram) / t / 1e9
-                peak = peak32 if dt == torch.float32 else peak16
-                row[f"{label}_ms"] = t * 1e3
-                row[f"{label}_gflops"] = gf
-                row[f"{label}_of_peak"] = gf / peak
-            row["clip_over_ns_fp32"] = row["clip_ms"] / min(row["ns_fp32_ms"], row["gram_fp32_ms"])
-            per_shape.append(row)
-    results["per_shape"] = per_shape
 
     print(f"\nmachine: {results['machine']}")
-    print(f"model: {results['model']}\n")
-    print(
-        f"{'optimizer':<28} {'cpu ms':>8} {'x Muon':>7} {'x AdamW':>8} | {'wall ms':>8}"
-        f" {'x Muon':>7} | {'state B/param B':>15}   (medians over interleaved rounds)"
-    )
-    for k in contenders:
+    print(f"model: {results['model']}")
+    print("\noperations per step (meta tensors: what an accelerator gets; kernels = not views)")
+    for model, rows in results["op_counts"].items():
+        print(f"  decoder {model}:")
+        for k, v in rows.items():
+            print(f"    {k:<18} ops {v['ops']:5d}  kernels {v['kernels']:5d}  syncs {v['syncs']}")
+    print(f"\n{'optimizer':<22} {'cpu ms':>8} {'wall ms':>8}   (medians over interleaved rounds)")
+    for k in makers:
         print(
-            f"{k:<28} {med[k] * 1e3:8.1f} {results['ratio_vs_torch_muon'][k]:7.2f}"
-            f" {results['ratio_vs_adamw'][k]:8.1f} | {med_wall[k] * 1e3:8.1f}"
-            f" {results['wall_ratio_vs_torch_muon'][k]:7.2f} |"
-            f" {results['state_bytes_per_param_byte'][k]:15.2f}"
+            f"{k:<22} {results['step_cpu_ms_median'][k]:8.1f}"
+            f" {results['step_wall_ms_median'][k]:8.1f}"
         )
-    print("\ntargets (process CPU time ratios, median over rounds):")
-    for k, t in results["targets"].items():
-        print(f"  {k:<62} {t['value']:.3f}  {'met' if t['met'] else 'MISSED'}")
-    print("the same ratios on the wall clock (noisy on a loaded machine):")
-    for k, v in results["targets_wall_clock"].items():
-        print(f"  {k:<62} {v:.3f}")
-    if per_shape:
+    print("\nratios (process CPU time, median of per-round ratios; wall clock beside two):")
+    for k, v in results["ratios"].items():
+        w = results["ratios_wall"].get(k)
+        print(f"  {k:<36} {v:.3f}" + (f"   wall {w:.3f}" if w is not None else ""))
+    if results["per_shape"]:
         print(
-            f"\n{'shape':<10} {'quant':>6} {'torch.q':>7} {'clip':>6} | {'NS32':>6} {'Gram32':>6}"
-            f" {'NS16':>6} {'Gram16':>6} cpu-ms | GFLOP per cpu-s (% of the X Xt matmul at"
-            " this shape): NS32 Gram32 NS16 Gram16 | matmul fp32 bf16"
+            "\nNewton–Schulz per shape: ms, GFLOP per CPU-second and share of the measured "
+            "X Xᵀ matmul peak at that shape; threshold ms"
         )
-        for r in per_shape:
-            print(
-                f"{'x'.join(map(str, r['shape'])):<10} {r['abs_quantile_ms']:6.1f}"
-                f" {r['torch_quantile_ms']:7.1f} {r['clip_ms']:6.1f} |"
-                f" {r['ns_fp32_ms']:6.1f} {r['gram_fp32_ms']:6.1f} {r['ns_bf16_ms']:6.1f}"
-                f" {r['gram_bf16_ms']:6.1f} ms |"
-                + "".join(
-                    f" {r[f'{x}_gflops']:5.0f} ({r[f'{x}_of_peak'] * 100:3.0f}%)"
-                    for x in ("ns_fp32", "gram_fp32", "ns_bf16", "gram_bf16")
-                )
-                + f" | {r['matmul_gflops_fp32']:5.0f} {r['matmul_gflops_bf16']:5.0f}"
+        for r in results["per_shape"]:
+            cells = "  ".join(
+                f"{x} {r[x]['ms']:6.1f} ms {r[x]['gflops']:5.0f} ({r[x]['of_peak'] * 100:3.0f}%)"
+                for x in ("ns_fp32", "gram_fp32", "ns_bf16", "gram_bf16")
             )
+            peak = r["matmul_gflops"]
+            print(
+                f"  {'x'.join(map(str, r['shape'])):<10} {cells}  | peak fp32 {peak['fp32']:.0f}"
+                f" bf16 {peak['bf16']:.0f} | quantile {r['abs_quantile_ms']:.1f} ms"
+            )
+    print("\ntargets:")
+    for k, t in results["targets"].items():
+        print(f"  {k:<46} {t['value']:.3f}  {'met' if t['met'] else 'MISSED'}")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "x") as f:  # a new file: never overwrite one
             json.dump(results, f, indent=2)
     return 0
 

@@ -143,8 +143,11 @@ def test_batched_path_matches_reference_function(
         s = opt.state[p_cls]
         assert s["step"] == st["step"] == 3
         assert s["momentum_buffer"].dtype == torch.float32
-        # momentum never passes through the iteration: equal up to float32 summation order
-        torch.testing.assert_close(s["momentum_buffer"], st["momentum_buffer"], atol=1e-6, rtol=0)
+        # momentum never passes through the iteration: equal up to one rounding (the
+        # batched path forms g + mu buf in one fused operation on the CPU)
+        torch.testing.assert_close(
+            s["momentum_buffer"], st["momentum_buffer"], atol=1e-6, rtol=1e-6
+        )
 
 
 def test_byte_budget_bounds_every_stack(monkeypatch: pytest.MonkeyPatch) -> None:
