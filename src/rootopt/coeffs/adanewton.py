@@ -322,17 +322,21 @@ class GramSelector:
             self._probes[key] = Z
         return Z
 
+    def decide(self, s: Tensor, c: Tensor | None = None) -> Tensor:
+        """The decision, per matrix (``(batch,)`` bool): the spiky schedule when the soft
+        count ``c`` exceeds ``soft_tau`` (float32/float64), or ``m·s`` exceeds ``tau``
+        (low precision). The one place a different (e.g. continuous) rule would go."""
+        if self.soft_delta is not None:
+            if c is None:
+                raise ValueError("this selector needs the soft count c as well as s")
+            return c.detach().to(torch.float32).reshape(-1) > self.soft_tau
+        return s.detach().to(torch.float32).reshape(-1) * self.short > self.tau
+
     def coefficients(self, s: Tensor, c: Tensor | None = None) -> Tensor:
         """The ``(K, batch, 3)`` rows for statistics ``s`` (and ``c``), see the class."""
         s32 = s.detach().to(torch.float32).reshape(-1)
         flat, spiky = self._tables(s32.device)
-        if self.soft_delta is not None:
-            if c is None:
-                raise ValueError("this selector needs the soft count c as well as s")
-            pick = c.detach().to(torch.float32).reshape(-1) > self.soft_tau
-        else:
-            pick = s32 * self.short > self.tau
-        use_spiky = pick[None, :, None]  # (1, batch, 1)
+        use_spiky = self.decide(s, c)[None, :, None]  # (1, batch, 1)
         coeffs = torch.where(use_spiky, spiky[:, None, :], flat[:, None, :])  # (K, batch, 3)
         t = s32.clamp_min(0.0).pow(0.25).mul(1.0 + self.margin).clamp_min(self.t_min)
         first = coeffs[0] * torch.stack((t.reciprocal(), t.pow(-3), t.pow(-5)), dim=-1)
