@@ -376,13 +376,15 @@ class DistributedROOT(ROOT):
             device = full[idx[0]].device
             splits = group.get("ns_split")
 
-            def whole(new: list[int], idx: list[int] = idx) -> tuple[list[Tensor], bool]:
+            def whole(
+                new: list[int], _: list[Tensor | None], idx: list[int] = idx
+            ) -> tuple[list[Tensor], bool]:
                 return [full[idx[j]] for j in new], False  # not private: stacks copy them
 
             updates = _directions(
                 [tasks[i].p.shape for i in idx], [full[i].dtype for i in idx],
                 root_options(group, device, float(group["lr"])),
-                coefficients_for(self._coeffs, group, device), whole,
+                coefficients_for(self._coeffs, group, device), whole, device=device,
                 blocks=[splits[tasks[i].pi] for i in idx] if splits else None,
             )  # fmt: skip
             for done, Us, _ in updates:

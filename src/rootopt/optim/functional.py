@@ -150,11 +150,16 @@ def matrices(view: MatrixView, o: RootOptions, blocks: Sequence[int] | None) -> 
 # the three units
 # ---------------------------------------------------------------------------------------
 def momentum_(
-    bufs: list[Tensor], grads: list[Tensor], *, momentum: float, nesterov: bool
+    bufs: list[Tensor],
+    grads: list[Tensor],
+    *,
+    momentum: float,
+    nesterov: bool,
+    out: Sequence[Tensor | None] | None = None,
 ) -> list[Tensor]:
     """``buf = mu buf + g`` in place (sum form, as the official code); returns the vectors
-    to orthogonalize: ``g + mu buf`` (Nesterov, new tensors) or the buffers themselves.
-    ``grads`` in the buffers' dtype."""
+    to orthogonalize: ``g + mu buf`` (Nesterov; written into ``out[i]`` where given, else
+    new tensors) or the buffers themselves. ``grads`` in the buffers' dtype."""
     if bufs and bufs[0].device.type == "cpu" and not torch.compiler.is_compiling():
         # One pass per buffer (g + mu buf, fused): on the CPU a pass over memory costs more
         # than a call; on an accelerator the two _foreach calls are two launches in all.
@@ -163,7 +168,14 @@ def momentum_(
     else:
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
-    return list(torch._foreach_add(grads, bufs, alpha=momentum)) if nesterov else list(bufs)
+    if not nesterov:
+        return list(bufs)
+    if out is None or all(o is None for o in out):
+        return list(torch._foreach_add(grads, bufs, alpha=momentum))
+    return [
+        g.add(b, alpha=momentum) if o is None else torch.add(g, b, alpha=momentum, out=o)
+        for g, b, o in zip(grads, bufs, out)
+    ]
 
 
 def robust_moments_(
@@ -355,8 +367,9 @@ def _directions(
     dtypes: list[torch.dtype],
     o: RootOptions,
     coefficients: CoefficientsFor,
-    open_: Callable[[list[int]], tuple[list[Tensor], bool]],
+    open_: Callable[[list[int], list[Tensor | None]], tuple[list[Tensor], bool]],
     *,
+    device: torch.device,
     blocks: Sequence[Sequence[int] | None] | None = None,
     record: Record | None = None,
 ) -> Iterator[tuple[list[int], list[Tensor], list[float]]]:
@@ -365,9 +378,10 @@ def _directions(
     fused block's ``s`` is folded into its part of ``U``; its scale is then 1). ``dtypes``:
     each parameter's state dtype (stacks hold one dtype).
 
-    ``open_(indices)`` returns the vectors to orthogonalize of those parameters (their
-    first bucket is being stacked) and whether they are private copies (then clipped in
-    place where no stack copy is needed)."""
+    ``open_(indices, out)`` returns the vectors to orthogonalize of those parameters (their
+    first bucket is being stacked), written into ``out[i]`` where it is given (their place
+    in the stack), and whether they are private copies (then clipped in place where no
+    stack copy is needed)."""
     views = [matrix_view(s, o.nd_view) for s in shapes]
     entries = [
         (i, m)
@@ -380,15 +394,35 @@ def _directions(
     vs: dict[int, Tensor] = {}
     private = False
     parts_of: dict[int, Tensor] = {}
+    # On the CPU a whole parameter's vector is written straight into its place in the stack
+    # (no stack copy); elsewhere one cat per stack (one launch).
+    into_stack = device.type == "cpu" and not torch.compiler.is_compiling()
     for bucket in buckets:
-        new = list(dict.fromkeys(i for i, _ in bucket if i not in vs))
-        if new:
-            opened, private = open_(new)
-            vs.update(zip(new, opened))
-        parts = [m.of(vs[i], views[i]) for i, m in bucket]
-        V = parts[0] if len(parts) == 1 and private else torch.cat(parts)
-        M = V.clone() if record is not None else None
         first, (rows, cols) = bucket[0][0], (bucket[0][1].rows, bucket[0][1].cols)
+        new = list(dict.fromkeys(i for i, _ in bucket if i not in vs))
+        slots: dict[int, Tensor] = {}
+        if into_stack:
+            total = sum(m.batch for _, m in bucket)
+            V = torch.empty((total, rows, cols), dtype=dtypes[first], device=device)
+            off = 0
+            for i, m in bucket:
+                if i in new and m.block is None and m.batch == views[i].batch:
+                    slots[i] = V.narrow(0, off, m.batch).view(shapes[i])
+                off += m.batch
+        if new:
+            opened, private = open_(new, [slots.get(i) for i in new])
+            vs.update(zip(new, opened))
+            slots = {i: t for i, t in slots.items() if vs[i] is t}  # written in place
+        if into_stack:
+            off = 0
+            for i, m in bucket:
+                if i not in slots:
+                    V.narrow(0, off, m.batch).copy_(m.of(vs[i], views[i]))
+                off += m.batch
+        else:
+            parts = [m.of(vs[i], views[i]) for i, m in bucket]
+            V = parts[0] if len(parts) == 1 and private else torch.cat(parts)
+        M = V.clone() if record is not None else None
         schedule, select = coefficients(rows, cols)
         U = root_direction(
             V, schedule, select=select, quantile=o.quantile, method=o.method,
@@ -440,19 +474,19 @@ def _multi_tensor_root(
     if not params:
         return
 
-    def open_(idx: list[int]) -> tuple[list[Tensor], bool]:
+    def open_(idx: list[int], out: list[Tensor | None]) -> tuple[list[Tensor], bool]:
         gs = [grads[i] for i in idx]
         if robust is not None:
             robust_moments_(
                 [robust[0][i] for i in idx], [robust[1][i] for i in idx], gs,
                 window=o.robust_window,
             )  # fmt: skip
-        vs = momentum_([bufs[i] for i in idx], gs, momentum=o.momentum, nesterov=o.nesterov)
-        return vs, o.nesterov
+        bs = [bufs[i] for i in idx]
+        return momentum_(bs, gs, momentum=o.momentum, nesterov=o.nesterov, out=out), o.nesterov
 
     for done, updates, scales in _directions(
         [p.shape for p in params], [b.dtype for b in bufs], o, coefficients, open_,
-        blocks=blocks, record=record,
+        device=params[0].device, blocks=blocks, record=record,
     ):  # fmt: skip
         if robust is not None:
             updates = [
