@@ -1,6 +1,6 @@
 """Exact per-matrix quantile of |M| on this machine's device: the ways torch offers,
 timed on buckets of transformer-sized matrices, each checked equal to
-``rootopt.optim.functional.abs_quantile`` (the one ROOT uses).
+``rootopt.optim.quantile.abs_quantile`` (the one ROOT uses).
 
 Methods: ``rootopt`` (abs_quantile as shipped: on an accelerator, ``topk`` per row),
 ``kthvalue`` (one selection per row), ``sort`` (full sort per row, then two gathers),
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from _timing import median_ms, shape_list
-from rootopt.optim.functional import abs_quantile
+from rootopt.optim.quantile import abs_quantile
 
 
 def by_sort(v: Tensor, lo: int, frac: float) -> Tensor:

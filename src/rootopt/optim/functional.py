@@ -453,6 +453,7 @@ def _directions(
                 updates.append(Um.reshape(shapes[i]) if whole else parts_of.pop(i))
                 scales.append(m.scale if m.block is None else 1.0)
         yield done, updates, scales
+        del V, M, U, updates  # before the next stack: temporaries stay within one bucket
 
 
 def _multi_tensor_root(
@@ -496,6 +497,7 @@ def _multi_tensor_root(
             [params[i] for i in done], updates, lr=o.lr, weight_decay=o.weight_decay,
             scales=scales,
         )  # fmt: skip
+        del updates  # so that the generator frees this bucket before it builds the next
 
 
 def _count(step: Tensor) -> float | Tensor:
