@@ -16,8 +16,8 @@ def check_finite(
 ) -> tuple[list[bool], float | Tensor]:
     """``(finite per gradient, what the step counts advance by)``.
 
-    Eager: ``max |g|`` per gradient in one ``_foreach`` call (NaN propagates, ±Inf shows),
-    read with the step's one host synchronisation; a non-finite gradient raises
+    Eager: ``max |g|`` per gradient in one ``_foreach`` call (on the CPU: min and max per
+    gradient; NaN propagates, ±Inf shows), read with the step's one host synchronisation; a non-finite gradient raises
     :class:`NonFiniteGradientError` naming it, unless ``skip``. In a step traced by
     ``torch.compile`` (``skip=False``): an asynchronous assertion, no host sync and no graph
     break; it precedes every update in the graph, so a failing step changes nothing, and
@@ -26,8 +26,14 @@ def check_finite(
     """
     if not grads:
         return [], 1.0
-    norms = torch._foreach_norm(grads, float("inf"))
-    ok = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
+    if grads[0].device.type == "cpu":
+        # min and max, one vectorised pass each gradient (the CPU's inf-norm is not
+        # vectorised: 12x slower here); calls cost nothing on the CPU
+        ends = [torch.stack(torch.aminmax(g)).float() for g in grads]
+        ok = torch.stack(ends).isfinite().all(dim=1)
+    else:  # one launch for all: max |g|
+        norms = torch._foreach_norm(grads, float("inf"))
+        ok = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
     if torch.compiler.is_compiling() and not skip:
         every = ok.all()
         torch._assert_async(
