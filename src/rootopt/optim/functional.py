@@ -1,7 +1,7 @@
 """ROOT's update as pure tensor functions: the one core every path calls.
 
 The update of the paper's official code (arXiv 2511.20626; reference numerics in
-docs/performance.md, "One reference, several fast paths"), per weight matrix::
+docs/performance.md, "One update, every path"), per weight matrix::
 
     buf  = mu * buf + g                          sum-form momentum
     v    = g + mu * buf  (nesterov)  else buf
@@ -198,7 +198,7 @@ def robust_scale(
     eps: float = 1e-8,
 ) -> Tensor:
     """Per-element robust scaling (an option beyond the paper; docs/performance.md,
-    "One reference, several fast paths"), made norm-preserving.
+    "One update, every path"), made norm-preserving.
 
     ``mean`` / ``sq`` are running estimates of E[g] and E[g²] (bias corrected by
     ``bias_correction = 1 - beta^t``), so ``delta = sqrt(E[g²] - E[g]²)``; then
@@ -238,7 +238,7 @@ def root_direction(
         if V.device.type == "cpu" and not torch.compiler.is_compiling():
             # Python bounds per matrix: several times faster than broadcast tensor bounds
             # on the CPU, where reading eps is no synchronisation.
-            for Vi, e in zip(V.reshape(-1, *V.shape[-2:]), eps.flatten().tolist()):
+            for Vi, e in zip(V.unbind(0) if V.ndim == 3 else (V,), eps.flatten().tolist()):
                 Vi.clamp_(-e, e)
         else:
             V = V.clamp_(min=-eps, max=eps)

@@ -3,8 +3,7 @@
 ``svd``: ``U Vᵀ`` from the thin SVD, the exact target of Newton–Schulz. ``qr``: the
 orthonormal factor ``Q`` of a thin QR, with the signs fixed so that ``diag(R) >= 0``.
 ``Q`` spans the same column space as ``G`` but, unlike ``U Vᵀ``, depends on column order.
-Both are options beyond the paper (docs/performance.md, "One reference, several fast
-paths").
+Both are options beyond the paper (docs/performance.md, "One update, every path").
 """
 
 from __future__ import annotations
