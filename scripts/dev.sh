@@ -8,9 +8,10 @@
 # torch is installed first, pinned to TORCH_VERSION, before anything else is resolved: a
 # package that merely requires "torch" would otherwise let pip pick the newest torch, whose
 # Linux wheel on PyPI is a CUDA build of several GB. TORCH_INDEX_URL (default: PyTorch's CPU
-# wheel index) is offered to pip as an extra index for that one install, so the CPU build is
-# preferred where it exists; set TORCH_INDEX_URL= (empty) to take PyPI's default build, or a
-# CUDA index such as https://download.pytorch.org/whl/cu128 on a GPU machine.
+# wheel index) is offered to pip as an extra index for the torch wheel alone (its dependencies
+# come from the default index), so the CPU build is preferred where it exists. Set
+# TORCH_INDEX_URL= (empty) to take PyPI's default build, or a CUDA index such as
+# https://download.pytorch.org/whl/cu128 on a GPU machine.
 #
 # Rerunning is cheap: the install is skipped while pyproject.toml and the extras are unchanged
 # (a stamp in .venv records them). Rerunning `scripts/dev.sh run` after Ctrl-C resumes the run.
@@ -50,7 +51,9 @@ install() {  # install EXTRAS
   local index=()
   [[ -n "${TORCH_INDEX_URL}" ]] && index=(--extra-index-url "${TORCH_INDEX_URL}")
   echo "dev.sh: installing torch==${TORCH_VERSION}, then rootopt[${extras}] into ${venv}" >&2
-  "${pip[@]}" ${index[@]+"${index[@]}"} "torch==${TORCH_VERSION}"
+  # torch alone from the torch index, then its dependencies from the default index only
+  "${pip[@]}" --no-deps ${index[@]+"${index[@]}"} "torch==${TORCH_VERSION}"
+  "${pip[@]}" "torch==${TORCH_VERSION}"
   "${pip[@]}" -e "${repo}[${extras}]"
   printf '%s\n%s\n' "${key}" "${extras}" > "${stamp}"
 }

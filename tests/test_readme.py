@@ -106,7 +106,8 @@ def test_dev_script_pins_torch_first_then_installs_then_runs(tmp_path: Path) -> 
     calls = _dev(venv, elsewhere, "run", "run.max_steps=3")
     cpu = "--extra-index-url https://download.pytorch.org/whl/cpu"
     assert calls == [
-        f"python -m pip install --quiet {cpu} torch=={TORCH}",
+        f"python -m pip install --quiet --no-deps {cpu} torch=={TORCH}",
+        f"python -m pip install --quiet torch=={TORCH}",  # its dependencies, default index
         f"python -m pip install --quiet -e {ROOT_DIR}[train]",
         "rootopt train run.max_steps=3",
     ]
@@ -114,17 +115,17 @@ def test_dev_script_pins_torch_first_then_installs_then_runs(tmp_path: Path) -> 
     assert _dev(venv, elsewhere, "run") == ["rootopt train"]
     # every extra for the tests, run from the repository whatever the caller's directory
     calls = _dev(venv, elsewhere, "test", "-x")
-    assert calls[1:] == [
+    assert calls[2:] == [
         f"python -m pip install --quiet -e {ROOT_DIR}[train,bench,dev,integrations,rl,anneal]",
         "python -m pytest -q -x",
     ]
-    assert calls[0].endswith(f" torch=={TORCH}")
+    assert calls[0] == f"python -m pip install --quiet --no-deps {cpu} torch=={TORCH}"
     # `run` after `test`: the installed extras cover it, nothing is reinstalled
     assert _dev(venv, elsewhere, "run") == ["rootopt train"]
     # an empty TORCH_INDEX_URL takes the default index
     venv2, _ = _fake_venv(tmp_path / "second")
     first = _dev(venv2, elsewhere, "run", TORCH_INDEX_URL="")[0]
-    assert first == f"python -m pip install --quiet torch=={TORCH}"
+    assert first == f"python -m pip install --quiet --no-deps torch=={TORCH}"
 
 
 def test_dev_script_usage_is_one_error(tmp_path: Path) -> None:
