@@ -175,15 +175,19 @@ def test_world_sizes_1_2_3_fsdp_and_resharded_resume_agree(shards: Path, tmp_pat
 
 
 def test_bad_launch_settings_are_one_line(shards: Path, tmp_path: Path) -> None:
-    env = _env()
     cases = [
-        (["distributed.world_size=2"], "distributed.world_size: 2 processes need a launcher"),
-        (["distributed.parallel=zero"], "distributed.parallel"),
+        ({}, ["distributed.parallel=zero"], "distributed.parallel"),
+        # WORLD_SIZE without the rendezvous address used to end in a traceback
+        (
+            {"WORLD_SIZE": "2", "RANK": "0"},
+            [],
+            "WORLD_SIZE=2 is set but MASTER_ADDR and MASTER_PORT are not",
+        ),
     ]
-    for over, want in cases:
+    for extra, over, want in cases:
         proc = subprocess.run(
             [sys.executable, "-m", "rootopt.train", "--log_dir", str(tmp_path / "r"), *over],
-            env=env,
+            env={**_env(), **extra},
             capture_output=True,
             text=True,
             timeout=60,
@@ -191,6 +195,7 @@ def test_bad_launch_settings_are_one_line(shards: Path, tmp_path: Path) -> None:
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and want in lines[0], lines
+        assert not (tmp_path / "r").exists()
 
 
 def _worker(agent: int, rank: int, deadline: float) -> int:
