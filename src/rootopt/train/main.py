@@ -77,9 +77,11 @@ def _speaks_alone() -> bool:
     return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
 
 
-def _err(msg: str) -> None:
+def _err(msg: str, *, for_the_job: bool = False) -> None:
+    """One line on stderr; a rank that speaks only for itself names itself."""
     info = _world()
-    where = f" (rank {info.rank})" if info.world_size > 1 and not msg.startswith("rank ") else ""
+    mine = info.world_size > 1 and not for_the_job and not msg.startswith("rank ")
+    where = f" (rank {info.rank})" if mine else ""
     print(f"rootopt train{where}: {msg}", file=sys.stderr)
 
 
@@ -114,7 +116,7 @@ def _interrupted(exc: BaseException) -> int:
     info = _world()
     speak = info.is_main if info.world_size > 1 else _speaks_alone()
     if speak:
-        _err(msg)
+        _err(msg, for_the_job=True)
     return _leave(130 if signum == int(signal.SIGINT) else 128 + signum)
 
 
@@ -153,7 +155,9 @@ def _main(argv: list[str] | None) -> int:
         known = exit_status(exc)
         if known is None:
             raise  # a bug: keep the traceback
-        return _fail(*known, speak=_speaks_for(exc))
+        from rootopt.train.agree import JobError
+
+        return _fail(*known, speak=_speaks_for(exc), for_the_job=isinstance(exc, JobError))
     info = _world()
     if info.is_main:  # rank 0 reports for the run
         _report(summary)
@@ -181,16 +185,16 @@ def _speaks_for(exc: BaseException) -> bool:
     return not (isinstance(exc, CollectiveError) and peer_failure() is not None)
 
 
-def _fail(code: int, lines: list[str], *, speak: bool) -> int:
+def _fail(code: int, lines: list[str], *, speak: bool, for_the_job: bool = True) -> int:
     """Print ``lines`` (when this process speaks), tell torchrun and the other ranks, and
     leave with ``code``."""
     if speak:
         for line in lines:
-            _err(line)
+            _err(line, for_the_job=for_the_job)
     if lines:
         from rootopt.dist import note_failure, report_to_launcher
 
-        report_to_launcher(lines[0], code)
+        report_to_launcher(f"rootopt train: {lines[0]}", code)
         if speak and _world().world_size > 1:
             note_failure(lines[0])
     return _leave(code)
