@@ -237,9 +237,10 @@ def load(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise CheckpointUnreadable(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+        first = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+        first = first.splitlines()[0][:120] if first else ""
         raise CheckpointUnreadable(
-            f"{path.name}: its checksum verifies but this build cannot load it "
+            f"{path.name}: its checksum verifies but it cannot be loaded by this build "
             f"({type(exc).__name__}{': ' + first if first else ''})"
         ) from None
     if not isinstance(state, dict):

@@ -162,7 +162,7 @@ def inspect(path: str | Path) -> CheckpointInfo:
     try:
         raw = (path / MARKER).read_bytes()
     except FileNotFoundError:
-        return CheckpointInfo(path, step, False, f"{MARKER} is missing")
+        return CheckpointInfo(path, step, False, f"{MARKER} unreadable (missing)")
     except OSError as exc:
         reason = f"{MARKER} cannot be read ({exc.strerror or exc})"
         return CheckpointInfo(path, step, False, reason, corrupt=False)

@@ -69,6 +69,9 @@ from rootopt.train.step import evaluate, train_step
 
 __all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "setup", "train"]
 
+# True from the first step of a session on (the command line words an interruption by it)
+TRAINING = False
+
 
 # --------------------------------------------------------------------------- setup
 
@@ -245,6 +248,8 @@ def _build(
         torch.manual_seed(cfg.run.seed)  # the same initial parameters on every rank
         return controller, device, _model(cfg, public["meta"], device)
 
+    if public["prepared"]:  # data that exists already is checked before any write
+        agreed(info, lambda: _validate(cfg, data_dir), what="checking the data")
     controller, device, bare = agreed(info, components, what="building the model")
     model = parallelize(cfg, bare, info)  # a collective at world size > 1 (DDP/FSDP2)
     optimizer, routing = agreed(
@@ -252,6 +257,8 @@ def _build(
     )
     # ---- every check passed on every rank: rank 0 writes (run.json, data, ...)
     agreed(info, lambda: planning.commit(plan) if plan else None, what="writing the run")
+    if plan is not None:
+        plan.locks.committed = True  # from here on the run's directory holds its files
     manifest = agreed(info, lambda: load_manifest(data_dir), what="reading the data")
     o = cfg.optimization
     schedule = LRMultiplier(
@@ -296,7 +303,8 @@ def _build(
     try:
         state = plan.choice.state if plan is not None and plan.choice is not None else None
         agreed(info, lambda: resume(run, public["choice"], state, say), what="resuming")
-        agreed(info, lambda: check_data(run), what="checking the data")
+        if not public["prepared"]:  # prepared just now (by commit)
+            agreed(info, lambda: check_data(run), what="checking the data")
         if info.is_main:
             _write_run_files(run)
     except BaseException:
@@ -304,6 +312,15 @@ def _build(
             monitor.close()
         raise
     return run
+
+
+def _validate(cfg: Config, data_dir: Path) -> int:
+    """Every shard of every split: present, readable, its sample count and (with
+    ``data.verify_checksums``) its sha256; before step 1, so a damaged validation split
+    stops the run before any work (:func:`rootopt.train.data.check_data`)."""
+    from rootopt.data import validate_data
+
+    return validate_data(data_dir, checksum=cfg.data.verify_checksums)
 
 
 def _write_run_files(run: Run) -> None:
@@ -330,6 +347,8 @@ def train(
 ) -> Summary:
     """Train ``cfg`` in ``run_dir`` (None: the default ``runs/<name>-<key>``), resuming it
     when it holds checkpoints of this run; return the session's summary."""
+    global TRAINING
+    TRAINING = False
     hooks = hooks or Hooks()
     with interruptible():
         run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
@@ -377,6 +396,8 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
     stop = StopFlag(cfg.checkpoint.on_signal)
     bar = _progress_bar(run)
     run.model.train()
+    global TRAINING
+    TRAINING = True
     try:
         status = _loop(run, hooks, clock, stop, bar)
         return _finish(run, status, clock, stop)

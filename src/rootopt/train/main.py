@@ -90,10 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     143 SIGTERM (each after a checkpoint where one could be written)."""
     from rootopt.train.agree import Interrupted
 
+    def terminate(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    try:  # SIGTERM before the run's own handling: one line too (SIGINT raises anyway)
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread
+        previous = None
     try:
         return _main(argv)
     except (KeyboardInterrupt, Interrupted) as exc:
         return _interrupted(exc)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupted(exc: BaseException) -> int:
@@ -103,7 +113,8 @@ def _interrupted(exc: BaseException) -> int:
 
     signum = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
     name = signal.Signals(signum).name
-    if isinstance(exc, Interrupted):
+    loop = sys.modules.get("rootopt.train.loop")
+    if not getattr(loop, "TRAINING", False):
         msg = (
             f"interrupted ({name}) before training started; nothing of the run was lost; "
             "run the same command to start (or resume)"
@@ -180,9 +191,9 @@ def _speaks_for(exc: BaseException) -> bool:
     info = _world()
     if info.world_size == 1:
         return _speaks_alone()
-    from rootopt.dist import CollectiveError, peer_failure
+    from rootopt.dist import peer_failure
 
-    return not (isinstance(exc, CollectiveError) and peer_failure() is not None)
+    return peer_failure() is None
 
 
 def _fail(code: int, lines: list[str], *, speak: bool, for_the_job: bool = True) -> int:

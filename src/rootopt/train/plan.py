@@ -93,6 +93,7 @@ class Plan:
             "run_id": self.run_id,
             "meta": self.meta,
             "choice": (self.choice.kind, str(self.choice.path)) if self.choice else None,
+            "prepared": self.shards is None,  # the data exists (else commit prepares it)
         }
 
 

@@ -133,6 +133,7 @@ class Locks:
 
     held: list[checkpoint.DirLock] = field(default_factory=list)
     created: list[Path] = field(default_factory=list)
+    committed: bool = False  # the run has written into its directories
 
     def take(self, directory: Path, what: str, hint: str) -> None:
         """Lock ``directory`` (created when missing), or refuse with one line."""
@@ -172,13 +173,23 @@ class Locks:
         self.held = []
 
     def abandon(self) -> None:
-        """Release, then remove the directories this launch created, if they hold nothing
-        but its lock files (a refused launch leaves no empty run directory behind)."""
+        """Release the locks; a launch refused before it wrote anything also removes the
+        directories it created for them (a refused launch leaves no empty run directory
+        behind). A lock file is unlinked only while still held: unlinked after its release,
+        a process that had just locked it would share the directory with the next one."""
+        if not self.committed:
+            for directory in reversed(self.created):
+                with contextlib.suppress(OSError):
+                    ours = {checkpoint.LOCK} | {
+                        c.name for c in self.created if c.parent == directory
+                    }
+                    if {p.name for p in directory.iterdir()} <= ours:
+                        (directory / checkpoint.LOCK).unlink(missing_ok=True)
         self.release()
-        for directory in reversed(self.created):
-            with contextlib.suppress(OSError):
-                (directory / checkpoint.LOCK).unlink(missing_ok=True)
-                directory.rmdir()
+        if not self.committed:
+            for directory in reversed(self.created):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
         self.created = []
 
 
