@@ -43,6 +43,10 @@ class ShardError(ValueError):
     """A prepared shard directory that cannot be trusted (missing, corrupt, inconsistent)."""
 
 
+class ShardWriteError(ShardError):
+    """Shards could not be written (a full or read-only disk): a runtime failure."""
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
@@ -244,7 +248,7 @@ def write_plan(out: str | Path, plan: ShardPlan) -> dict[str, Any]:
         atomic_write(out / "SHA256SUMS", ("\n".join(lines) + "\n").encode())
         atomic_write(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
     except OSError as exc:
-        raise ShardError(
+        raise ShardWriteError(
             f"cannot write shards into {str(out)!r}: {exc.strerror or exc} ({exc.filename or out})"
         ) from None
     return manifest

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import ConfigError
-from rootopt.data import CorpusError, ShardError
+from rootopt.data import CorpusError, ShardError, ShardWriteError
 from rootopt.dist import CollectiveError
 from rootopt.train.build import ProcessInfo, TrainingError
 
@@ -45,6 +45,8 @@ def exit_status(exc: BaseException) -> tuple[int, list[str]] | None:
         return exc.code, exc.lines
     if isinstance(exc, ConfigError):
         return 2, [f"config error: {line}" for line in exc.problems]
+    if isinstance(exc, ShardWriteError):  # a full or read-only disk while preparing data
+        return 1, [_one_line(exc)]
     if isinstance(exc, (ShardError, CorpusError, CheckpointError)):
         return 2, [_one_line(exc)]
     if isinstance(exc, (TrainingError, CollectiveError)):

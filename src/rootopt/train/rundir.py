@@ -48,6 +48,11 @@ _STALE_DATA = re.compile(r"^\.(manifest\.json|SHA256SUMS)\..+\.tmp$")
 _DEFAULT_NAME = RunConfig().name
 
 
+class RunDirError(CheckpointError):
+    """The run directory (or the checkpoint directory) cannot be used: not writable, or a
+    path that cannot be created (status 2, one line)."""
+
+
 def identity_key(cfg: Config, data_path: str | None) -> str:
     """8 hex digits naming the run a command describes (see the module docstring)."""
     data = to_dict(cfg)
@@ -145,12 +150,12 @@ class Locks:
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
-            raise ConfigError(
-                [f"{what} {str(directory)!r}: a part of the path exists and is not a directory"]
+            raise RunDirError(
+                f"{what} {str(directory)!r}: a part of the path exists and is not a directory"
             ) from None
         except OSError as exc:
-            raise ConfigError(
-                [f"{what} {str(directory)!r} cannot be created ({exc.strerror or exc})"]
+            raise RunDirError(
+                f"{what} {str(directory)!r} cannot be created ({exc.strerror or exc})"
             ) from None
         self.created += reversed(missing)
         lock = checkpoint.DirLock(directory)
@@ -162,8 +167,8 @@ class Locks:
                 f"({exc.holder}); {hint}"
             ) from None
         except OSError as exc:
-            raise ConfigError(
-                [f"{what} {str(directory)!r} is not writable ({exc.strerror or exc})"]
+            raise RunDirError(
+                f"{what} {str(directory)!r} is not writable ({exc.strerror or exc})"
             ) from None
         self.held.append(lock)
 
