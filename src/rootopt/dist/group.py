@@ -82,7 +82,7 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in _ENV_KEYS)
 
 
-# The store the process group was formed on (kept for failure notes, see note_failure).
+# The store the process group was formed on (kept for failure reports, see claim_failure).
 _STORE: Any = None
 _FAILURE_KEY = "rootopt/failure"
 
@@ -255,26 +255,19 @@ def _quiet_native_stderr() -> Iterator[_Captured]:
                     os.write(2, data)
 
 
-def note_failure(line: str) -> None:
-    """Tell the other ranks (through the rendezvous store) that this rank has reported
-    the job's failure, so that a rank whose collective then fails stays silent instead of
-    printing a second line about the same failure. Best effort: never raises."""
+def claim_failure(line: str) -> bool:
+    """Whether this rank is the first to report a failure of the job (an atomic
+    compare-and-set in the rendezvous store). A rank that fails because a peer failed
+    first (its collective broke) then stays silent instead of printing a second line
+    about the same failure; several survivors of a dead peer print one line between them.
+    True when there is no store to ask (one process, or ``file://`` init)."""
     if _STORE is None:
-        return
-    with contextlib.suppress(Exception):
-        _STORE.set(_FAILURE_KEY, line.encode())
-
-
-def peer_failure() -> str | None:
-    """The line another rank reported with :func:`note_failure`, if any (non-blocking)."""
-    if _STORE is None:
-        return None
+        return True
     try:
-        if _STORE.check([_FAILURE_KEY]):
-            return bytes(_STORE.get(_FAILURE_KEY)).decode("utf-8", "replace")
-    except Exception:
-        return None
-    return None
+        got = _STORE.compare_set(_FAILURE_KEY, "", line)
+    except Exception:  # the store's host is gone: say it rather than nothing
+        return True
+    return bytes(got).decode("utf-8", "replace") == line
 
 
 def report_to_launcher(line: str, code: int) -> None:

@@ -168,7 +168,9 @@ def _main(argv: list[str] | None) -> int:
             raise  # a bug: keep the traceback
         from rootopt.train.agree import JobError
 
-        return _fail(*known, speak=_speaks_for(exc), for_the_job=isinstance(exc, JobError))
+        code, lines = known
+        speak = _speaks_for(exc, lines[0] if lines else "")
+        return _fail(code, lines, speak=speak, for_the_job=isinstance(exc, JobError))
     info = _world()
     if info.is_main:  # rank 0 reports for the run
         _report(summary)
@@ -179,21 +181,19 @@ def _main(argv: list[str] | None) -> int:
     return _status(summary)
 
 
-def _speaks_for(exc: BaseException) -> bool:
+def _speaks_for(exc: BaseException, line: str) -> bool:
     """Whether this process prints ``exc``: a verdict of the whole job says so itself;
-    otherwise, at world size > 1, the rank that failed speaks unless another rank has
-    already reported the failure this one is a consequence of (a peer that died leaves its
-    peers' collectives failing)."""
+    otherwise, at world size > 1, the first rank to report a failure speaks (a peer that
+    died leaves its peers' collectives failing: they stay silent)."""
     from rootopt.train.agree import JobError
 
     if isinstance(exc, JobError):
         return exc.speak
-    info = _world()
-    if info.world_size == 1:
+    if _world().world_size == 1:
         return _speaks_alone()
-    from rootopt.dist import peer_failure
+    from rootopt.dist import claim_failure
 
-    return peer_failure() is None
+    return claim_failure(f"rank {_world().rank}: {line}")
 
 
 def _fail(code: int, lines: list[str], *, speak: bool, for_the_job: bool = True) -> int:
@@ -203,11 +203,9 @@ def _fail(code: int, lines: list[str], *, speak: bool, for_the_job: bool = True)
         for line in lines:
             _err(line, for_the_job=for_the_job)
     if lines:
-        from rootopt.dist import note_failure, report_to_launcher
+        from rootopt.dist import report_to_launcher
 
         report_to_launcher(f"rootopt train: {lines[0]}", code)
-        if speak and _world().world_size > 1:
-            note_failure(lines[0])
     return _leave(code)
 
 
