@@ -637,4 +637,47 @@ def test_torchrun_line_ten_times(tmp_path: Path) -> None:
         3,
         restarts_ok,
     )
-    assert failures == 0 and restarts_ok == 3
+    # 3 ranks, rank 2 SIGKILLed mid-run without a restart budget: both survivors' collectives
+    # fail, one line is printed between them; the same command then resumes and completes
+    one_line = 0
+    over3 = [o if not o.startswith("run.max_steps") else "run.max_steps=400" for o in OVER]
+    for i in range(3):
+        cwd = tmp_path / f"d{i}"
+        cwd.mkdir()
+        cmd = [torchrun, "--standalone", "--nproc_per_node=3", "-m", "rootopt.train", *over3]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        at = 4 * (i + 2)  # after the 2nd, 3rd, 4th checkpoint
+        try:
+            wait_for(
+                lambda c=cwd, a=at: any(c.glob(f"runs/*/checkpoints/dcp-{a:08d}")),
+                400,
+                "a checkpoint",
+                proc,
+            )
+            from test_user_path import _worker
+
+            os.kill(_worker(proc.pid, 2), signal.SIGKILL)
+            _, err = proc.communicate(timeout=400)
+        finally:
+            kill_session(proc)
+        lines = [ln for ln in err.splitlines() if ln.startswith("rootopt train")]
+        again = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=900)
+        ok = proc.returncode != 0 and len(lines) == 1 and "collective" in lines[0]
+        ok = ok and again.returncode == 0 and "resumed from dcp-" in again.stdout
+        one_line += ok
+        print(f"  3 ranks, rank 2 killed: {len(lines)} line(s); rerun status {again.returncode}")
+    _row(
+        "3 ranks, rank 2 SIGKILLed (no restart budget): one line between the survivors, "
+        "then the same command resumes",
+        3,
+        one_line,
+    )
+    assert failures == 0 and restarts_ok == 3 and one_line == 3
