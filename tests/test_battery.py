@@ -640,7 +640,7 @@ def test_torchrun_line_ten_times(tmp_path: Path) -> None:
     # 3 ranks, rank 2 SIGKILLed mid-run without a restart budget: both survivors' collectives
     # fail, one line is printed between them; the same command then resumes and completes
     one_line = 0
-    over3 = [o if not o.startswith("run.max_steps") else "run.max_steps=400" for o in OVER]
+    over3 = [o if not o.startswith("run.max_steps") else "run.max_steps=120" for o in OVER]
     for i in range(3):
         cwd = tmp_path / f"d{i}"
         cwd.mkdir()
