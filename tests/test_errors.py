@@ -367,6 +367,7 @@ def test_tiny_max_time_still_progresses(
         assert train_main(args) == 0
         out = capsys.readouterr().out
         assert "stopped at run.max_time after a checkpoint" in out
+        assert "no loss record yet" in out and "nan" not in out  # was "loss nan → nan"
         assert (run / "checkpoints" / f"ckpt-{want:08d}.pt").is_file()
         assert json.loads((run / "summary.json").read_text())["steps"] == want
 

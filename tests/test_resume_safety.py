@@ -89,6 +89,23 @@ def test_deleted_run_data_is_prepared_again_and_the_run_resumes(tmp_path: Path) 
     assert _same(_model(whole), _model(run))
 
 
+def test_a_resume_on_other_data_is_refused_before_the_data_is_touched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """D2 on a run that is not live: the rerun with another data.max_bytes is refused with
+    one line naming the setting, before its prepared data is replaced (it used to prepare
+    the data again, then refuse "written for different data shards", the old data gone)."""
+    run = tmp_path / "run"
+    over = [*FAST, "data.corpus=kjv", "data.max_bytes=150000", "run.max_steps=10"]
+    assert train_main(["--log_dir", str(run), *over]) == 0
+    before = _without_locks(tree_state(run))
+    capsys.readouterr()
+    assert train_main(["--log_dir", str(run), *over, "data.max_bytes=90000"]) == 2
+    line = _one_line(capsys)
+    assert "data.max_bytes: 150000 → 90000" in line, line
+    assert _without_locks(tree_state(run)) == before
+
+
 # --------------------------------------------------------------------------- D4
 
 
