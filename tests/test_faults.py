@@ -295,6 +295,8 @@ def test_divergence_stops_keeps_the_good_checkpoint_and_report_names_the_cause(
     assert train_main([*base, *over]) == 1
     line = _one_line(capsys)
     assert "diverged at step" in line and "ckpt-00000020.pt" in line and "base_lr" in line
+    # a changed config names a new default run directory: the hint names this one
+    assert f"rerun with --log_dir {run} to resume from it" in line
     kept = checkpoint.list_checkpoints(run / "checkpoints")
     assert [p.name for p in kept] == ["ckpt-00000020.pt"] and kept[0].read_bytes() == good
     rep = check_run(run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 from pathlib import Path
@@ -134,17 +135,21 @@ def test_log_dir_that_is_a_file_or_read_only(
     f.write_text("mine")
     assert train_main(["--data_path", str(shards), "--log_dir", str(f), *TINY]) == 2
     assert "is not a directory" in _line(capsys) and f.read_text() == "mine"
-    real = Path.write_bytes
+    import rootopt.checkpoint as ck
 
-    def read_only(self: Path, data: Any) -> int:
-        if self.name == ".rootopt-write-test":
-            raise PermissionError(30, "Read-only file system", str(self))
-        return real(self, data)
+    real = ck.os.open
 
-    monkeypatch.setattr(Path, "write_bytes", read_only)
+    def read_only(path: Any, flags: int, mode: int = 0o777) -> int:
+        if str(path).endswith(".lock") and flags & os.O_CREAT:  # the first file a run creates
+            raise OSError(30, "Read-only file system", str(path))
+        return real(path, flags, mode)
+
+    monkeypatch.setattr(ck.os, "open", read_only)
+    (tmp_path / "ro").mkdir()
     assert train_main(["--data_path", str(shards), "--log_dir", str(tmp_path / "ro"), *TINY]) == 2
     line = _line(capsys)
     assert "is not writable (Read-only file system)" in line and "ro" in line
+    assert list((tmp_path / "ro").iterdir()) == []
 
 
 def test_vocab_smaller_than_the_data(

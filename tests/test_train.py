@@ -374,7 +374,7 @@ def test_resume_with_a_different_model_is_refused(
                 "model.d_model=64",
             ]
         )
-        == 1
+        == 2  # a user error: the config does not fit the run's checkpoint
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert (

@@ -4,32 +4,54 @@
 >>> groups, report = rootopt.param_groups(model, lr=1e-3)    # doctest: +SKIP
 >>> opt = rootopt.ROOT(groups, lr=1e-3)                     # doctest: +SKIP
 
-``rootopt.hf`` (Hugging Face Trainer) is imported on first use.
+Every name is imported on first use, so ``import rootopt`` itself loads nothing heavy: the
+``rootopt`` command and ``python -m rootopt.train`` reach their own handling (e.g. of a
+Ctrl-C while torch is still importing) before torch is imported.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from rootopt.optim import (
-    ROOT,
-    NonFiniteGradientError,
-    RoutingReport,
-    make_optimizer,
-    param_groups,
-)
-from rootopt.optim.functional import soft_threshold_split
-from rootopt.optim.quantile import abs_quantile
-from rootopt.ortho import orthogonalize
+if TYPE_CHECKING:
+    from rootopt.optim import (
+        ROOT,
+        NonFiniteGradientError,
+        RoutingReport,
+        make_optimizer,
+        param_groups,
+    )
+    from rootopt.optim.functional import soft_threshold_split
+    from rootopt.optim.quantile import abs_quantile
+    from rootopt.ortho import orthogonalize
 
 __version__ = "0.1.0"
 
+_WHERE = {
+    "ROOT": "rootopt.optim",
+    "NonFiniteGradientError": "rootopt.optim",
+    "RoutingReport": "rootopt.optim",
+    "make_optimizer": "rootopt.optim",
+    "param_groups": "rootopt.optim",
+    "abs_quantile": "rootopt.optim.quantile",
+    "soft_threshold_split": "rootopt.optim.functional",
+    "orthogonalize": "rootopt.ortho",
+}
 
-def __getattr__(name: str) -> ModuleType:
-    if name == "hf":  # lazy: keeps `import rootopt` light
+
+def __getattr__(name: str) -> Any:
+    if name == "hf":
         return importlib.import_module("rootopt.hf")
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'rootopt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE, "hf"])
 
 
 __all__ = [

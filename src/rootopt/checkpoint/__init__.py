@@ -5,7 +5,10 @@ lists, dicts — loadable with ``weights_only=True``) plus ``ckpt-<step>.json`` 
 sha256, step and format version. Both are written to a temporary file, fsync'ed and renamed
 into place (the sidecar last), and the directory is fsync'ed, so a crash leaves either the
 previous state or a complete new checkpoint. A checkpoint whose sidecar is missing, whose
-checksum differs or which fails to load is reported and skipped.
+checksum differs is *corrupt* (:class:`CheckpointError`): reported and skipped. One that
+this build cannot read although nothing proves it damaged — another format version, an I/O
+error, a checksum-verified file that fails to load — is :class:`CheckpointUnreadable`: a
+resume stops on it rather than silently falling back to an older checkpoint or to step 0.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
+_STALE = re.compile(r"^\.(ckpt-\d{8}\.(pt|json)|owner\.json)\..+\.tmp$")
+
+
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used."""
+    """A checkpoint that cannot be used (corrupt or incomplete, when not a subclass)."""
+
+
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint that may well be intact but that this build cannot read (another
+    format version, an I/O error, a load error after the checksum verified)."""
 
 
 def _sidecar(path: Path) -> dict[str, Any] | None:
@@ -40,22 +51,42 @@ def _sidecar(path: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
+def sidecar(path: str | Path) -> dict[str, Any] | None:
+    """The sidecar of checkpoint ``path`` (step, sha256, run id, serial, suspect), or None."""
+    return _sidecar(Path(path))
+
+
+def stale_temporaries(directory: str | Path) -> list[Path]:
+    """Temporary files an interrupted :func:`save` or :func:`claim` left in ``directory``
+    (``.ckpt-<step>.pt.<random>.tmp`` ...). Only the owner of the directory, holding its
+    lock, may remove them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _STALE.match(p.name) and p.is_file())
+
+
 def save(
     directory: str | Path,
     step: int,
     payload: dict[str, Any],
     *,
-    keep_last: int,
+    keep_last: int | None,
     run_id: str = "",
     protect: Path | None = None,
+    suspect: bool = False,
+    serial: int | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically; keep this run's newest ``keep_last``; return its path.
+    """Write checkpoint ``step`` atomically; keep this run's newest ``keep_last`` (None: do
+    not prune here); return its path.
 
-    Each sidecar records the run id and a write serial. Pruning orders by the serial (the
-    order of writing), not by the step, and only touches checkpoints whose sidecar names
-    ``run_id``: a run restarted from step 0 never deletes what it has just written, and a
-    directory shared by mistake never loses another run's files. ``protect`` (the last good
-    checkpoint while a run is in trouble) is never pruned and does not count.
+    Each sidecar records the run id, a write serial (``serial``, default one more than any
+    sidecar in the directory) and whether the checkpoint is ``suspect`` (written inside a
+    divergence episode). Pruning orders by the serial (the order of writing), not by the
+    step, and only touches checkpoints whose sidecar names ``run_id``: a run restarted from
+    step 0 never deletes what it has just written, and a directory shared by mistake never
+    loses another run's files. The newest checkpoint that is not suspect, and ``protect``,
+    are never pruned and do not count.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -66,7 +97,8 @@ def save(
     blob = buf.getvalue()
     del buf
     path = directory / f"ckpt-{step:08d}.pt"
-    serial = 1 + max((_serial(m) for m in _sidecars(directory).values()), default=0)
+    if serial is None:
+        serial = 1 + max((_serial(m) for m in _sidecars(directory).values()), default=0)
     atomic_write(path, blob)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -75,10 +107,12 @@ def save(
         "bytes": len(blob),
         "run_id": run_id,
         "serial": serial,
+        "suspect": bool(suspect),
     }
     atomic_write(path.with_suffix(".json"), (json.dumps(meta) + "\n").encode())
     fsync_dir(directory)
-    prune(directory, keep_last=keep_last, run_id=run_id, keep=path, protect=protect)
+    if keep_last is not None:
+        prune(directory, keep_last=keep_last, run_id=run_id, keep=path, protect=protect)
     return path
 
 
@@ -104,13 +138,20 @@ def prune(
     keep: Path,
     protect: Path | None = None,
 ) -> list[Path]:
-    """Delete this run's checkpoints beyond the newest ``keep_last`` (by write serial)."""
-    mine = [
+    """Delete this run's checkpoints beyond the newest ``keep_last`` (by write serial).
+
+    Never deleted: ``keep``, ``protect``, the newest checkpoint that is not suspect (the
+    last good one while a divergence episode is open) and any checkpoint of another format
+    version (this build cannot tell what it holds)."""
+    metas = _sidecars(Path(directory))
+    mine_all = sorted(
         (_serial(m), int(m.get("step", 0)), p)
-        for p, m in _sidecars(Path(directory)).items()
-        if m.get("run_id", "") == run_id and p not in (keep, protect)
-    ]
-    mine.sort()
+        for p, m in metas.items()
+        if m.get("run_id", "") == run_id and m.get("format_version") == FORMAT_VERSION
+    )
+    good = [p for _, _, p in mine_all if not metas[p].get("suspect")]
+    last_good = good[-1] if good else None
+    mine = [row for row in mine_all if row[2] not in (keep, protect, last_good)]
     removed = []
     for _, _, old in mine[: max(0, len(mine) - (keep_last - 1))]:
         old.unlink(missing_ok=True)
@@ -146,15 +187,33 @@ def load(path: str | Path) -> dict[str, Any]:
 
     The file is mapped once: the checksum is computed over the mapping and ``torch.load``
     reads its tensors from the same (page-cached) mapping, so the checkpoint is neither read
-    twice nor held twice in memory.
+    twice nor held twice in memory. Raises :class:`CheckpointError` when the checkpoint is
+    proven incomplete or corrupt (no sidecar, a damaged sidecar, a checksum mismatch) and
+    :class:`CheckpointUnreadable` when this build cannot read it for another reason.
     """
     path = Path(path)
     side = path.with_suffix(".json")
-    if not side.is_file():
-        raise CheckpointError(f"{path.name}: no checksum sidecar {side.name} (incomplete write?)")
-    meta = _sidecar(path)
-    if meta is None:
-        raise CheckpointError(f"{path.name}: checksum sidecar {side.name} is unreadable")
+    try:
+        raw = side.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path.name}: no checksum sidecar {side.name} (incomplete write)"
+        ) from None
+    except OSError as exc:
+        raise CheckpointUnreadable(
+            f"{path.name}: its sidecar {side.name} cannot be read ({exc.strerror or exc})"
+        ) from None
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path.name}: checksum sidecar {side.name} is damaged")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointUnreadable(
+            f"{path.name}: format version {meta.get('format_version')!r}, this build of "
+            f"rootopt reads {FORMAT_VERSION} (written by another version)"
+        )
     try:
         with path.open("rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -163,20 +222,29 @@ def load(path: str | Path) -> dict[str, Any]:
             else:
                 with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                     actual = hashlib.sha256(mm).hexdigest()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path.name}: the file is missing (only its sidecar exists)"
+        ) from None
     except OSError as exc:
-        raise CheckpointError(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
+        raise CheckpointUnreadable(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
     if actual != meta.get("sha256"):
         raise CheckpointError(
             f"{path.name}: sha256 mismatch (sidecar {str(meta.get('sha256'))[:12]}…, file {actual[:12]}…)"
         )
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path.name}: format version {meta.get('format_version')} (this build reads {FORMAT_VERSION})"
-        )
     try:
         state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except OSError as exc:
+        raise CheckpointUnreadable(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
     except Exception as exc:
-        raise CheckpointError(f"{path.name}: cannot be loaded ({type(exc).__name__})") from None
+        first = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+        first = first.splitlines()[0][:120] if first else ""
+        raise CheckpointUnreadable(
+            f"{path.name}: its checksum verifies but it cannot be loaded by this build "
+            f"({type(exc).__name__}{': ' + first if first else ''})"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointUnreadable(f"{path.name}: holds a {type(state).__name__}, not a checkpoint")
     return state
 
 
@@ -186,41 +254,57 @@ OWNER = "owner.json"
 LOCK = ".lock"
 
 
+class LockHeld(CheckpointError):
+    """Another live process holds the lock (``holder`` says which, as it wrote itself)."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        self.path, self.holder = path, holder
+        super().__init__(f"{str(path)!r} is locked by {holder}")
+
+
 class DirLock:
-    """An exclusive, advisory lock on a checkpoint directory for the life of one process.
+    """An exclusive, advisory lock on a directory for the life of one process.
 
     ``fcntl.flock`` is released by the kernel when the process dies (even by SIGKILL), so a
-    crashed run never leaves a stale lock behind; a second live process is refused.
+    crashed run never leaves a stale lock behind; a second live process is refused. The
+    lock file holds the holder's ``pid <n> on <host>``; a refused process only reads it
+    (the holder's lock file is never rewritten by a process that does not hold it).
     """
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / LOCK
-        self._fh: Any = None
+        self._fd: int | None = None
 
     def acquire(self) -> None:
+        """Take the lock; :class:`LockHeld` when a live process holds it, ``OSError`` when
+        the lock file cannot be created or opened (read-only or missing directory)."""
         import fcntl
+        import socket
 
-        fh = self.path.open("a+", encoding="utf-8")
+        from rootopt._atomic import file_mode
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode())
         try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            fh.seek(0)
-            holder = fh.read().strip() or "?"
-            fh.close()
-            raise CheckpointError(
-                f"checkpoint directory {str(self.path.parent)!r} is in use by another "
-                f"training process (pid {holder}); wait for it or use another checkpoint.dir"
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
-        self._fh = fh
+            try:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+            finally:
+                os.close(fd)
+            raise LockHeld(self.path, holder or "another process") from None
+        try:
+            note = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, note, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     def release(self) -> None:
-        if self._fh is not None:
-            self._fh.close()  # closing the descriptor drops the flock
-            self._fh = None
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
 
 
 def owner(directory: str | Path) -> dict[str, Any] | None:
@@ -234,8 +318,9 @@ def owner(directory: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else {"run_id": "?", "log_dir": "?"}
 
 
-def claim(directory: str | Path, run_id: str, log_dir: str) -> None:
-    """Make ``run_id`` the owner of ``directory``; refuse one owned by another run."""
+def check_owner(directory: str | Path, run_id: str) -> dict[str, Any] | None:
+    """Refuse (one line) a ``directory`` whose ``owner.json`` names another run; reads only.
+    Returns the owner record (None when the directory has none yet)."""
     directory = Path(directory)
     have = owner(directory)
     if have is not None and have.get("run_id") != run_id:
@@ -244,6 +329,13 @@ def claim(directory: str | Path, run_id: str, log_dir: str) -> None:
             f"(run id {str(have.get('run_id'))[:12]}, log dir {str(have.get('log_dir'))!r}); "
             "point checkpoint.dir at a directory of this run"
         )
+    return have
+
+
+def claim(directory: str | Path, run_id: str, log_dir: str) -> None:
+    """Make ``run_id`` the owner of ``directory``; refuse one owned by another run."""
+    directory = Path(directory)
+    have = check_owner(directory, run_id)
     if have is None:
         directory.mkdir(parents=True, exist_ok=True)
         data = {"run_id": run_id, "log_dir": log_dir}
@@ -258,11 +350,16 @@ class Resumed:
 
 
 def newest_valid(directory: str | Path) -> tuple[Resumed | None, list[str]]:
-    """The newest checkpoint that verifies and loads, and a line per newer one that did not."""
+    """The newest checkpoint that verifies and loads, and a line per newer corrupt one.
+
+    A newer checkpoint that this build cannot read (:class:`CheckpointUnreadable`) stops the
+    search with that error: an older one is not a silent substitute."""
     skipped: list[str] = []
     for path in reversed(list_checkpoints(directory)):
         try:
             return Resumed(path, load(path), skipped), skipped
+        except CheckpointUnreadable:
+            raise
         except CheckpointError as exc:
             skipped.append(str(exc))
     return None, skipped
@@ -309,8 +406,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointUnreadable",
     "DirLock",
+    "LockHeld",
     "Resumed",
+    "check_owner",
     "claim",
     "list_checkpoints",
     "load",
@@ -320,4 +420,6 @@ __all__ = [
     "rng_state",
     "save",
     "set_rng_state",
+    "sidecar",
+    "stale_temporaries",
 ]

@@ -60,14 +60,18 @@ def cmd_fit(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     from rootopt.tools.fit import FitConfig, fit_coefficients
 
-    cfg = FitConfig(
-        steps=a.steps,
-        mode=a.mode or "auto",
-        dtype=a.dtype,
-        delta=a.delta,
-        seed=a.seed,
-        per_family=a.per_family,
-    )
+    try:
+        cfg = FitConfig(
+            steps=a.steps,
+            mode=a.mode or "auto",
+            dtype=a.dtype,
+            delta=a.delta,
+            seed=a.seed,
+            per_family=a.per_family,
+        )
+    except ValueError as exc:
+        print(f"rootopt coeffs fit: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     m, n = a.shape
     if a.cache:
         from rootopt.tools.fitcache import CACHE_FORMAT, cache_path, file_lock, write_cache

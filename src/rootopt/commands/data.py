@@ -15,6 +15,7 @@ from rootopt.data import (
     TEXT_CORPORA,
     CorpusError,
     ShardError,
+    ShardWriteError,
     load_manifest,
     prepare,
     verify_shard,
@@ -96,6 +97,9 @@ def main(argv: list[str]) -> int:
             val_fraction=args.val_fraction,
             seed=args.seed,
         )
+    except ShardWriteError as exc:  # a full or read-only disk
+        print(f"rootopt data: {exc}", file=sys.stderr)
+        return 1
     except (CorpusError, ShardError) as exc:
         print(f"rootopt data: {exc}", file=sys.stderr)
         return 2

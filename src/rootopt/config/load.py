@@ -249,8 +249,10 @@ _UniqueKeyLoader.add_constructor(
 def _read_yaml(p: Path) -> Any:
     if p.is_dir():
         raise ConfigError([f"config file {str(p)!r} is a directory, not a YAML file"])
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError([f"config file {str(p)!r} does not exist"])
+    if not p.is_file():  # a FIFO, socket or device: reading it could block or never end
+        raise ConfigError([f"config file {str(p)!r} is not a regular file"])
     try:
         raw = p.read_bytes()
     except OSError as exc:

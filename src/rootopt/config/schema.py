@@ -24,8 +24,10 @@ def _f(default: Any, help: str, **rules: Any) -> Any:
 
 @dataclass
 class RunConfig:
-    name: str = _f("rootopt", "run name (used in metric labels)")
-    seed: int = _f(0, "global random seed", min=0)
+    name: str = _f(
+        "rootopt", "run name (metric labels; names the default run directory when changed)"
+    )
+    seed: int = _f(0, "global random seed", min=0, max=2**63 - 1)
     max_steps: int = _f(300, "optimizer steps to train", min=1, max=10**10)
     max_time: float = _f(
         0.0,
@@ -77,6 +79,12 @@ class DistributedConfig:
         1, "number of processes (the launcher's WORLD_SIZE env var wins)", min=1, max=1 << 20
     )
     timeout_s: float = _f(1800.0, "collective timeout in seconds", gt=0)
+    rendezvous_timeout_s: float = _f(
+        120.0,
+        "seconds to wait at start for every rank to join the process group; a missing peer "
+        "then fails with one line",
+        gt=0,
+    )
     parallel: Literal["ddp", "fsdp"] = _f(
         "ddp", "data parallelism at world size > 1: ddp (replicated) or fsdp (FSDP2, sharded)"
     )

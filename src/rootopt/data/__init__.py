@@ -14,31 +14,36 @@ from rootopt.data.corpora import (
 )
 from rootopt.data.shards import (
     ShardError,
+    ShardPlan,
     ShardSamples,
     ShardStream,
+    ShardWriteError,
+    check_target,
     classify_samples,
     collate,
+    data_identity,
     lm_samples,
     load_manifest,
     make_loader,
+    plan_shards,
     sha256_file,
     validate_data,
     verify_shard,
+    write_plan,
     write_shards,
 )
 
 
-def prepare(
+def plan(
     corpus: str,
-    out: str | Path,
     *,
     seq_len: int = 128,
     max_bytes: int = 4_000_000,
     samples_per_shard: int = 2000,
     val_fraction: float = 0.05,
     seed: int = 0,
-) -> dict[str, Any]:
-    """Tokenize a real corpus into train/val WebDataset shards plus a checksum manifest."""
+) -> ShardPlan:
+    """Tokenize a real corpus into planned train/val shards, in memory (nothing is written)."""
     if corpus in CLASS_CORPORA:
         x, y, names = classification_arrays(corpus)
         samples = classify_samples(x, y)
@@ -61,8 +66,7 @@ def prepare(
             "text_bytes": len(data),
             "max_bytes": max_bytes,
         }
-    return write_shards(
-        out,
+    return plan_shards(
         samples,
         samples_per_shard=samples_per_shard,
         val_fraction=val_fraction,
@@ -71,20 +75,52 @@ def prepare(
     )
 
 
+def prepare(
+    corpus: str,
+    out: str | Path,
+    *,
+    seq_len: int = 128,
+    max_bytes: int = 4_000_000,
+    samples_per_shard: int = 2000,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Tokenize a real corpus into train/val WebDataset shards plus a checksum manifest.
+
+    The shards are byte-reproducible: the same corpus and settings give the same files."""
+    shards = plan(
+        corpus,
+        seq_len=seq_len,
+        max_bytes=max_bytes,
+        samples_per_shard=samples_per_shard,
+        val_fraction=val_fraction,
+        seed=seed,
+    )
+    return write_plan(out, shards)
+
+
 __all__ = [
     "CLASS_CORPORA",
     "TEXT_CORPORA",
     "CorpusError",
     "ShardError",
+    "ShardPlan",
     "ShardSamples",
     "ShardStream",
+    "ShardWriteError",
+    "check_target",
     "classification_arrays",
     "collate",
+    "data_identity",
     "load_manifest",
     "make_loader",
+    "plan",
+    "plan_shards",
     "prepare",
     "sha256_file",
     "text_bytes",
     "validate_data",
     "verify_shard",
+    "write_plan",
+    "write_shards",
 ]

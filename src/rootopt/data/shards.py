@@ -43,6 +43,10 @@ class ShardError(ValueError):
     """A prepared shard directory that cannot be trusted (missing, corrupt, inconsistent)."""
 
 
+class ShardWriteError(ShardError):
+    """Shards could not be written (a full or read-only disk): a runtime failure."""
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
@@ -53,27 +57,113 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 # --------------------------------------------------------------------------- writing
 
-
-def _write_split(
-    out: Path, split: str, samples: list[dict[str, Any]], per_shard: int
-) -> list[dict[str, Any]]:
-    entries = []
-    for i in range(math.ceil(len(samples) / per_shard)):
-        name = f"{split}-{i:06d}.tar"
-        chunk = samples[i * per_shard : (i + 1) * per_shard]
-        with wds.TarWriter(str(out / name)) as sink:
-            for j, sample in enumerate(chunk):
-                sink.write({"__key__": f"{split}{i:06d}_{j:06d}", **sample})
-        entries.append({"name": name, "sha256": sha256_file(out / name), "samples": len(chunk)})
-    return entries
+# Every tar member gets the same owner, mode and time, so preparing the same corpus with the
+# same settings writes byte-identical shards (a run whose prepared data was deleted prepares
+# it again and resumes; the manifest's sha256s match). 2000-01-01T00:00:00Z.
+TAR_MTIME = 946_684_800
+TAR_USER = "rootopt"
 
 
-def _planned_names(n_train: int, n_val: int, per_shard: int) -> list[str]:
-    return [
-        f"{split}-{i:06d}.tar"
-        for split, n in (("train", n_train), ("val", n_val))
-        for i in range(math.ceil(n / per_shard))
-    ]
+def _field_bytes(value: Any) -> bytes:
+    """A sample field as bytes, for the content digest (independent of the tar encoding)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        return f"{arr.dtype.str}|{arr.shape}|".encode() + arr.tobytes()
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        return str(value).encode()
+    raise ShardError(f"sample field of type {type(value).__name__} cannot be written")
+
+
+def _content_digest(samples: list[dict[str, Any]]) -> str:
+    """sha256 over one shard's samples in order: each field's name, length and bytes."""
+    h = hashlib.sha256()
+    for sample in samples:
+        for name in sorted(k for k in sample if not k.startswith("_")):
+            blob = _field_bytes(sample[name])
+            h.update(f"{name}\0{len(blob)}\0".encode())
+            h.update(blob)
+        h.update(b"\1")
+    return h.hexdigest()
+
+
+def data_identity(manifest: dict[str, Any]) -> str:
+    """What a checkpoint records about its data and a resume compares: the shards' names,
+    sample counts and sample contents in order (``content:<sha256>``), so a dataset prepared
+    again from the same corpus and settings is the same data whatever the bytes of its tar
+    files. Manifests written before content digests existed fall back to a digest of their
+    shard list (``manifest:<sha256>``, names + file checksums + counts)."""
+    splits = manifest.get("splits", {})
+    entries = [(split, e) for split in ("train", "val") for e in splits.get(split, [])]
+    if entries and all(isinstance(e.get("content"), str) for _, e in entries):
+        rows = [[split, e["name"], e["samples"], e["content"]] for split, e in entries]
+        return "content:" + hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+    return "manifest:" + hashlib.sha256(json.dumps(splits, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class ShardPlan:
+    """A dataset ready to write: the manifest without file checksums, and each shard's
+    samples. Building one reads the corpus but writes nothing, so a run can check the data
+    it is about to prepare (e.g. against its checkpoint) before touching the disk."""
+
+    manifest: dict[str, Any]
+    shards: dict[str, list[dict[str, Any]]]  # shard name -> its samples, in order
+
+    @property
+    def identity(self) -> str:
+        return data_identity(self.manifest)
+
+    def names(self) -> list[str]:
+        return list(self.shards)
+
+
+def plan_shards(
+    samples: list[dict[str, Any]],
+    *,
+    samples_per_shard: int,
+    val_fraction: float,
+    seed: int,
+    meta: dict[str, Any],
+) -> ShardPlan:
+    """Shuffle ``samples`` (seeded), hold out ``val_fraction`` of them, cut them into shards."""
+    order = np.random.default_rng(seed).permutation(len(samples))
+    n_val = math.ceil(len(samples) * val_fraction) if val_fraction > 0 else 0
+    if len(samples) - n_val < 1:
+        raise ShardError(f"corpus too small: {len(samples)} samples leave nothing to train on")
+    parts = {
+        "train": [samples[i] for i in order[n_val:]],
+        "val": [samples[i] for i in order[:n_val]],
+    }
+    shards: dict[str, list[dict[str, Any]]] = {}
+    splits: dict[str, list[dict[str, Any]]] = {}
+    for split, rows in parts.items():
+        splits[split] = []
+        for i in range(math.ceil(len(rows) / samples_per_shard)):
+            name = f"{split}-{i:06d}.tar"
+            chunk = rows[i * samples_per_shard : (i + 1) * samples_per_shard]
+            shards[name] = chunk
+            splits[split].append(
+                {"name": name, "samples": len(chunk), "content": _content_digest(chunk)}
+            )
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        **meta,
+        "seed": seed,
+        "samples_per_shard": samples_per_shard,
+        "val_fraction": val_fraction,
+        "splits": splits,
+    }
+    return ShardPlan(manifest, shards)
+
+
+def _write_shard(path: Path, split: str, index: int, samples: list[dict[str, Any]]) -> str:
+    with wds.TarWriter(str(path), user=TAR_USER, group=TAR_USER, mtime=TAR_MTIME) as sink:
+        for j, sample in enumerate(samples):
+            sink.write({"__key__": f"{split}{index:06d}_{j:06d}", **sample})
+    return sha256_file(path)
 
 
 def _owned_files(out: Path) -> list[str]:
@@ -114,6 +204,56 @@ def _list(x: Any) -> list[Any]:
     return x if isinstance(x, list) else []
 
 
+def check_target(out: str | Path, plan: ShardPlan) -> list[str]:
+    """Refuse (one line) an ``out`` this plan may not be written into; return the files of
+    a previous prepare there that writing will replace. Reads only."""
+    out = Path(out)
+    owned = _owned_files(out)
+    ours = set(owned) | {"manifest.json", "SHA256SUMS"}
+    if out.is_dir():
+        foreign = sorted(n for n in plan.names() if (out / n).exists() and n not in ours)
+        if foreign:
+            raise ShardError(
+                f"refusing to overwrite {foreign[0]!r} in {str(out)!r}: the existing manifest "
+                "does not list it (not written by rootopt data prepare)"
+            )
+    return owned
+
+
+def write_plan(out: str | Path, plan: ShardPlan) -> dict[str, Any]:
+    """Write a planned dataset: shards, ``SHA256SUMS`` and ``manifest.json``.
+
+    Ownership: ``out`` is empty, missing, or holds this module's manifest; only the files that
+    manifest lists are replaced. An interim manifest naming every file about to be written is
+    published first, so an interrupted prepare leaves a directory the next prepare may clean
+    (and that training refuses as incomplete).
+    """
+    out = Path(out)
+    owned = check_target(out, plan)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        interim = {"format": FORMAT, "version": VERSION, "complete": False}
+        interim["files"] = sorted(set(owned) | set(plan.names()))
+        atomic_write(out / "manifest.json", (json.dumps(interim) + "\n").encode())
+        for name in owned:
+            (out / name).unlink(missing_ok=True)
+        (out / "SHA256SUMS").unlink(missing_ok=True)
+        manifest: dict[str, Any] = json.loads(json.dumps(plan.manifest))
+        for split, entries in manifest["splits"].items():
+            for i, entry in enumerate(entries):
+                entry["sha256"] = _write_shard(
+                    out / entry["name"], split, i, plan.shards[entry["name"]]
+                )
+        lines = [f"{e['sha256']}  {e['name']}" for s in manifest["splits"].values() for e in s]
+        atomic_write(out / "SHA256SUMS", ("\n".join(lines) + "\n").encode())
+        atomic_write(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+    except OSError as exc:
+        raise ShardWriteError(
+            f"cannot write shards into {str(out)!r}: {exc.strerror or exc} ({exc.filename or out})"
+        ) from None
+    return manifest
+
+
 def write_shards(
     out: str | Path,
     samples: list[dict[str, Any]],
@@ -123,58 +263,15 @@ def write_shards(
     seed: int,
     meta: dict[str, Any],
 ) -> dict[str, Any]:
-    """Shuffle ``samples`` (seeded), hold out ``val_fraction`` of them, write shards + manifest.
-
-    Ownership: ``out`` is empty, missing, or holds this module's manifest; only the files that
-    manifest lists are replaced. An interim manifest naming every file about to be written is
-    published first, so an interrupted prepare leaves a directory the next prepare may clean
-    (and that training refuses as incomplete).
-    """
-    out = Path(out)
-    order = np.random.default_rng(seed).permutation(len(samples))
-    n_val = math.ceil(len(samples) * val_fraction) if val_fraction > 0 else 0
-    if len(samples) - n_val < 1:
-        raise ShardError(f"corpus too small: {len(samples)} samples leave nothing to train on")
-    owned = _owned_files(out)
-    planned = _planned_names(len(samples) - n_val, n_val, samples_per_shard)
-    ours = set(owned) | {"manifest.json", "SHA256SUMS"}
-    if out.is_dir():
-        foreign = sorted(n for n in planned if (out / n).exists() and n not in ours)
-        if foreign:
-            raise ShardError(
-                f"refusing to overwrite {foreign[0]!r} in {str(out)!r}: the existing manifest "
-                "does not list it (not written by rootopt data prepare)"
-            )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        interim = {"format": FORMAT, "version": VERSION, "complete": False}
-        interim["files"] = sorted(set(owned) | set(planned))
-        atomic_write(out / "manifest.json", (json.dumps(interim) + "\n").encode())
-        for name in owned:
-            (out / name).unlink(missing_ok=True)
-        (out / "SHA256SUMS").unlink(missing_ok=True)
-        val = [samples[i] for i in order[:n_val]]
-        train = [samples[i] for i in order[n_val:]]
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            **meta,
-            "seed": seed,
-            "samples_per_shard": samples_per_shard,
-            "val_fraction": val_fraction,
-            "splits": {
-                "train": _write_split(out, "train", train, samples_per_shard),
-                "val": _write_split(out, "val", val, samples_per_shard),
-            },
-        }
-        lines = [f"{e['sha256']}  {e['name']}" for s in manifest["splits"].values() for e in s]
-        atomic_write(out / "SHA256SUMS", ("\n".join(lines) + "\n").encode())
-        atomic_write(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
-    except OSError as exc:
-        raise ShardError(
-            f"cannot write shards into {str(out)!r}: {exc.strerror or exc} ({exc.filename or out})"
-        ) from None
-    return manifest
+    """:func:`plan_shards` then :func:`write_plan`."""
+    plan = plan_shards(
+        samples,
+        samples_per_shard=samples_per_shard,
+        val_fraction=val_fraction,
+        seed=seed,
+        meta=meta,
+    )
+    return write_plan(out, plan)
 
 
 def lm_samples(data: bytes, seq_len: int) -> list[dict[str, Any]]:
@@ -233,6 +330,8 @@ def _manifest_problem(m: Any) -> str | None:
             n = e.get("samples")
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 return f"{where} ({name}) has no valid 'samples' count"
+            if "content" in e and not isinstance(e["content"], str):
+                return f"{where} ({name}) has a 'content' digest that is not a string"
     if not splits.get("train"):
         return "lists no train shards"
     return None
@@ -242,9 +341,13 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     path = root / "manifest.json"
     if not path.is_file():
-        raise ShardError(
-            f"{str(root)!r} holds no manifest.json; prepare it with: rootopt data prepare --out DIR"
-        )
+        if not root.exists():
+            where = f"{str(root)!r} does not exist"
+        elif not root.is_dir():
+            where = f"{str(root)!r} is a file, not a prepared shard directory"
+        else:
+            where = f"{str(root)!r} holds no manifest.json"
+        raise ShardError(f"{where}; prepare one with: rootopt data prepare --out DIR")
     try:
         manifest: Any = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

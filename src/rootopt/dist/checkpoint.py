@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ FORMAT_VERSION = 1
 MARKER = "rootopt.json"
 EXTRA = "extra.pt"
 _NAME = re.compile(r"^dcp-(\d{8})$")
+_PARTIAL = re.compile(r"^\.dcp-\d{8}\.partial-[0-9a-f]{12}$")
 
 
 class DistCheckpointError(ValueError):
@@ -45,10 +46,26 @@ class DistCheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class CheckpointInfo:
+    """``valid``: complete and of this format. An invalid one is ``corrupt`` when it is
+    provably damaged or incomplete (a missing or garbled marker, a missing file); otherwise
+    (another format version, an I/O error) this build merely cannot read it."""
+
     path: Path
     step: int
     valid: bool
     reason: str = ""
+    corrupt: bool = True
+    meta: dict[str, Any] = field(default_factory=dict)  # the marker (rootopt.json)
+
+
+def stale_partials(directory: str | Path) -> list[Path]:
+    """Hidden temporary directories of saves that never completed (the process died
+    before the rename published them). Only the directory's owner, holding its lock,
+    may remove them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _PARTIAL.match(p.name) and p.is_dir())
 
 
 
@@ -80,9 +97,13 @@ def save(
     optimizer: Optimizer,
     *,
     extra: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> Path:
     """Save model + optimizer (+ ``extra``) as checkpoint ``step``; collective (call on
-    every rank). Refuses to overwrite an existing checkpoint. Returns its path."""
+    every rank). Refuses to overwrite an existing checkpoint. Returns its path.
+
+    ``meta`` (plain JSON, rank 0's) is stored in the marker next to the format and step,
+    where listing and pruning can read it without loading ``extra.pt``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -112,13 +133,14 @@ def save(
         torch.save(dict(extra or {}), buf_path)
         with open(buf_path, "rb") as fh:
             os.fsync(fh.fileno())
-        meta = {
+        marker = {
+            **(meta or {}),
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": step,
             "world_size": info.world_size,
         }
-        atomic_write(tmp_dir / MARKER, json.dumps(meta, indent=1).encode())
+        atomic_write(tmp_dir / MARKER, json.dumps(marker, indent=1).encode())
         fsync_dir(tmp_dir)
     _barrier()  # every rank's shards are on disk before the rename publishes them
     if info.rank == 0:
@@ -138,16 +160,46 @@ def inspect(path: str | Path) -> CheckpointInfo:
     if m is None:
         return CheckpointInfo(path, step, False, "name is not dcp-<8-digit step>")
     try:
-        meta = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError) as exc:
+        raw = (path / MARKER).read_bytes()
+    except FileNotFoundError:
+        return CheckpointInfo(path, step, False, f"{MARKER} unreadable (missing)")
+    except OSError as exc:
+        reason = f"{MARKER} cannot be read ({exc.strerror or exc})"
+        return CheckpointInfo(path, step, False, reason, corrupt=False)
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         return CheckpointInfo(path, step, False, f"{MARKER} unreadable ({exc.__class__.__name__})")
+    if not isinstance(meta, dict):
+        return CheckpointInfo(path, step, False, f"{MARKER} is not a JSON object")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        return CheckpointInfo(path, step, False, f"unknown format {meta.get('format')!r}")
+        reason = (
+            f"format {meta.get('format')!r} version {meta.get('format_version')!r}; this build "
+            f"of rootopt reads {FORMAT!r} version {FORMAT_VERSION} (written by another version)"
+        )
+        return CheckpointInfo(path, step, False, reason, corrupt=False, meta=meta)
     if meta.get("step") != step:
-        return CheckpointInfo(path, step, False, f"{MARKER} says step {meta.get('step')}")
+        return CheckpointInfo(path, step, False, f"{MARKER} says step {meta.get('step')}", meta=meta)
     if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
-        return CheckpointInfo(path, step, False, "DCP metadata or extra.pt missing")
-    return CheckpointInfo(path, step, True)
+        return CheckpointInfo(path, step, False, "DCP metadata or extra.pt missing", meta=meta)
+    return CheckpointInfo(path, step, True, meta=meta)
+
+
+def read_extra(path: str | Path) -> dict[str, Any]:
+    """``extra.pt`` of checkpoint ``path`` (plain data, loaded with ``weights_only=True``);
+    :class:`DistCheckpointError` when it cannot be loaded."""
+    path = Path(path)
+    try:
+        extra = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+        raise DistCheckpointError(
+            f"{path.name}: {EXTRA} cannot be loaded by this build "
+            f"({type(exc).__name__}{': ' + first if first else ''})"
+        ) from None
+    if not isinstance(extra, dict):
+        raise DistCheckpointError(f"{path.name}: {EXTRA} holds a {type(extra).__name__}")
+    return extra
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
@@ -176,11 +228,16 @@ def load(path: str | Path, model: nn.Module, optimizer: Optimizer) -> tuple[int,
         raise DistCheckpointError(f"cannot load checkpoint {ck.path}: {ck.reason}")
     inner = unwrap_model(model)
     model_sd, optim_sd = get_state_dict(inner, optimizer)
-    # dcp_load fills the tensors of these dicts in place (resharding as needed)
-    dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck.path)
+    try:
+        # dcp_load fills the tensors of these dicts in place (resharding as needed)
+        dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck.path)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise DistCheckpointError(
+            f"cannot load checkpoint {ck.path}: {type(exc).__name__}{': ' + first if first else ''}"
+        ) from None
     set_state_dict(inner, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    extra = torch.load(ck.path / EXTRA, weights_only=True)
-    return ck.step, extra
+    return ck.step, read_extra(ck.path)
 
 
 def prune(directory: str | Path, keep_last: int) -> list[Path]:

@@ -7,11 +7,15 @@ optimizer falls back to the plain single-process step (docs/distributed.md).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
+import re
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
@@ -30,6 +34,10 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError):
     """A collective did not complete within the process group's timeout."""
+
+
+class RendezvousError(CollectiveError):
+    """The process group could not be formed (a peer never joined, a wrong address)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,11 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in _ENV_KEYS)
 
 
+# The store the process group was formed on (kept for failure reports, see claim_failure).
+_STORE: Any = None
+_FAILURE_KEY = "rootopt/failure"
+
+
 def init_distributed(
     *,
     backend: Backend = "auto",
@@ -82,20 +95,26 @@ def init_distributed(
     device: torch.device | str | None = None,
     rank: int = -1,
     world_size: int = -1,
+    rendezvous_timeout_s: float | None = None,
 ) -> WorldInfo:
     """Start the default process group from torchrun's environment (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), once.
 
     Without that environment and with ``init_method='env://'`` nothing is started and the
     world is rank 0 of 1. ``timeout_s`` is the process group's collective timeout and the
-    default of :func:`collective`. On NCCL the process binds ``cuda:LOCAL_RANK`` first.
-    With another ``init_method`` (``tcp://host:port``, ``file://...``) the group starts
-    with the given ``rank`` and ``world_size`` (the launcher's ``RANK``/``WORLD_SIZE``
-    win when set).
+    default of :func:`collective`. ``rendezvous_timeout_s`` (default ``timeout_s``) bounds
+    the wait for every rank to join: a missing peer ends in one
+    :class:`RendezvousError` line after it instead of a silent wait for the collective
+    timeout. On NCCL the process binds ``cuda:LOCAL_RANK`` first. With another
+    ``init_method`` (``tcp://host:port``, ``file://...``) the group starts with the given
+    ``rank`` and ``world_size`` (the launcher's ``RANK``/``WORLD_SIZE`` win when set).
     """
-    global _TIMEOUT_S
+    global _TIMEOUT_S, _STORE
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"distributed.timeout_s: must be > 0, got {timeout_s!r}")
+    rdzv_s = float(timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
+    if not rdzv_s > 0:
+        raise ValueError(f"distributed.rendezvous_timeout_s: must be > 0, got {rdzv_s!r}")
     _TIMEOUT_S = float(timeout_s)
     if dist.is_available() and dist.is_initialized():
         return world()
@@ -108,10 +127,11 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if init_method != "env://" and "WORLD_SIZE" in os.environ:
         rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    if init_method == "env://":
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=float(timeout_s))
-    if init_method == "env://" and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        dist.init_process_group(backend=name, timeout=timeout, **_attempt_store(timeout))
-    else:
+    address = _tcp_address(init_method)
+    if address is None:  # file:// and other init methods: torch's own rendezvous
         dist.init_process_group(
             backend=name,
             init_method=init_method,
@@ -119,31 +139,155 @@ def init_distributed(
             rank=rank,
             world_size=world_size,
         )
+        return world()
+    with _quiet_native_stderr() as captured:
+        try:
+            base, store = _rendezvous_store(address, rank, world_size, rdzv_s)
+            dist.init_process_group(
+                backend=name, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        except (RuntimeError, TimeoutError, ValueError) as exc:
+            captured.discard()
+            raise _rendezvous_failure(exc, address, rank, world_size, rdzv_s) from None
+    # from here on the store serves the process group: its waits follow the collective timeout
+    base.set_timeout(timeout)
+    _STORE = store
     return world()
 
 
-def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
-    """The rendezvous store of this torchrun attempt, under a per-attempt key prefix.
+def _tcp_address(init_method: str) -> tuple[str, int] | None:
+    """``(host, port)`` of an ``env://`` (from ``MASTER_ADDR``/``MASTER_PORT``) or
+    ``tcp://host:port`` rendezvous; None for other init methods."""
+    if init_method == "env://":
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if init_method.startswith("tcp://"):
+        host, _, port = init_method[len("tcp://") :].rpartition(":")
+        try:
+            return host.strip("[]"), int(port.split("?")[0])
+        except ValueError:
+            raise ValueError(
+                f"distributed.init_method: {init_method!r} is not tcp://HOST:PORT"
+            ) from None
+    return None
 
-    After ``torchrun --max-restarts`` restarts the workers, the agent's store may still
-    hold the previous attempt's keys (seen with ``--standalone``: gloo's mesh set-up then
-    read a dead worker's address and hung or was refused), so every attempt keys its
-    process group under ``rootopt/attempt_<TORCHELASTIC_RESTART_COUNT>``.
+
+def _rendezvous_store(
+    address: tuple[str, int], rank: int, size: int, timeout_s: float
+) -> tuple[Any, Any]:
+    """The TCP store every rank joins, and the prefixed view the process group keys into.
+
+    Under torchrun the launcher's agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``)
+    and each rank connects as a client; otherwise rank 0 hosts it and waits for every rank,
+    both under ``timeout_s``. After ``torchrun --max-restarts`` restarts the workers the
+    agent's store may still hold the previous attempt's keys (seen with ``--standalone``:
+    gloo's mesh set-up then read a dead worker's address and hung or was refused), so each
+    attempt keys its process group under ``rootopt/attempt_<TORCHELASTIC_RESTART_COUNT>``.
     """
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     base = dist.TCPStore(  # type: ignore[attr-defined]
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        address[0],
+        address[1],
         size,
         is_master=not agent and rank == 0,
-        timeout=timeout,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=not agent,
         multi_tenant=not agent,
     )
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    store = dist.PrefixStore(  # type: ignore[attr-defined]
-        f"rootopt/attempt_{attempt}", base)
-    return {"store": store, "rank": rank, "world_size": size}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"rootopt/attempt_{attempt}", base)  # type: ignore[attr-defined]
+    return base, store
+
+
+def _rendezvous_failure(
+    exc: BaseException, address: tuple[str, int], rank: int, size: int, timeout_s: float
+) -> RendezvousError:
+    text = _first_line(exc)
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    where = f"{address[0]}:{address[1]}"
+    if joined:
+        detail = f"{joined.group(1)} of {joined.group(2)} processes joined"
+    elif "timed out" in text.lower() or "timeout" in text.lower():
+        detail = f"no rank 0 answered at {where}"
+    else:
+        detail = text[:160]
+    return RendezvousError(
+        f"rank {rank}/{size}: the process group did not form within {timeout_s:g} s "
+        f"(distributed.rendezvous_timeout_s): {detail}; start every rank with the same "
+        "MASTER_ADDR/MASTER_PORT (torchrun --nproc_per_node=N starts them for you)"
+    )
+
+
+class _Captured:
+    def __init__(self) -> None:
+        self.keep = True
+
+    def discard(self) -> None:
+        self.keep = False
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[_Captured]:
+    """Hold back what native code writes to file descriptor 2 while the group forms.
+
+    c10d logs every failed connection attempt and timeout with a C++ stack trace straight
+    to stderr (about 40 lines). When the rendezvous fails, the one line of
+    :class:`RendezvousError` replaces them; when it succeeds, whatever was written is passed
+    on unchanged."""
+    captured = _Captured()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no usable stderr: nothing to hold back
+        yield captured
+        return
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if captured.keep:
+                tmp.seek(0)
+                data = tmp.read()
+                if data:
+                    os.write(2, data)
+
+
+def claim_failure(line: str) -> bool:
+    """Whether this rank is the first to report a failure of the job (an atomic
+    compare-and-set in the rendezvous store). A rank that fails because a peer failed
+    first (its collective broke) then stays silent instead of printing a second line
+    about the same failure; several survivors of a dead peer print one line between them.
+    True when there is no store to ask (one process, or ``file://`` init)."""
+    if _STORE is None:
+        return True
+    try:
+        got = _STORE.compare_set(_FAILURE_KEY, "", line)
+    except Exception:  # the store's host is gone: say it rather than nothing
+        return True
+    return bytes(got).decode("utf-8", "replace") == line
+
+
+def report_to_launcher(line: str, code: int) -> None:
+    """Write ``line`` where torchrun's failure report reads a worker's error
+    (``TORCHELASTIC_ERROR_FILE``), so the report names the cause instead of a link to its
+    docs. torchrun itself still exits with status 1 whatever the worker's status was (it
+    re-raises its ``ChildFailedError``); the report lists each worker's own exit code."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": line,
+            "errorCode": code,
+            "extraInfo": {"timestamp": str(int(time.time()))},
+        }
+    }
+    with contextlib.suppress(OSError):
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
 
 
 def world(group: dist.ProcessGroup | None = None) -> WorldInfo:

@@ -126,6 +126,10 @@ class Monitor:
     ) -> None:
         self.enabled = enabled
         self.run_dir = run_dir
+        # lines in metrics.jsonl (written to summary.json, so `rootopt report` can tell a
+        # complete log from one cut at a line boundary) and the steps with a val record
+        self.records = 0
+        self.val_steps: set[int] = set()
         self._jsonl = (
             (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled and jsonl else None
         )
@@ -144,10 +148,13 @@ class Monitor:
         if not self.enabled:
             return
         labelled = labelled or {}
+        step = int(record["step"])
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(strict(record), allow_nan=False) + "\n")
             self._jsonl.flush()
-        step = int(record["step"])
+            self.records += 1
+            if "val_loss" in record:
+                self.val_steps.add(step)
         if self.tb is not None:
             for key, value in record.items():
                 if (
@@ -203,34 +210,43 @@ class Monitor:
             return 0
         path = self.run_dir / "metrics.jsonl"
         self._jsonl.close()
-        keep: list[str] = []
-        moved: list[str] = []
-        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-            try:
-                row = json.loads(line)
+        keep: list[bytes] = []
+        moved: list[bytes] = []
+        for raw in path.read_bytes().splitlines(keepends=True):
+            try:  # a line that is not UTF-8 JSON was cut (a crash, a full disk) or damaged
+                row = json.loads(raw.decode("utf-8"))
                 later = int(row["step"]) > step
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                later = bool(line.strip())  # a line cut by a crash
-            (moved if later else keep).append(line if line.endswith("\n") else line + "\n")
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+                row, later = None, bool(raw.strip())
+            (moved if later else keep).append(raw if raw.endswith(b"\n") else raw + b"\n")
+            if not later and isinstance(row, dict) and "val_loss" in row:
+                self.val_steps.add(int(row["step"]))
+        self.records = len(keep)
         if moved:
             from rootopt._atomic import atomic_write
 
-            with (self.run_dir / "metrics.superseded.jsonl").open("a", encoding="utf-8") as fh:
+            with (self.run_dir / "metrics.superseded.jsonl").open("ab") as fh:
                 fh.writelines(moved)
                 fh.flush()
                 os.fsync(fh.fileno())
-            atomic_write(path, "".join(keep).encode())
+            atomic_write(path, b"".join(keep))
         self._jsonl = path.open("a", encoding="utf-8")
         return len(moved)
 
     def close(self) -> None:
-        for fh in (self._jsonl, self._events):
-            if fh is not None:
-                fh.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.prom is not None:
-            self.prom.close()
+        """Close every sink, even when one fails (e.g. a full disk refuses the last
+        flush); then raise the first failure."""
+        first: BaseException | None = None
+        closers = [fh.close for fh in (self._jsonl, self._events) if fh is not None]
+        closers += [x.close for x in (self.tb, self.prom) if x is not None]
+        self._jsonl = self._events = self.tb = self.prom = None
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

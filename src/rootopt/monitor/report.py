@@ -8,6 +8,7 @@ step-time comparison.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -144,6 +145,45 @@ def _precision(run_dir: Path, events: list[dict[str, Any]]) -> str:
         return "unknown"
 
 
+# summary.json statuses written when a session ends (``running`` is written at its start)
+_FINAL = ("completed", "interrupted", "max_time", "diverged", "failed")
+
+
+def _log_complete(run_dir: Path, metrics: list[dict[str, Any]], bad_lines: list[int]) -> Criterion:
+    """Every line a JSON record, and as many lines as the run wrote: ``summary.json``
+    counts them when a session ends, so a log cut at a line boundary fails too."""
+    name = "metrics log complete"
+    if bad_lines:
+        return Criterion(
+            name,
+            "FAIL",
+            f"{len(bad_lines)} unreadable line(s) in metrics.jsonl (line {bad_lines[0]})",
+        )
+    lines = len(metrics)
+    summary: Any = None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = None
+    counted = summary.get("metrics_records") if isinstance(summary, dict) else None
+    status = summary.get("status") if isinstance(summary, dict) else None
+    if status not in _FINAL or not isinstance(counted, int) or isinstance(counted, bool):
+        return Criterion(
+            name,
+            "PASS",
+            f"{lines} records, every line readable; no end-of-session count in summary.json "
+            "(run in progress or killed), so a cut at the end cannot be told",
+        )
+    if lines != counted:
+        return Criterion(
+            name,
+            "FAIL",
+            f"metrics.jsonl holds {lines} records but the run wrote {counted} "
+            f"(summary.json, {status}): the log was cut or edited",
+        )
+    return Criterion(name, "PASS", f"{lines} records, as many as the run wrote ({status})")
+
+
 def check_run(
     run_dir: str | Path,
     *,
@@ -172,15 +212,8 @@ def check_run(
             f"{str(run_dir)!r} holds no metrics.jsonl records; is it a rootopt run directory?"
         )
     rep = Report(run_dir)
-    rep.criteria.append(
-        Criterion(
-            "metrics log complete",
-            "FAIL" if bad_lines else "PASS",
-            f"{len(bad_lines)} unreadable line(s) in metrics.jsonl"
-            + (f" (line {bad_lines[0]})" if bad_lines else f", {len(metrics)} records"),
-        )
-    )
-    if bad_lines:
+    rep.criteria.append(_log_complete(run_dir, metrics, bad_lines))
+    if rep.criteria[-1].status == "FAIL":
         rep.symptoms.append("incomplete_log")
     train = _by_step(metrics, "loss")
     losses = [float(r["loss"]) if r["loss"] is not None else math.nan for r in train]

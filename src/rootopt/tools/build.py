@@ -158,6 +158,23 @@ def _existing_table(out: Path) -> dict[str, Any] | None:
             f"{out} exists and is not an AdaNewton table (no format {TABLE_FORMAT!r}); "
             "choose a new --out"
         )
+    entries = raw.get("entries", [])
+    if not isinstance(entries, list):
+        raise TableFileError(f"{out} is a damaged AdaNewton table ('entries' is not a list)")
+    for i, e in enumerate(entries):
+        shape = e.get("shape") if isinstance(e, dict) else None
+        ok = (
+            isinstance(shape, list)
+            and len(shape) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in shape)
+            and isinstance(e.get("steps"), int)
+            and isinstance(e.get("dtype"), str)
+        )
+        if not ok:
+            raise TableFileError(
+                f"{out} is a damaged AdaNewton table (entry {i} has no valid shape, steps "
+                "and dtype); it is left as it is: choose a new --out"
+            )
     return raw
 
 
@@ -191,27 +208,57 @@ def _git_version() -> str:
     return r.stdout.strip()
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``2048x8192`` → (2048, 8192); argparse reports anything else as one usage line."""
+    try:
+        a, b = (int(v) for v in text.lower().replace("×", "x").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a shape like 2048x8192, got {text!r}") from None
+    if a < 1 or b < 1:
+        raise argparse.ArgumentTypeError(f"shape dimensions must be >= 1, got {text!r}")
+    return a, b
+
+
+def _steps(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= k <= 20:
+        raise argparse.ArgumentTypeError(f"Newton–Schulz steps must be in 1..20, got {k}")
+    return k
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from rootopt.tools.fit import UNIT_ROUNDOFF
+
     ap = argparse.ArgumentParser(prog="rootopt coeffs build-table", description=__doc__)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--steps", type=_steps, default=5)
+    ap.add_argument("--dtype", default="float32", choices=sorted(UNIT_ROUNDOFF))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--delta", type=float, default=0.25)
     ap.add_argument(
-        "--shape", action="append", default=None, help="only these shapes, e.g. 2048x8192"
+        "--shape",
+        action="append",
+        type=_shape,
+        default=None,
+        help="only these shapes, e.g. 2048x8192",
     )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
-    shapes = None
-    if a.shape:
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shape]
+    shapes = list(a.shape) if a.shape else None
+    try:
+        FitConfig(steps=a.steps, dtype=a.dtype, seed=a.seed, delta=a.delta, **TABLE_FIT)
+    except ValueError as exc:
+        print(f"rootopt coeffs build-table: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     try:
         t = build_table(
             steps=a.steps,
             dtype=a.dtype,
             seed=a.seed,
             delta=a.delta,
-            shapes=shapes,  # type: ignore[arg-type]
+            shapes=shapes,
             out=a.out,
             code_version=_git_version(),
         )

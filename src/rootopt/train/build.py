@@ -6,7 +6,6 @@ import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ class ProcessInfo:
     rank: int
     world_size: int
     local_rank: int
+    note: str = ""  # a line rank 0 prints about how the world was chosen
 
     @property
     def is_main(self) -> bool:
@@ -52,9 +52,11 @@ def process_info(cfg: Config) -> ProcessInfo:
 
     Under a launcher (torchrun, a Kubeflow PyTorchJob) ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
     come from the environment and the ``distributed`` block gives the backend (``auto``:
-    nccl on CUDA, gloo on CPU), ``init_method`` and ``timeout_s`` (docs/distributed.md).
-    Without a launcher, ``distributed.world_size > 1`` needs an ``init_method`` other than
-    ``env://`` (e.g. ``tcp://host:port``) and each process's ``distributed.rank``.
+    nccl on CUDA, gloo on CPU), ``init_method``, ``timeout_s`` and ``rendezvous_timeout_s``
+    (docs/distributed.md). With ``init_method: env://`` and no launcher the process is the
+    whole world: ``distributed.world_size`` is then the size to launch with, and a note says
+    so. Without a launcher, ``distributed.world_size > 1`` with another ``init_method``
+    (e.g. ``tcp://host:port``) starts the group with each process's ``distributed.rank``.
     """
     from rootopt.dist import init_distributed
 
@@ -71,16 +73,25 @@ def process_info(cfg: Config) -> ProcessInfo:
             raise ConfigError(
                 [f"environment: RANK={info.rank} is not in [0, WORLD_SIZE={info.world_size})"]
             )
-    else:
-        if d.world_size > 1 and d.init_method == "env://":
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if info.world_size > 1 and d.init_method == "env://" and missing:
             raise ConfigError(
                 [
-                    f"distributed.world_size: {d.world_size} processes need a launcher "
-                    f"(torchrun --nproc_per_node={d.world_size} -m rootopt.train ...) or an "
-                    "init_method such as tcp://host:port with distributed.rank set per process; "
-                    "for one process set distributed.world_size=1"
+                    f"environment: WORLD_SIZE={info.world_size} is set but {' and '.join(missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
+                    "(it sets them), or set both to rank 0's host and a free port"
                 ]
             )
+    elif d.world_size > 1 and d.init_method == "env://":
+        info = ProcessInfo(
+            0,
+            1,
+            0,
+            f"distributed.world_size={d.world_size} is the size to launch with; no launcher "
+            "environment (WORLD_SIZE) is set, so this runs as one process (all of them: "
+            f"torchrun --nproc_per_node={d.world_size} -m rootopt.train ...)",
+        )
+    else:
         info = ProcessInfo(d.rank, d.world_size, 0)
     if info.world_size > 1 and not torch.distributed.is_initialized():
         device = resolve_device(cfg, info)
@@ -92,6 +103,7 @@ def process_info(cfg: Config) -> ProcessInfo:
                 device=device,
                 rank=info.rank,
                 world_size=info.world_size,
+                rendezvous_timeout_s=d.rendezvous_timeout_s,
             )
         except ValueError as exc:
             raise ConfigError([str(exc)]) from None
@@ -289,11 +301,3 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
-
-
-def run_dir_for(log_dir: str | None) -> Path:
-    if log_dir:
-        return Path(log_dir)
-    import time
-
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")

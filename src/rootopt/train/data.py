@@ -15,8 +15,8 @@ from rootopt.data import (
     ShardStream,
     collate,
     load_manifest,
-    prepare,
     validate_data,
+    write_plan,
 )
 from rootopt.dist.sampler import GlobalBatchSampler
 from rootopt.train.build import ProcessInfo
@@ -24,44 +24,23 @@ from rootopt.train.state import Run
 
 
 def resolve_data(cfg: Config, run_dir: Path, data_path: str | None, info: ProcessInfo) -> Path:
-    """Prepared shards: ``--data_path``, else ``data.path``, else ``data.corpus`` prepared into the run dir.
+    """Prepared shards: ``--data_path``, else ``data.path``, else ``data.corpus`` prepared into
+    ``run_dir/data`` (by rank 0, now).
 
     The run-dir copy is reused only when every preparation setting matches the config
     (corpus, seq_len, seed, max_bytes, samples_per_shard, val_fraction); otherwise it is
-    prepared again (the directory holds only this run's own shards).
+    prepared again (the directory holds only this run's own shards). ``rootopt train``
+    does the same in two halves, checks before writes (:mod:`rootopt.train.plan`).
     """
+    from rootopt.train.plan import data_for
+
     path = data_path or cfg.data.path
     if path:
         load_manifest(path)  # fail early, with the shard error, if it is not a prepared directory
         return Path(path)
-    out = run_dir / "data"
-    d = cfg.data
-    want = {
-        "corpus": d.corpus,
-        "seq_len": d.seq_len,
-        "seed": cfg.run.seed,
-        "samples_per_shard": d.samples_per_shard,
-        "val_fraction": d.val_fraction,
-    }
-    try:
-        have = load_manifest(out)
-        same = all(have.get(k) == v for k, v in want.items())
-        if have.get("task") == "lm":
-            same = same and have.get("max_bytes") == d.max_bytes
-        if same:
-            return out
-    except ValueError:
-        pass
-    if info.is_main:
-        prepare(
-            d.corpus,
-            out,
-            seq_len=d.seq_len,
-            max_bytes=d.max_bytes,
-            samples_per_shard=d.samples_per_shard,
-            val_fraction=d.val_fraction,
-            seed=cfg.run.seed,
-        )
+    out, shards, _ = data_for(cfg, run_dir, "", None, False)
+    if shards is not None and info.is_main:
+        write_plan(out, shards)
     return out
 
 

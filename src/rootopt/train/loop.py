@@ -1,19 +1,23 @@
 """The training loop, readable top to bottom; its pieces live next to it.
 
-``setup`` builds a :class:`~rootopt.train.state.Run` (components are built outside the loop);
-``train`` takes ownership of the checkpoint directory, resumes, checks every shard, then runs
-``train_step`` → ``account`` → divergence policy → log → evaluate → checkpoint until
-``run.max_steps``, a signal or ``run.max_time``. A restarted run resumes from the newest
-valid checkpoint and continues bit-identically (model, optimizer, scaler, schedule, clipper,
-RNG, data position and the open logging window). A fatal error after step 1 writes an
-emergency checkpoint when the state is consistent, then stops with one line.
+``setup`` builds a :class:`~rootopt.train.state.Run`: rank 0 first checks everything the run
+depends on and only then writes (:mod:`rootopt.train.plan`), every rank builds its
+components, and each phase's failures are agreed across ranks (:mod:`rootopt.train.agree`).
+``train`` then resumes, checks every shard, and runs ``train_step`` → ``account`` →
+divergence policy → log → evaluate → checkpoint until ``run.max_steps``, a signal or
+``run.max_time``. A restarted run resumes from the newest valid checkpoint and continues
+bit-identically (model, optimizer, scaler, schedule, clipper, RNG, data position, the open
+logging window, and an evaluation the previous session did not finish). A fatal error after
+step 1 writes an emergency checkpoint when the state is consistent, then stops with one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,16 +31,18 @@ from rootopt.config import Config, ConfigError, dump_yaml
 from rootopt.data import CorpusError, ShardError, load_manifest
 from rootopt.dist import CollectiveError, CollectiveTimeoutError
 from rootopt.monitor import Monitor, plot_loss, read_jsonl
+from rootopt.train import plan as planning
+from rootopt.train.agree import JobError, agreed, broadcast, gather
 from rootopt.train.build import (
     Precision,
+    ProcessInfo,
     TrainingError,
-    barrier,
     build_optimizer,
     parallelize,
     process_info,
     resolve_device,
 )
-from rootopt.train.data import batches, check_data, resolve_data
+from rootopt.train.data import batches, check_data
 from rootopt.train.model import build_model
 from rootopt.train.records import (
     Clock,
@@ -49,19 +55,22 @@ from rootopt.train.records import (
 )
 from rootopt.train.resume import (
     StopFlag,
+    interruptible,
     last_good,
     last_good_after_divergence,
-    maybe_resume,
     params_finite,
-    run_identity,
+    resume,
     save_checkpoint,
-    take_ownership,
 )
+from rootopt.train.rundir import Locks, default_run_dir, identity_key
 from rootopt.train.schedule import GradClipper, LRMultiplier
 from rootopt.train.state import Hooks, Run, Summary, TrainState
 from rootopt.train.step import evaluate, train_step
 
-__all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "resolve_data", "setup", "train"]
+__all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "setup", "train"]
+
+# True from the first step of a session on (the command line words an interruption by it)
+TRAINING = False
 
 
 # --------------------------------------------------------------------------- setup
@@ -81,20 +90,6 @@ def environment() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "argv": sys.argv,
     }
-
-
-def _make_run_dir(run_dir: Path, rank: int = 0) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError([f"--log_dir {str(run_dir)!r} exists and is not a directory"])
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / (".rootopt-write-test" + (f"-{rank}" if rank else ""))
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(
-            [f"--log_dir {str(run_dir)!r} is not writable ({exc.strerror or exc})"]
-        ) from None
 
 
 def _model(cfg: Config, manifest: dict[str, Any], device: torch.device) -> torch.nn.Module:
@@ -163,30 +158,108 @@ def _monitor(cfg: Config, run_dir: Path, is_main: bool) -> Monitor:
         ) from None
 
 
-def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
-    info = process_info(cfg)
-    controller = None
-    if cfg.optimization.controller:  # loaded (or refused) before anything is created
-        if info.world_size > 1:  # it reads ROOT telemetry, which the sharded step does not gather
-            raise ConfigError(
-                ["optimization.controller runs in one process only; unset it or launch one process"]
+def _agree_on_run(
+    info: ProcessInfo, cfg: Config, data_path: str | None, run_dir: Path, explicit: bool
+) -> None:
+    """Every rank must describe the same run: the same resolved config and data (and so,
+    without ``--log_dir``, the same default run directory). Rank 0 reports a mismatch."""
+    mine = (identity_key(cfg, data_path), "" if explicit else str(run_dir))
+    seen = gather(info, mine, "run identity")
+    for rank, other in enumerate(seen):
+        if other != seen[0]:
+            what = (
+                f"run directory {other[1]!r} instead of {seen[0][1]!r}"
+                if other[1] != seen[0][1]
+                else "another config"
             )
-        from rootopt.rl.controller import load_controller
+            raise JobError(
+                2,
+                [
+                    f"rank {rank}/{info.world_size} was started for {what} (config or "
+                    "--data_path differ from rank 0's); start every rank with the same command"
+                ],
+                speak=info.is_main,
+            )
 
-        o = cfg.optimization
-        controller = load_controller(
-            o.controller, total_steps=cfg.run.max_steps, optimizer=o.optimizer
-        )
-    device = resolve_device(cfg, info)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    _make_run_dir(run_dir, info.rank)
-    data_dir = resolve_data(cfg, run_dir, data_path, info)
-    barrier(info, "barrier after data preparation")  # rank 0 prepares the run-dir data
-    manifest = load_manifest(data_dir)
-    torch.manual_seed(cfg.run.seed)  # the same initial parameters on every rank
-    model = parallelize(cfg, _model(cfg, manifest, device), info)
-    optimizer, routing = build_optimizer(cfg, model, info.world_size)
+
+def setup(
+    cfg: Config,
+    run_dir: Path | None,
+    data_path: str | None = None,
+    *,
+    say: Callable[[str], None] = print,
+    config_path: str | None = None,
+) -> tuple[Run, Locks]:
+    """Check, then write, then build: see the module docstring. ``run_dir`` None is the
+    default ``runs/<name>-<key>`` (:mod:`rootopt.train.rundir`)."""
+    info = process_info(cfg)
+    explicit = run_dir is not None
+    chosen = run_dir if run_dir is not None else default_run_dir(cfg, data_path, config_path)
+    if info.world_size > 1:
+        _agree_on_run(info, cfg, data_path, chosen, explicit)
+    if info.is_main:
+        if info.note:
+            say(info.note)
+        say(f"run dir: {chosen}")
+    plan = agreed(
+        info,
+        lambda: planning.check(cfg, chosen, data_path, say) if info.is_main else None,
+        what="checks before writing",
+    )
+    locks = plan.locks if plan is not None else Locks()
+    try:
+        return _build(cfg, info, plan, say), locks
+    except BaseException:
+        locks.abandon()
+        raise
+
+
+def _build(
+    cfg: Config, info: ProcessInfo, plan: planning.Plan | None, say: Callable[[str], None]
+) -> Run:
+    public: dict[str, Any] = broadcast(info, plan.public() if plan else None, "run plan")
+    run_dir, ckpt_dir = Path(public["run_dir"]), Path(public["ckpt_dir"])
+    data_dir = Path(public["data_dir"])
+    if info.is_main:
+        for line in plan.skipped if plan else []:
+            say(f"skipping invalid checkpoint: {line}")
+
+    def components() -> tuple[Any, torch.device, torch.nn.Module]:
+        controller = None
+        if cfg.optimization.controller:  # loaded (or refused) before anything is created
+            if (
+                info.world_size > 1
+            ):  # it reads ROOT telemetry, which the sharded step does not gather
+                raise ConfigError(
+                    [
+                        "optimization.controller runs in one process only; unset it or "
+                        "launch one process"
+                    ]
+                )
+            from rootopt.rl.controller import load_controller
+
+            o = cfg.optimization
+            controller = load_controller(
+                o.controller, total_steps=cfg.run.max_steps, optimizer=o.optimizer
+            )
+        device = resolve_device(cfg, info)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        torch.manual_seed(cfg.run.seed)  # the same initial parameters on every rank
+        return controller, device, _model(cfg, public["meta"], device)
+
+    if public["prepared"]:  # data that exists already is checked before any write
+        agreed(info, lambda: _validate(cfg, data_dir), what="checking the data")
+    controller, device, bare = agreed(info, components, what="building the model")
+    model = parallelize(cfg, bare, info)  # a collective at world size > 1 (DDP/FSDP2)
+    optimizer, routing = agreed(
+        info, lambda: build_optimizer(cfg, model, info.world_size), what="building the optimizer"
+    )
+    # ---- every check passed on every rank: rank 0 writes (run.json, data, ...)
+    agreed(info, lambda: planning.commit(plan) if plan else None, what="writing the run")
+    if plan is not None:
+        plan.locks.committed = True  # from here on the run's directory holds its files
+    manifest = agreed(info, lambda: load_manifest(data_dir), what="reading the data")
     o = cfg.optimization
     schedule = LRMultiplier(
         o.schedule, warmup=o.warmup_steps, total=cfg.run.max_steps, min_ratio=o.min_lr_ratio
@@ -204,17 +277,10 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         )
         if o.telemetry and o.optimizer.lower() in ("root", "muon"):
             precision.description += "; ROOT telemetry is off at world size > 1"
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    run_id = run_identity(cfg, run_dir, ckpt_dir, data_dir) if info.is_main else ""
-    monitor = _monitor(cfg, run_dir, info.is_main)
-    if info.is_main:
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
-        (run_dir / "env.json").write_text(
-            json.dumps(environment(), indent=1) + "\n", encoding="utf-8"
-        )
-        if routing:
-            (run_dir / "routing.txt").write_text(routing + "\n", encoding="utf-8")
-    return Run(
+    monitor = agreed(info, lambda: _monitor(cfg, run_dir, info.is_main), what="opening metrics")
+    for line in plan.skipped if plan else []:
+        monitor.event("checkpoint_invalid", detail=line)
+    run = Run(
         cfg=cfg,
         info=info,
         device=device,
@@ -229,11 +295,42 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
         precision=precision,
         monitor=monitor,
         routing=routing,
-        run_id=run_id,
+        run_id=str(public["run_id"]),
         params=[p for p in model.parameters() if p.requires_grad],
         telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry and info.world_size == 1,
         controller=controller,
     )
+    try:
+        state = plan.choice.state if plan is not None and plan.choice is not None else None
+        agreed(info, lambda: resume(run, public["choice"], state, say), what="resuming")
+        if not public["prepared"]:  # prepared just now (by commit)
+            agreed(info, lambda: check_data(run), what="checking the data")
+        if info.is_main:
+            _write_run_files(run)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            monitor.close()
+        raise
+    return run
+
+
+def _validate(cfg: Config, data_dir: Path) -> int:
+    """Every shard of every split: present, readable, its sample count and (with
+    ``data.verify_checksums``) its sha256; before step 1, so a damaged validation split
+    stops the run before any work (:func:`rootopt.train.data.check_data`)."""
+    from rootopt.data import validate_data
+
+    return validate_data(data_dir, checksum=cfg.data.verify_checksums)
+
+
+def _write_run_files(run: Run) -> None:
+    """The resolved config, the environment and the routing table (rank 0)."""
+    (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg), encoding="utf-8")
+    (run.run_dir / "env.json").write_text(
+        json.dumps(environment(), indent=1) + "\n", encoding="utf-8"
+    )
+    if run.routing:
+        (run.run_dir / "routing.txt").write_text(run.routing + "\n", encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- the loop
@@ -241,21 +338,44 @@ def setup(cfg: Config, run_dir: Path, data_path: str | None = None) -> Run:
 
 def train(
     cfg: Config,
-    run_dir: Path,
+    run_dir: Path | None = None,
     data_path: str | None = None,
     *,
     hooks: Hooks | None = None,
     say: Callable[[str], None] = print,
+    config_path: str | None = None,
 ) -> Summary:
+    """Train ``cfg`` in ``run_dir`` (None: the default ``runs/<name>-<key>``), resuming it
+    when it holds checkpoints of this run; return the session's summary."""
+    global TRAINING
+    TRAINING = False
     hooks = hooks or Hooks()
-    run = setup(cfg, run_dir, data_path)
+    with interruptible():
+        run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
     try:
-        if run.info.is_main:  # rank 0 owns the run's files; other ranks only read them
-            take_ownership(run)
-        return _train(run, hooks, say)
-    finally:
+        summary = _train(run, hooks, say)
+    except BaseException as exc:
+        # The failure is what the user must see: closing files on a full disk fails too,
+        # and must not replace it.
+        if run.info.is_main and not isinstance(exc, Diverged):
+            with contextlib.suppress(Exception):
+                interrupted = isinstance(exc, KeyboardInterrupt)
+                _write_summary(
+                    run, "interrupted" if interrupted else "failed", -1, detail=_line(exc)
+                )
+        with contextlib.suppress(Exception):
+            run.monitor.close()
+        locks.release()
+        raise
+    try:
         run.monitor.close()
-        run.release()
+    finally:
+        locks.release()
+    return summary
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split("\n")).strip()[:500] or type(exc).__name__
 
 
 def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
@@ -263,26 +383,48 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
     if run.info.is_main:
         if run.routing:
             say(run.routing)
-        say(
-            f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']}); "
-            f"run dir: {run.run_dir}"
-        )
-    maybe_resume(run, say)
+        say(f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']})")
+    if run.resumed_from:
+        run.monitor.event("resume", step=run.state.step, path=run.resumed_from)
     run.monitor.supersede_after(run.state.step)
     _flush_open_window(run)
-    check_data(run)
+    if run.info.is_main:
+        _write_summary(run, "running", 0)
+    _redo_evaluation(run)
     run.monitor.event("start", step=run.state.step, precision=run.precision.name)
     clock = Clock(run.state)
     stop = StopFlag(cfg.checkpoint.on_signal)
     bar = _progress_bar(run)
     run.model.train()
+    global TRAINING
+    TRAINING = True
     try:
         status = _loop(run, hooks, clock, stop, bar)
+        return _finish(run, status, clock, stop)
     finally:
         stop.restore()
         if bar is not None:
             bar.close()
-    return _finish(run, status, clock, stop.signal)
+
+
+def _redo_evaluation(run: Run) -> None:
+    """A resumed run evaluates first when the session it continues stopped at an
+    evaluation step without writing that step's validation record (e.g. the validation
+    data failed there and an emergency checkpoint was written)."""
+    st, r = run.state, run.cfg.run
+    due = bool(
+        run.resumed_from
+        and run.monitor.enabled
+        and run.cfg.monitoring.jsonl
+        and r.eval_every
+        and 0 < st.step < r.max_steps
+        and st.step % r.eval_every == 0
+        and st.step not in run.monitor.val_steps
+    )
+    if broadcast(run.info, due, "evaluation due"):
+        val = evaluate(run)
+        if val:
+            run.monitor.log({"step": st.step, **val})
 
 
 def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str:
@@ -292,7 +434,11 @@ def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str
     while run.state.step < cfg.run.max_steps:
         # ---- stop conditions (checked between steps, so the state is consistent)
         # max_time limits this session (a job's time slot); a rerun continues from the checkpoint.
-        out_of_time = bool(cfg.run.max_time and clock.since_session() >= cfg.run.max_time)
+        # At least one step per session, so that every rerun makes progress (and the
+        # checkpoint the stop promises exists) even with a tiny run.max_time.
+        out_of_time = bool(
+            cfg.run.max_time and clock.steps and clock.since_session() >= cfg.run.max_time
+        )
         if run.world_size == 1:
             if stop.signal is not None:
                 return "interrupted"
@@ -364,7 +510,14 @@ def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str
                     _diverged(run, "parameters became non-finite")
                 save_checkpoint(run, "periodic")
                 checkpoint_due = False
-        except (ShardError, CorpusError, OSError, torch.OutOfMemoryError, RuntimeError) as exc:
+        except (
+            ShardError,
+            CorpusError,
+            OSError,
+            torch.OutOfMemoryError,
+            MemoryError,
+            RuntimeError,
+        ) as exc:
             if isinstance(exc, TrainingError):
                 raise
             _fatal(run, exc, at_start)
@@ -422,8 +575,12 @@ def _diverged(run: Run, reason: str) -> None:
         trouble_since=st.trouble_since,
     )
     kept = last_good_after_divergence(run)
-    _write_summary(run, "diverged", -1)
-    raise Diverged(f"diverged at step {st.step}: {reason}; {kept}; {hint} and rerun to resume")
+    msg = (
+        f"diverged at step {st.step}: {reason}; {kept}; {hint} and rerun with "
+        f"--log_dir {run.run_dir} to resume from it"
+    )
+    _write_summary(run, "diverged", -1, detail=msg)
+    raise Diverged(msg)
 
 
 def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, Any]]) -> None:
@@ -431,7 +588,7 @@ def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, A
     st = run.state
     step_no = st.step + 1 if run.phase != "between" else st.step
     kind, detail = _describe(exc)
-    if isinstance(exc, RuntimeError) and kind == "runtime":
+    if kind == "runtime":
         raise exc  # not a known failure: keep the traceback
     run.monitor.event(kind, step=step_no, detail=detail[:300])
     note = ""
@@ -448,12 +605,16 @@ def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, A
     if kind == "oom":
         b = run.cfg.data.batch_size
         msg = (
-            f"out of memory at step {step_no} (batch_size={b}); reduce data.batch_size "
-            "(use optimization.grad_accum_steps to keep the global batch) or set "
+            f"out of memory at step {step_no} ({detail}; batch_size={b}); reduce "
+            "data.batch_size (use optimization.grad_accum_steps to keep the global batch) or set "
             f"model.activation_checkpointing=true; {note}"
         )
-    elif kind in ("collective", "timeout"):
-        msg = f"{detail} (at step {step_no}); {note}"
+    elif kind == "worker":
+        msg = (
+            f"{detail} (at step {step_no}); each of the data.num_workers="
+            f"{run.cfg.data.num_workers} workers holds decoded shards in memory: lower "
+            f"data.num_workers, or look for the out-of-memory killer in the system log; {note}"
+        )
     else:
         msg = f"{detail} (at step {step_no}); {note}"
     if isinstance(exc, (ShardError, CorpusError)):
@@ -461,27 +622,54 @@ def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, A
     raise TrainingError(msg) from None
 
 
+_WORKER = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
+_CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "not enough memory")
+
+
+def _first(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _from_worker(text: str) -> str:
+    """The original error of a data-loader worker, without the traceback torch's message
+    carries (``Caught ShardError in DataLoader worker process 1. Original Traceback ...``)."""
+    m = _WORKER.match(text)
+    if not m or "Original Traceback" not in text:
+        return _first(text)
+    last = [line for line in text.strip().splitlines() if line.strip()][-1].strip()
+    last = re.sub(r"^[\w.]+: ", "", last, count=1)  # "rootopt.data.shards.ShardError: ..."
+    return f"{last} (in data-loader worker {m.group(2)})"
+
+
 def _describe(exc: BaseException) -> tuple[str, str]:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return "oom", str(exc).splitlines()[0] if str(exc) else "out of memory"
+    text = str(exc)
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and any(s in text for s in _CPU_OOM)
+    ):
+        line = _first(text) or "out of memory"
+        line = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", line)
+        return "oom", line[:160]
     if isinstance(exc, (ShardError, CorpusError)):
-        return "data_error", str(exc)
+        return "data_error", _from_worker(text)
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
         return "io_error", f"I/O error: {exc.strerror or exc}{where}"
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     # rootopt.dist's errors name rank, operation and timeout; the kind is the exception's
     # type (decided from the elapsed time there), never its text
     if isinstance(exc, CollectiveTimeoutError):
-        return "timeout", text
+        return "timeout", _first(text)
     if isinstance(exc, (CollectiveError, torch.distributed.DistError)):
-        return "collective", text
-    return "runtime", text
+        return "collective", _first(text)
+    if isinstance(exc, RuntimeError) and text.startswith("DataLoader worker"):
+        return "worker", f"a data-loader worker died ({_first(text)})"
+    if _WORKER.match(text):
+        return "runtime", text
+    return "runtime", _first(text) or type(exc).__name__
 
 
 def _emergency(run: Run) -> str:
     st = run.state
-    if run.last_checkpoint == f"ckpt-{st.step:08d}.pt":
+    if run.last_checkpoint and _step_of(run.last_checkpoint) == st.step:
         return f"checkpoint {run.last_checkpoint} holds step {st.step}; rerun to resume"
     if st.step == 0:
         return "no step was completed, nothing to save"
@@ -489,32 +677,60 @@ def _emergency(run: Run) -> str:
         return f"a divergence streak is open, no emergency checkpoint; {last_good(run)}"
     try:
         path = save_checkpoint(run, "emergency")
-    except TrainingError as err:
-        return f"emergency checkpoint failed ({str(err).split(';')[0]}); {last_good(run)}"
+    except (TrainingError, OSError, RuntimeError, MemoryError) as err:
+        return f"emergency checkpoint failed ({_first(str(err)).split(';')[0]}); {last_good(run)}"
     return f"emergency checkpoint {path.name} written; rerun to resume"
+
+
+def _step_of(name: str) -> int:
+    """The step in a checkpoint name (``ckpt-00000040.pt``, ``dcp-00000040``)."""
+    m = re.match(r"^(?:ckpt|dcp)-(\d{8})", name)
+    return int(m.group(1)) if m else -1
 
 
 # --------------------------------------------------------------------------- the end
 
 
-def _finish(run: Run, status: str, clock: Clock, signum: int | None) -> Summary:
-    """Final checkpoint, final evaluation, summary."""
+def _finish(run: Run, status: str, clock: Clock, stop: StopFlag) -> Summary:
+    """Final checkpoint, final evaluation, summary.
+
+    The signal handlers stay installed: a SIGINT/SIGTERM during the final evaluation stops
+    it (one process) after the final checkpoint exists, the summary says so, and the rerun
+    runs the evaluation (it is due whenever the last step has no validation record)."""
     st, cfg = run.state, run.cfg
     session_steps = st.step - clock.step0
     st.elapsed = clock.elapsed0 + clock.since_session()
     val: dict[str, float] = {}
-    if session_steps or status != "completed":
-        if run.last_checkpoint != f"ckpt-{st.step:08d}.pt" and st.step > 0:
-            if not params_finite(run):
-                _diverged(run, "parameters became non-finite")
-            save_checkpoint(run, status if status != "completed" else "final")
-        if status == "completed":
-            val = evaluate(run)
-            if val:
-                run.monitor.log({"step": st.step, **val})
+    detail = ""
+    if st.step > 0 and _step_of(run.last_checkpoint) != st.step:
+        if not params_finite(run):
+            _diverged(run, "parameters became non-finite")
+        save_checkpoint(run, status if status != "completed" else "final")
+    if status == "completed" and _final_evaluation_due(run):
+        interrupt = (lambda: stop.signal is not None) if run.world_size == 1 else None
+        got = evaluate(run, interrupt=interrupt)
+        if got is None:
+            status = "interrupted"
+            detail = (
+                f"stopped by signal during the final evaluation, after the final checkpoint "
+                f"{run.last_checkpoint}; run the same command to evaluate"
+            )
+        elif got:
+            val = got
+            run.monitor.log({"step": st.step, **val})
+    if status == "interrupted" and not run.last_checkpoint:
+        detail = "stopped by signal before the first step completed (nothing to save); run the same command to start"
     if run.info.is_main and cfg.monitoring.plot:
         plot_loss(run.run_dir)
-    return _write_summary(run, status, session_steps, val, clock, signum)
+    signum = stop.signal if status == "interrupted" else None
+    return _write_summary(run, status, session_steps, val, clock, signum, detail=detail)
+
+
+def _final_evaluation_due(run: Run) -> bool:
+    """The last step has no validation record yet (rank 0 knows; every rank evaluates)."""
+    mon = run.monitor
+    due = not (mon.enabled and run.cfg.monitoring.jsonl and run.state.step in mon.val_steps)
+    return bool(broadcast(run.info, due, "final evaluation due"))
 
 
 def _write_summary(
@@ -524,10 +740,12 @@ def _write_summary(
     val: dict[str, float] | None = None,
     clock: Clock | None = None,
     signum: int | None = None,
+    *,
+    detail: str = "",
 ) -> Summary:
     st = run.state
     wall = clock.since_session() if clock is not None else 0.0
-    rows = read_jsonl(run.run_dir / "metrics.jsonl")
+    rows = read_jsonl(run.run_dir / "metrics.jsonl") if run.info.is_main else []
     losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
     vals = [r["val_loss"] for r in rows if isinstance(r.get("val_loss"), (int, float))]
     summary = Summary(
@@ -535,7 +753,7 @@ def _write_summary(
         steps=st.step,
         session_steps=session_steps,
         wall_s=wall,
-        steps_per_s=session_steps / wall if wall else 0.0,
+        steps_per_s=session_steps / wall if wall and session_steps > 0 else 0.0,
         tokens_per_s=(st.tokens - clock.tokens0) / wall if clock is not None and wall else 0.0,
         initial_loss=losses[0] if losses else float("nan"),
         final_loss=losses[-1] if losses else float("nan"),
@@ -545,12 +763,14 @@ def _write_summary(
         run_dir=str(run.run_dir),
         resumed_from=run.resumed_from,
         signal=signum if signum and signum > 0 else 0,
+        max_steps=run.cfg.run.max_steps,
+        detail=detail,
+        metrics_records=run.monitor.records if run.cfg.monitoring.jsonl else None,
     )
     if run.info.is_main:
+        from rootopt._atomic import atomic_write
         from rootopt.monitor import strict
 
-        (run.run_dir / "summary.json").write_text(
-            json.dumps(strict(summary.__dict__), indent=1, allow_nan=False) + "\n",
-            encoding="utf-8",
-        )
+        text = json.dumps(strict(summary.__dict__), indent=1, allow_nan=False) + "\n"
+        atomic_write(run.run_dir / "summary.json", text.encode())
     return summary

@@ -3,21 +3,38 @@
     rootopt train [--config FILE] [--data_path DIR] [--log_dir DIR] [section.key=value ...]
 
 Without ``--config`` the embedded default runs: a small Llama-style model on CPython's
-standard-library source (byte tokens) with ROOT, a few minutes on a laptop CPU.
+standard-library source (byte tokens) with ROOT, a few minutes on a laptop CPU. Without
+``--log_dir`` the run lives in ``runs/<name>-<key>``, the same directory for the same
+command, so running the same command again resumes it (docs/training.md).
+
+One line per failure: every failure is printed once, by the process that speaks for the
+job — rank 0 once the ranks can talk, the first process of each machine before that, and a
+rank alone when only it knows the cause (docs/distributed.md, "Failures and timeouts").
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from rootopt.config import ConfigError, load_config
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are printed by the speaking process only."""
+
+    def error(self, message: str) -> NoReturn:
+        if _speaks_alone():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="rootopt train",
         description="Train a model with ROOT. With no --config, runs the embedded default "
         "(small Llama-style LM on real offline text). Overrides: section.key=value, "
@@ -38,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         "--log_dir",
         "--log-dir",
         dest="log_dir",
-        help="run directory (metrics, checkpoints, plots); an existing one is resumed. Default: runs/<timestamp>",
+        help="run directory (metrics, checkpoints, plots); an existing one is resumed. Default: "
+        "runs/<name>-<8 hex digits of the config and --data_path>, the same for the same command",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -52,67 +70,143 @@ def _world() -> Any:
     return world()
 
 
-def _err(msg: str) -> None:
+def _speaks_alone() -> bool:
+    """Before the ranks can talk: the first process of each machine speaks (under
+    torchrun every rank of a machine gets the same arguments and files, so the others
+    would only repeat it)."""
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+
+
+def _err(msg: str, *, for_the_job: bool = False) -> None:
+    """One line on stderr; a rank that speaks only for itself names itself."""
     info = _world()
-    where = f" (rank {info.rank})" if info.world_size > 1 and not msg.startswith("rank ") else ""
+    mine = info.world_size > 1 and not for_the_job and not msg.startswith("rank ")
+    where = f" (rank {info.rank})" if mine else ""
     print(f"rootopt train{where}: {msg}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 runtime failure (incl. divergence), 2 user error, 130 SIGINT,
     143 SIGTERM (each after a checkpoint where one could be written)."""
+    from rootopt.train.agree import Interrupted
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    try:  # SIGTERM before the run's own handling: one line too (SIGINT raises anyway)
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread
+        previous = None
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # SIGINT before the loop's handler (imports, setup) or a second one
-        _err("interrupted; stopped without a final checkpoint (rerun to resume from the last one)")
-        return 130
+    except (KeyboardInterrupt, Interrupted) as exc:
+        return _interrupted(exc)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(exc: BaseException) -> int:
+    """A signal outside the loop's own handling: while starting (nothing of the run is
+    lost: every write of the set-up is atomic), or a second one (stop at once)."""
+    from rootopt.train.agree import Interrupted
+
+    signum = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
+    name = signal.Signals(signum).name
+    loop = sys.modules.get("rootopt.train.loop")
+    if not getattr(loop, "TRAINING", False):
+        msg = (
+            f"interrupted ({name}) before training started; nothing of the run was lost; "
+            "run the same command to start (or resume)"
+        )
+    else:
+        msg = (
+            f"interrupted ({name}); stopped at once: the newest complete checkpoint is kept, "
+            "run the same command to resume from it"
+        )
+    info = _world()
+    speak = info.is_main if info.world_size > 1 else _speaks_alone()
+    if speak:
+        _err(msg, for_the_job=True)
+    return _leave(130 if signum == int(signal.SIGINT) else 128 + signum)
 
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    if args.log_dir is not None and not args.log_dir.strip():
+        return _fail(
+            2,
+            [
+                "--log_dir: empty path; omit it for the default runs/<name>-<key>, or name a directory"
+            ],
+            speak=_speaks_alone(),
+        )
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        for line in exc.problems:
-            _err(f"config error: {line}")
-        return 2
+        return _fail(2, [f"config error: {line}" for line in exc.problems], speak=_speaks_alone())
     from rootopt.config import dump_yaml
 
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
-    from rootopt.checkpoint import CheckpointError
-    from rootopt.data import CorpusError, ShardError
-    from rootopt.dist import CollectiveError
-    from rootopt.train.build import TrainingError, run_dir_for
+    from pathlib import Path
+
+    from rootopt.train.agree import exit_status
     from rootopt.train.loop import train
 
-    run_dir = run_dir_for(args.log_dir)
     try:
-        summary = train(cfg, run_dir, args.data_path)
-    except ConfigError as exc:
-        for line in exc.problems:
-            _err(f"config error: {line}")
-        return _leave(2)
-    except (ShardError, CorpusError, CheckpointError) as exc:
-        _err(str(exc))
-        return _leave(2)
-    except (TrainingError, CollectiveError) as exc:
-        _err(str(exc))
-        return _leave(1)
-    except OSError as exc:  # outside the loop (setup, final files): one line, naming the path
-        where = f" ({exc.filename})" if exc.filename else ""
-        _err(f"I/O error: {exc.strerror or exc}{where}")
-        return _leave(1)
+        summary = train(
+            cfg,
+            Path(args.log_dir) if args.log_dir else None,
+            args.data_path,
+            config_path=args.config,
+        )
+    except Exception as exc:
+        known = exit_status(exc)
+        if known is None:
+            raise  # a bug: keep the traceback
+        from rootopt.train.agree import JobError
+
+        code, lines = known
+        speak = _speaks_for(exc, lines[0] if lines else "")
+        return _fail(code, lines, speak=speak, for_the_job=isinstance(exc, JobError))
     info = _world()
     if info.is_main:  # rank 0 reports for the run
-        total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
-        _report(summary, total)
+        _report(summary)
     if info.backend is not None:  # a process group is running (any world size)
         from rootopt.dist import finish
 
         finish(_status(summary))  # every file of the run is closed; see dist.finish
     return _status(summary)
+
+
+def _speaks_for(exc: BaseException, line: str) -> bool:
+    """Whether this process prints ``exc``: a verdict of the whole job says so itself;
+    otherwise, at world size > 1, the first rank to report a failure speaks (a peer that
+    died leaves its peers' collectives failing: they stay silent)."""
+    from rootopt.train.agree import JobError
+
+    if isinstance(exc, JobError):
+        return exc.speak
+    if _world().world_size == 1:
+        return _speaks_alone()
+    from rootopt.dist import claim_failure
+
+    return claim_failure(f"rank {_world().rank}: {line}")
+
+
+def _fail(code: int, lines: list[str], *, speak: bool, for_the_job: bool = True) -> int:
+    """Print ``lines`` (when this process speaks), tell torchrun and the other ranks, and
+    leave with ``code``."""
+    if speak:
+        for line in lines:
+            _err(line, for_the_job=for_the_job)
+    if lines:
+        from rootopt.dist import report_to_launcher
+
+        report_to_launcher(f"rootopt train: {lines[0]}", code)
+    return _leave(code)
 
 
 def _leave(code: int) -> int:
@@ -126,11 +220,23 @@ def _leave(code: int) -> int:
     return code
 
 
-def _report(summary: Any, total: str) -> None:
+def _report(summary: Any) -> None:
+    if summary.status == "completed" and summary.session_steps == 0:
+        print(
+            f"already complete: step {summary.steps} of {summary.max_steps} (checkpoint "
+            f"{summary.checkpoint or 'none'}), nothing to train; run dir: {summary.run_dir}. "
+            "To train longer rerun with --log_dir and a larger run.max_steps; to start again "
+            "use another --log_dir or checkpoint.resume=restart"
+        )
+        return
+    total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
+    loss = f"loss {summary.initial_loss:.3f} → {summary.final_loss:.3f}"
+    if summary.final_loss != summary.final_loss:  # NaN: no training record yet
+        loss = "no loss record yet"
     print(
         f"{summary.status}: {summary.session_steps} steps in {summary.wall_s:.1f} s this session"
         f"{total} ({summary.steps_per_s:.2f} steps/s, {summary.tokens_per_s:.0f} tokens/s); "
-        f"loss {summary.initial_loss:.3f} → {summary.final_loss:.3f}"
+        f"{loss}"
         + (f", val {summary.val_loss:.3f}" if summary.val_loss == summary.val_loss else "")
         + f"; non-finite steps {summary.nonfinite_steps}"
     )
@@ -138,9 +244,11 @@ def _report(summary: Any, total: str) -> None:
         f"run dir: {summary.run_dir} (checkpoint {summary.checkpoint or 'none'}; "
         f"report: rootopt report {summary.run_dir})"
     )
-    if summary.status == "interrupted":
+    if summary.detail:
+        print(summary.detail)
+    elif summary.status == "interrupted":
         print("stopped by signal after a checkpoint; run the same command to resume")
-    if summary.status == "max_time":
+    elif summary.status == "max_time":
         print("stopped at run.max_time after a checkpoint; run the same command to continue")
 
 

@@ -115,7 +115,7 @@ class Run:
 
 @dataclass
 class Summary:
-    status: str  # completed | interrupted | max_time
+    status: str  # running | completed | interrupted | max_time | diverged | failed
     steps: int  # total optimizer steps of the run
     session_steps: int  # steps this process ran
     wall_s: float
@@ -129,3 +129,8 @@ class Summary:
     run_dir: str
     resumed_from: str
     signal: int = 0
+    max_steps: int = 0
+    detail: str = ""  # why the session stopped, when not completed
+    # lines in metrics.jsonl when the summary was written (None: no JSONL log); `rootopt
+    # report` compares it with the file to tell a complete log from a cut one
+    metrics_records: int | None = None

@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -226,18 +226,40 @@ def update_ratios(
     return {n: d / max(b, 1e-12) for n, (d, b) in zip(names, values)}
 
 
+@overload
+def evaluate(run: Run) -> dict[str, float]: ...
+
+
+@overload
+def evaluate(run: Run, interrupt: Callable[[], bool] | None) -> dict[str, float] | None: ...
+
+
 @torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
+def evaluate(run: Run, interrupt: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """Validation loss (and bits per byte, or accuracy) over ``run.eval_batches`` batches;
+    ``{}`` without a validation split; None when ``interrupt()`` turned true between
+    batches (the model is back in training mode either way)."""
     stream = val_stream(run)
     if stream is None:
         return {}
     run.model.eval()
+    try:
+        return _evaluate(run, stream, interrupt)
+    finally:
+        run.model.train()
+
+
+def _evaluate(
+    run: Run, stream: Any, interrupt: Callable[[], bool] | None
+) -> dict[str, float] | None:
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     correct = torch.zeros((), dtype=torch.int64, device=run.device)
     count = 0
     for i, batch in enumerate(stream):
         if i >= run.cfg.run.eval_batches:
             break
+        if interrupt is not None and interrupt():
+            return None
         x, y = batch["input"].to(run.device), batch["target"].to(run.device)
         with run.precision.autocast():
             logits = run.model(x)
@@ -245,7 +267,6 @@ def evaluate(run: Run) -> dict[str, float]:
         count += y.size(0)
         if logits.ndim == 2:
             correct += (logits.argmax(-1) == y).sum()
-    run.model.train()
     if count == 0:
         return {}
     out = {"val_loss": float(total) / count}
