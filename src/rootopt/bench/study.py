@@ -179,9 +179,9 @@ class Protocol:
                 ("lr ×3", Corruption(), 3.0),
                 ("lr ×10", Corruption(), 10.0),
             ),
-            timing_steps=24,
-            timing_warmup=4,
-            cost_tie=0.03,
+            timing_steps=100,
+            timing_warmup=5,
+            cost_tie=0.05,
         )
 
     @staticmethod
