@@ -29,6 +29,7 @@ from typing import Any
 
 from rootopt.bench.runner import Corruption, RunSpec
 from rootopt.bench.stats import mean_ci, paired_ci
+from rootopt.bench.suites import smoothness
 
 Result = dict[str, Any]
 Lookup = Callable[[RunSpec], Result | None]
@@ -974,6 +975,54 @@ def _resolve_name(w: Walk, name: str) -> str | None:
     raise KeyError(name)
 
 
+def _lr_sensitivity(t: Tuned | None) -> dict[str, Any] | None:
+    """From the first lr search: how many grid points lie within 5 % of the best validation
+    loss, and the worst/best ratio over the points that did not diverge."""
+    if t is None or not t.history or not t.history[0]["phase"].startswith("lr"):
+        return None
+    pts = t.history[0]["points"]
+    vals = [pt["val_loss"] for pt in pts]
+    finite = [v for v in vals if v is not None and math.isfinite(v)]
+    if not finite:
+        return {
+            "points": len(vals),
+            "within_5pct": 0,
+            "worst_over_best": None,
+            "diverged": len(vals),
+        }
+    best = min(finite)
+    return {
+        "points": len(vals),
+        "within_5pct": sum(v <= 1.05 * best for v in finite),
+        "worst_over_best": max(finite) / best,
+        "diverged": len(vals) - len(finite),
+    }
+
+
+def _steps_to_target(rows: dict[str, Any], seeds: Sequence[int]) -> None:
+    """Per report seed, the first evaluated step whose test loss is at or below AdamW's mean
+    final test loss on the cell (None: not reached within the schedule)."""
+    adamw = rows.get("adamw")
+    if not adamw or not adamw["test_loss_ci"]:
+        return
+    target = adamw["test_loss_ci"]["mean"]
+    for r in rows.values():
+        if not r["curves"]:
+            continue
+        r["steps_to_adamw"] = [
+            next(
+                (
+                    s
+                    for s, v in zip(cv["steps"], cv["test_loss"], strict=True)
+                    if s > 0 and v <= target
+                ),
+                None,
+            )
+            for cv in r["curves"]
+        ]
+        r["adamw_target"] = target
+
+
 def summarize(w: Walk, meta: dict[str, Any]) -> dict[str, Any]:
     """The study as JSON-able data: settings, per-arm results, comparisons, decisions."""
     p = w.proto
@@ -1017,7 +1066,14 @@ def summarize(w: Walk, meta: dict[str, Any]) -> dict[str, Any]:
                 ]
                 if ac.report
                 else None,
+                "smoothness": [
+                    smoothness(r["train_loss"], skip=max(1, c.steps // 10)) for r in ac.report
+                ]
+                if ac.report
+                else None,
+                "lr_sensitivity": _lr_sensitivity(ac.tuned),
             }
+        _steps_to_target(rows, p.report_seeds)
         cells[c.name] = {"task": c.task, "steps": c.steps, "base": c.base, "arms": rows}
     comparisons: list[dict[str, Any]] = []
     for label, a0, b0 in COMPARISONS:
