@@ -118,7 +118,7 @@ def test_side_lr_and_transfer_from_a_base_cell() -> None:
     base = Tuner(p, arm, Cell("stdlib", 150), lookup).tune(None)
     assert (base.setting.k, base.setting.j) == (2, -4)
     phases = [h["phase"] for h in base.history]
-    assert phases == ["lr", "AdamW-side lr multiple", "lr (again)", "weight decay"]
+    assert phases == ["lr", "AdamW-side lr multiple", "weight decay"]
     lookup2, calls = _fake(optimum_k=1.0, optimum_j=-4.0)
     long = Tuner(p, arm, Cell("stdlib", 600, base="stdlib@150"), lookup2).tune(base)
     assert long.setting.k == 1 and long.setting.j == base.setting.j
@@ -212,11 +212,20 @@ def test_quick_study_runs_decides_resumes_and_renders(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-2000:]
     s = json.loads((out / "study.json").read_text())
     assert s["complete"] and s["jobs_left"] == 0
-    assert set(s["decisions"]) == {"ns_coefficients", "outlier_quantile", "ns_dtype", "final"}
+    assert set(s["decisions"]) == {
+        "screening",
+        "ns_coefficients",
+        "outlier_quantile",
+        "ns_dtype",
+        "final",
+    }
+    survivors = s["decisions"]["screening"]["survivors"]
+    assert survivors and s["decisions"]["ns_coefficients"]["candidates"] == survivors
     proto = Protocol.quick()
     for cell in proto.cells:
         rows = s["cells"][cell.name]["arms"]
-        for name in (a.name for a in COEFFICIENT_CANDIDATES):
+        names = [a.name for a in COEFFICIENT_CANDIDATES] if cell.base is None else survivors
+        for name in names:
             r = rows[name]
             assert len(r["test_loss"]) == len(proto.report_seeds)
             assert r["setting"]["lr"] > 0

@@ -101,16 +101,6 @@ ABLATIONS: tuple[Arm, ...] = (
     root_arm("root-you", "ROOT, You's 5-step schedule", ns_coefficients="you"),
     root_arm("root-cans", "ROOT, CANS", ns_coefficients="cans"),
 )
-FAMILY: tuple[Arm, ...] = (
-    Arm("adam", "adam", (), "Adam (L2 decay: none)", tune_wd=False),
-    Arm("lamb", "lamb", (), "LAMB (pytorch-optimizer)"),
-    Arm("adafactor", "adafactor", (), "Adafactor (pytorch-optimizer)"),
-    Arm("shampoo", "shampoo", (), "Shampoo (pytorch-optimizer)", tune_wd=False),
-    Arm("momentum", "momentum", (), "SGD + Nesterov momentum", tune_wd=False),
-    Arm("sgd", "sgd", (), "SGD", tune_wd=False),
-    Arm("adagrad", "adagrad", (), "Adagrad", tune_wd=False),
-    Arm("sgld", "sgld", (), "SGLD", tune_wd=False),
-)
 DEFAULT_WD = 0.1
 
 
@@ -141,7 +131,9 @@ class Protocol:
     wd_extension: float  # tried when the largest decay of the grid is best
     max_extensions: int
     ablation_cells: tuple[str, ...]
-    family_cells: tuple[str, ...]
+    # A coefficient candidate worse (by the decision rule) on at least this many of the
+    # default-horizon cells is screened out before the longer horizons and the larger model.
+    screen_worse: int
     robust_cell: str
     robust_conditions: tuple[tuple[str, Corruption, float], ...]
     timing_steps: int
@@ -165,12 +157,12 @@ class Protocol:
             report_seeds=(0, 1, 2, 3, 4),
             lr_grid=(-1, 0, 1, 2, 3, 4),
             transfer_grid=(-2, -1, 0, 1),
-            side_grid=(-4, -2, 0, 2),
+            side_grid=(-4, -2, 0),
             wd_grid=(0.0, 0.1, 0.3),
             wd_extension=1.0,
             max_extensions=4,
             ablation_cells=("stdlib@150",),
-            family_cells=("stdlib@150", "kjv@150", "digits@200"),
+            screen_worse=2,
             robust_cell="stdlib@150",
             robust_conditions=(
                 ("clean", Corruption(), 1.0),
@@ -199,7 +191,7 @@ class Protocol:
             wd_extension=0.3,
             max_extensions=1,
             ablation_cells=(),
-            family_cells=(),
+            screen_worse=1,
             robust_cell="digits@6",
             robust_conditions=(
                 ("clean", Corruption(), 1.0),
@@ -416,7 +408,6 @@ class Tuner:
                 lambda x: Setting(k, x, wd0),
                 self.p.side_grid[1] - self.p.side_grid[0] if len(self.p.side_grid) > 1 else 1,
             )
-            k = self._search("lr (again)", [k - 1, k, k + 1], lambda x: Setting(x, j, wd0), 1)
         wd = self._wd(k, j) if self.arm.tune_wd else wd0
         return Tuned(Setting(k, j, wd), self.history, self.edge)
 
@@ -615,7 +606,9 @@ def _test_losses(rs: Sequence[Result]) -> list[float]:
     return [float(r["final_test_loss"]) if not r["diverged"] else math.nan for r in rs]
 
 
-def decide(w: Walk, names: Sequence[str], key: str) -> dict[str, Any] | None:
+def decide(
+    w: Walk, names: Sequence[str], key: str, cells: Sequence[Cell] | None = None
+) -> dict[str, Any] | None:
     """The preregistered rule (docs/benchmarks.md): on every cell, a candidate is *worse* when
     one of its report runs diverged or its paired difference to the cell's best candidate has a
     95 % interval above zero. The tied-best candidates are those worse on the fewest cells;
@@ -628,7 +621,7 @@ def decide(w: Walk, names: Sequence[str], key: str) -> dict[str, Any] | None:
     per_cell: dict[str, Any] = {}
     worse = {n: 0 for n in names}
     ranks: dict[str, list[int]] = {n: [] for n in names}
-    for cell in p.cells:
+    for cell in p.cells if cells is None else cells:
         acs = [w.get(n, cell.name) for n in names]
         if any(ac is None or ac.report is None for ac in acs):
             return None
@@ -701,8 +694,17 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
                 _timing(w, arm, task, timing_lookup)
 
     timing(stage1)
-    study(stage1, 10)
-    d1 = decide(w, [a.name for a in COEFFICIENT_CANDIDATES], "ns_coefficients")
+    first = [c for c in p.cells if c.base is None]
+    study(stage1, 10, first)
+    names = [a.name for a in COEFFICIENT_CANDIDATES]
+    screen = decide(w, names, "screening", first)
+    d1 = None
+    if screen is not None:
+        survivors = [n for n in names if screen["worse_on_cells"][n] < p.screen_worse]
+        w.decisions["screening"] = {**screen, "survivors": survivors}
+        refs = [a for a in REFERENCES if a.name != "muon-fp32"]
+        study([*(w.arms[n] for n in survivors), *refs], 10, [c for c in p.cells if c.base])
+        d1 = decide(w, survivors, "ns_coefficients")
     final: Arm | None = None
     if d1 is not None:
         w.decisions["ns_coefficients"] = d1
@@ -751,7 +753,6 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
                 ac.equal_compute = [r for r in res if r is not None]
     if final is not None:
         _robustness(w, final, lookup)
-    study(FAMILY, 60, [p.cell(c) for c in p.family_cells])
     w.jobs.sort(key=lambda pj: pj[0])
     w.complete = not w.jobs and final is not None
     return w

@@ -138,6 +138,13 @@ def markdown(s: dict[str, Any]) -> str:
             continue
         worse = ", ".join(f"`{n}` {k}" for n, k in d["worse_on_cells"].items())
         costs = ", ".join(f"`{n}` {_f(c, 2)}" for n, c in d["cost_vs_adamw"].items())
+        if key == "screening":
+            lines.append(
+                f"- **screening** (default-horizon cells): survivors "
+                f"{', '.join(f'`{n}`' for n in d['survivors'])}; cells where each candidate is "
+                f"worse than the best: {', '.join(f'`{n}` {k}' for n, k in d['worse_on_cells'].items())}."
+            )
+            continue
         lines.append(
             f"- **{key}** → `{d['winner']}`. Cells where each candidate is worse than the best "
             f"(95 % CI): {worse}. Tied-best: {', '.join(f'`{n}`' for n in d['tied_best'])}; "
