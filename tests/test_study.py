@@ -24,6 +24,7 @@ from rootopt.bench.study import (
     Tuner,
     Walk,
     decide,
+    make_spec,
     selection_score,
 )
 
@@ -124,6 +125,24 @@ def test_side_lr_and_transfer_from_a_base_cell() -> None:
     assert long.setting.k == 1 and long.setting.j == base.setting.j
     assert long.setting.wd == base.setting.wd
     assert {round(4 * math.log10(s.lr / 3e-3)) for s in calls} == {0, 1, 2, 3}
+
+
+def test_only_runs_without_a_result_are_requested() -> None:
+    """A grid point with one seed finished asks for the other seed only."""
+    p = _proto()
+    lookup, _ = _fake(optimum_k=1.0)
+    arm = COEFFICIENT_CANDIDATES[0]
+    cell = Cell("stdlib", 150)
+    done = {
+        s.run_id for s in [make_spec(arm, cell, Setting(k), 100, p.per_decade) for k in p.lr_grid]
+    }
+
+    def partial(spec: RunSpec) -> dict[str, Any] | None:
+        return lookup(spec) if spec.run_id in done else None
+
+    with pytest.raises(study.Needs) as exc:
+        Tuner(p, arm, cell, partial).tune(None)
+    assert sorted(s.seed for s in exc.value.specs) == [101] * len(p.lr_grid)
 
 
 def test_missing_runs_are_requested_not_guessed() -> None:

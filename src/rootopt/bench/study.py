@@ -254,6 +254,11 @@ class Needs(Exception):
         self.specs = specs
 
 
+def _missing(lookup: Lookup, specs: Sequence[RunSpec]) -> Needs:
+    """:class:`Needs` for those of ``specs`` that have no result yet."""
+    return Needs([s for s in specs if lookup(s) is None])
+
+
 def make_spec(
     arm: Arm,
     cell: Cell,
@@ -320,12 +325,13 @@ class Tuner:
             scores = {x: self._score(at(x)) for x in pts}
             missing = [x for x, v in scores.items() if v is None]
             if missing:
-                raise Needs(
+                raise _missing(
+                    self.lookup,
                     [
                         make_spec(self.arm, self.cell, at(x), sd, self.p.per_decade)
                         for x in missing
                         for sd in self.p.selection_seeds
-                    ]
+                    ],
                 )
             best = min(pts, key=lambda x: (scores[x], x))
             on_edge = len(pts) > 1 and best in (pts[0], pts[-1])
@@ -356,24 +362,26 @@ class Tuner:
         grid = list(self.p.wd_grid)
         scores = {w: self._score(Setting(k, j, w)) for w in grid}
         if any(v is None for v in scores.values()):
-            raise Needs(
+            raise _missing(
+                self.lookup,
                 [
                     make_spec(self.arm, self.cell, Setting(k, j, w), sd, self.p.per_decade)
                     for w, v in scores.items()
                     if v is None
                     for sd in self.p.selection_seeds
-                ]
+                ],
             )
         best = min(grid, key=lambda w: (scores[w], w))
         if best == max(grid) and self.p.wd_extension > best:
             w = self.p.wd_extension
             v = self._score(Setting(k, j, w))
             if v is None:
-                raise Needs(
+                raise _missing(
+                    self.lookup,
                     [
                         make_spec(self.arm, self.cell, Setting(k, j, w), sd, self.p.per_decade)
                         for sd in self.p.selection_seeds
-                    ]
+                    ],
                 )
             scores[w] = v
             best = min(scores, key=lambda x: (scores[x], x))  # type: ignore[arg-type]
