@@ -155,6 +155,23 @@ def test_missing_runs_are_requested_not_guessed() -> None:
     assert all(dict(s.options)["ns_coefficients"] == "muon" for s in specs)
 
 
+def test_official_coefficients_are_muons_on_every_matrix_the_study_trains() -> None:
+    """Why `root-official` is not a separate arm (docs/benchmarks.md)."""
+    from rootopt.bench.tasks import TASKS
+    from rootopt.coeffs import MUON, resolve
+    from rootopt.optim.routing import param_groups
+
+    shapes = set()
+    for name in {c.task for c in Protocol.full().cells}:
+        groups, _ = param_groups(TASKS[name].model())
+        for g in groups:
+            if g["algorithm"] == "root":
+                shapes |= {(p.shape[0], p[0].numel()) for p in g["params"]}
+    assert len(shapes) >= 6
+    for rows, cols in shapes:
+        assert resolve("official", rows, cols, 5) == MUON.schedule(5), (rows, cols)
+
+
 # ----------------------------------------------------------------------------- decisions
 
 
