@@ -100,8 +100,6 @@ REFERENCES: tuple[Arm, ...] = (
 )
 ABLATIONS: tuple[Arm, ...] = (
     root_arm("root-svd", "ROOT, exact polar factor (SVD)", ortho_method="svd"),
-    root_arm("root-you", "ROOT, You's 5-step schedule", ns_coefficients="you"),
-    root_arm("root-cans", "ROOT, CANS", ns_coefficients="cans"),
 )
 DEFAULT_WD = 0.1
 
@@ -171,7 +169,6 @@ class Protocol:
                 ("t(2) noise ×2", Corruption("student_t", scale=2.0, df=2), 1.0),
                 ("outliers 0.1% ×100", Corruption("outliers", scale=100.0, rate=1e-3), 1.0),
                 ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2), 1.0),
-                ("lr ×3", Corruption(), 3.0),
                 ("lr ×10", Corruption(), 10.0),
             ),
             timing_steps=100,
