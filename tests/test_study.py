@@ -125,6 +125,7 @@ def test_side_lr_and_transfer_from_a_base_cell() -> None:
     assert long.setting.k == 1 and long.setting.j == base.setting.j
     assert long.setting.wd == base.setting.wd
     assert {round(4 * math.log10(s.lr / 3e-3)) for s in calls} == {0, 1, 2, 3}
+    # 1, 2, 3 around the base's optimum; the best (1) on the lower edge adds 0.
 
 
 def test_only_runs_without_a_result_are_requested() -> None:

@@ -193,7 +193,7 @@ TASKS: dict[str, Task] = {
             "byte-level Llama LM (d=128, 4 layers, GQA: the training default's model) on "
             "CPython stdlib source",
             large=True,
-            steps=300,
+            steps=200,
         ),
         Task(
             name="bbc",
