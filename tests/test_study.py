@@ -289,3 +289,16 @@ def test_study_refuses_flags_that_would_change_its_protocol(tmp_path: Path) -> N
 
     assert main(["study", "--out", str(tmp_path / "o"), "--seeds", "2"]) == 2
     assert not (tmp_path / "o").exists()
+
+
+def test_selection_runs_evaluate_only_at_the_end_with_the_same_losses(tmp_path: Path) -> None:
+    from rootopt.bench.runner import run_one
+
+    (tmp_path / "runs").mkdir()
+    kw: dict[str, Any] = dict(task="digits", optimizer="root", lr=3e-3, seed=1, steps=40)
+    sel = run_one(RunSpec(suite="study", weight_decay=0.1, **kw), str(tmp_path))
+    rep = run_one(RunSpec(suite=study.REPORT_SUITE, weight_decay=0.1, **kw), str(tmp_path))
+    assert [e["step"] for e in sel["evals"]] == [0, 40]
+    assert [e["step"] for e in rep["evals"]] == [0, 20, 40]
+    for key in ("final_val_loss", "final_test_loss", "train_loss"):
+        assert sel[key] == rep[key]

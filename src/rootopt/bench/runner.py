@@ -21,6 +21,10 @@ from typing import Any
 
 from rootopt._threads import one_thread
 
+# Suites whose runs only choose hyperparameters: they evaluate at the end only (evaluation
+# draws no random numbers, so the final losses are the same either way; an evaluation of both
+# held-out splits costs about ten training steps of the small LM).
+FINAL_EVAL_ONLY = frozenset({"study"})
 FORMAT = 2  # bump when the meaning of a run's result changes; old results are then rerun
 
 
@@ -218,7 +222,7 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
             diverged = True
             error = error or "non-finite training loss"
             break
-        if step % t.eval_every == 0 or step == spec.steps:
+        if step == spec.steps or (step % t.eval_every == 0 and spec.suite not in FINAL_EVAL_ONLY):
             evals.append(evaluate(step))
             if not math.isfinite(evals[-1]["val_loss"]):
                 diverged, error = True, "non-finite validation loss"
