@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rootopt.bench.runner import Corruption, RunSpec, _corrupt, run_one
+from rootopt.bench.suites import DEFAULT_TASKS as TASKS
 from rootopt.bench.suites import smoothness, steps_to_target
-from rootopt.bench.tasks import TASKS
 from rootopt.commands.bench import main as bench_main
 from rootopt.optim.registry import REGISTRY
 

@@ -21,7 +21,11 @@ from typing import Any
 
 from rootopt._threads import one_thread
 
-FORMAT = 1  # bump when the meaning of a run's result changes; old results are then rerun
+# Suites whose runs only choose hyperparameters: they evaluate at the end only (evaluation
+# draws no random numbers, so the final losses are the same either way; an evaluation of both
+# held-out splits costs about ten training steps of the small LM).
+FINAL_EVAL_ONLY = frozenset({"study"})
+FORMAT = 2  # bump when the meaning of a run's result changes; old results are then rerun
 
 
 @dataclass(frozen=True)
@@ -59,21 +63,66 @@ class RunSpec:
     clip: float | None = 1.0
     corruption: Corruption = field(default_factory=Corruption)
     lr_mult: float = 1.0  # the robustness suite's lr ×3 / ×10 (lr holds the base value)
+    # Extra optimizer options (sorted (key, value) pairs, JSON values), e.g. ns_dtype.
+    options: tuple[tuple[str, Any], ...] = ()
+    # lr of the parameters an orthogonalizing optimizer leaves to its internal AdamW
+    # (embeddings, norms, heads), as a multiple of lr; 1.0 = the same lr.
+    side_lr_mult: float = 1.0
 
     @property
     def run_id(self) -> str:
-        blob = json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"format": FORMAT, **self.to_dict()}, sort_keys=True)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
         return f"{self.task}-{self.optimizer}-lr{self.lr:.3g}-s{self.seed}-{self.corruption.tag}-x{self.lr_mult:g}-{digest}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["options"] = [list(kv) for kv in self.options]
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> RunSpec:
         d = dict(d)
         d["corruption"] = Corruption(**d.get("corruption", {}))
+        d["options"] = tuple((str(k), v) for k, v in d.get("options", ()))
         return RunSpec(**d)
+
+
+def _side_groups(opt: Any) -> list[dict[str, Any]]:
+    """The param groups that an orthogonalizing optimizer leaves to AdamW."""
+    import torch
+
+    from rootopt.optim.registry import OptimizerChain
+    from rootopt.optim.root import ROOT
+
+    if isinstance(opt, OptimizerChain):
+        return [g for c in opt.children for g in _side_groups(c)]
+    if isinstance(opt, ROOT):
+        return [g for g in opt.param_groups if g.get("algorithm") == "adamw"]
+    if isinstance(opt, torch.optim.AdamW):
+        return list(opt.param_groups)
+    return []
+
+
+def build_optimizer(spec: RunSpec, model: Any) -> Any:
+    """The spec's optimizer for ``model``: registry entry, options, lr × lr_mult, and the
+    AdamW side's lr × side_lr_mult."""
+    from rootopt.optim.registry import make_optimizer
+
+    opt, _ = make_optimizer(
+        spec.optimizer,
+        model,
+        lr=spec.lr * spec.lr_mult,
+        weight_decay=spec.weight_decay,
+        **dict(spec.options),
+    )
+    if spec.side_lr_mult != 1.0:
+        side = _side_groups(opt)
+        if not side or len(side) == len(opt.param_groups):
+            raise ValueError(f"{spec.optimizer}: side_lr_mult needs an AdamW side to scale")
+        for g in side:
+            g["lr"] *= spec.side_lr_mult
+    return opt
 
 
 def _corrupt(params: Sequence[Any], c: Corruption, gen: Any) -> None:
@@ -112,7 +161,6 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     from rootopt._atomic import atomic_write
     from rootopt.bench.tasks import load_task_data, task
     from rootopt.optim import NonFiniteGradientError
-    from rootopt.optim.registry import make_optimizer
     from rootopt.train.model import loss_fn
     from rootopt.train.schedule import LRMultiplier
 
@@ -121,8 +169,7 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     data = load_task_data(spec.task)
     torch.manual_seed(spec.seed)
     model = t.model()
-    lr = spec.lr * spec.lr_mult
-    opt, _ = make_optimizer(spec.optimizer, model, lr=lr, weight_decay=spec.weight_decay)
+    opt = build_optimizer(spec, model)
     warmup = max(1, spec.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, LRMultiplier("cosine", warmup=warmup, total=spec.steps, min_ratio=0.1)
@@ -130,16 +177,28 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(10_000 + spec.seed)
     noise_gen = torch.Generator().manual_seed(20_000 + spec.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    init_loss, init_acc = t.evaluate(model, data)
-    evals: list[dict[str, Any]] = [
-        {"step": 0, "val_loss": init_loss, "val_acc": init_acc, "train_s": 0.0}
-    ]
+
+    def evaluate(step: int) -> dict[str, Any]:
+        vl, va = t.evaluate(model, data, "val")
+        tl, ta = t.evaluate(model, data, "test")
+        return {
+            "step": step,
+            "val_loss": vl,
+            "val_acc": va,
+            "test_loss": tl,
+            "test_acc": ta,
+            "train_s": train_s,
+            "cpu_s": cpu_s,
+        }
+
+    train_s = cpu_s = 0.0
+    evals: list[dict[str, Any]] = [evaluate(0)]
+    init_loss = evals[0]["val_loss"]
     train_loss: list[float] = []
     step_times: list[float] = []
     diverged, error = False, ""
-    train_s = 0.0
     for step in range(1, spec.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         x, y = t.batch(data, gen)
         loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
@@ -157,15 +216,15 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
         dt = time.perf_counter() - t0
         step_times.append(dt)
         train_s += dt
+        cpu_s += time.process_time() - c0
         train_loss.append(lv)
         if not math.isfinite(lv) or diverged:
             diverged = True
             error = error or "non-finite training loss"
             break
-        if step % t.eval_every == 0 or step == spec.steps:
-            vl, va = t.evaluate(model, data)
-            evals.append({"step": step, "val_loss": vl, "val_acc": va, "train_s": train_s})
-            if not math.isfinite(vl):
+        if step == spec.steps or (step % t.eval_every == 0 and spec.suite not in FINAL_EVAL_ONLY):
+            evals.append(evaluate(step))
+            if not math.isfinite(evals[-1]["val_loss"]):
                 diverged, error = True, "non-finite validation loss"
                 break
         if progress is not None and (step % 10 == 0 or step == spec.steps):
@@ -187,6 +246,8 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
         "initial_val_loss": init_loss,
         "final_val_loss": final["val_loss"] if not diverged else float("nan"),
         "final_val_acc": final["val_acc"] if not diverged else None,
+        "final_test_loss": final["test_loss"] if not diverged else float("nan"),
+        "final_test_acc": final["test_acc"] if not diverged else None,
         "last_eval": final,
         "evals": evals,
         "train_loss": train_loss,
@@ -196,6 +257,7 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
         "step_time_s": sorted_times[len(sorted_times) // 2] if sorted_times else None,
         "optimizer_state_bytes": state_bytes,
         "param_count": sum(p.numel() for p in params),
+        "train_cpu_s": cpu_s,
         "wall_s": time.perf_counter() - t_all,
     }
     path = Path(out_dir) / "runs" / f"{spec.run_id}.json"

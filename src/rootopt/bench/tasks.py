@@ -5,8 +5,11 @@
 * ``bbc``: BBC News topic classification (5 classes) from TF-IDF features, MLP classifier.
 * ``digits``: scikit-learn's 8×8 digits with a small CNN (conv kernels go through ROOT flattened).
 
+* ``stdlib-large``: the embedded training default's LM (d=128, 4 layers) on the ``stdlib`` data.
+
 Data splits are fixed (independent of the run's seed); the seed changes the initialisation and
-the batch order only.
+the batch order only. Every task has three disjoint splits: train, a validation split (used to
+choose hyperparameters) and a test split (used only to report), see docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ class Split:
     train_y: Tensor
     val_x: Tensor
     val_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+
+    def eval_set(self, split: str) -> tuple[Tensor, Tensor]:
+        if split == "val":
+            return self.val_x, self.val_y
+        if split == "test":
+            return self.test_x, self.test_y
+        raise ValueError(f"unknown split {split!r} (val | test)")
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class Task:
     load: Callable[[], Split]
     model: Callable[[], nn.Module]
     seq_len: int = 0
+    data: str = ""  # the data set's name when tasks share one (default: the task's name)
 
     def batch(self, data: Split, gen: torch.Generator) -> tuple[Tensor, Tensor]:
         if self.kind == "lm":
@@ -61,15 +74,18 @@ class Task:
         return data.train_x[idx], data.train_y[idx]
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, data: Split) -> tuple[float, float | None]:
-        """``(validation loss, accuracy or None)`` on the whole fixed validation set."""
+    def evaluate(
+        self, model: nn.Module, data: Split, split: str = "val"
+    ) -> tuple[float, float | None]:
+        """``(loss, accuracy or None)`` on the whole fixed ``split`` (``val`` or ``test``)."""
+        x, y = data.eval_set(split)
         model.eval()
         try:
-            logits = model(data.val_x)
-            loss = float(loss_fn(logits, data.val_y))
+            logits = model(x)
+            loss = float(loss_fn(logits, y))
             acc = None
             if self.kind == "classify":
-                acc = float((logits.argmax(-1) == data.val_y).float().mean())
+                acc = float((logits.argmax(-1) == y).float().mean())
             return loss, acc
         finally:
             model.train()
@@ -79,7 +95,15 @@ class Task:
 
 LM_BYTES = 1_500_000
 LM_SEQ = 64
-LM_VAL_WINDOWS = 48
+# Each held-out split: 256 evenly spaced windows of 64 predicted bytes (16,384 targets).
+LM_EVAL_WINDOWS = 256
+LM_VAL_FRACTION = LM_TEST_FRACTION = 0.05
+
+
+def _windows(block: Tensor) -> tuple[Tensor, Tensor]:
+    starts = np.linspace(0, len(block) - LM_SEQ - 2, LM_EVAL_WINDOWS).astype(int)
+    win = torch.stack([block[i : i + LM_SEQ + 1] for i in starts])
+    return win[:, :-1].contiguous(), win[:, 1:].contiguous()
 
 
 def _lm_split(corpus: str) -> Split:
@@ -87,21 +111,23 @@ def _lm_split(corpus: str) -> Split:
 
     raw = torch.frombuffer(bytearray(text_bytes(corpus, max_bytes=LM_BYTES)), dtype=torch.uint8)
     data = raw.long()
-    cut = int(0.95 * len(data))
-    train, val = data[:cut], data[cut:]
-    # Fixed, evenly spaced validation windows over the held-out tail.
-    starts = np.linspace(0, len(val) - LM_SEQ - 2, LM_VAL_WINDOWS).astype(int)
-    win = torch.stack([val[i : i + LM_SEQ + 1] for i in starts])
-    return Split(train, torch.empty(0), win[:, :-1].contiguous(), win[:, 1:].contiguous())
+    # Contiguous blocks: train, then validation, then test (the test block is the tail).
+    n = len(data)
+    cut_val = int((1 - LM_VAL_FRACTION - LM_TEST_FRACTION) * n)
+    cut_test = int((1 - LM_TEST_FRACTION) * n)
+    train = data[:cut_val]
+    val_x, val_y = _windows(data[cut_val:cut_test])
+    test_x, test_y = _windows(data[cut_test:])
+    return Split(train, torch.empty(0), val_x, val_y, test_x, test_y)
 
 
-def _stratified(x: np.ndarray, y: np.ndarray, val_fraction: float = 0.2) -> tuple[np.ndarray, ...]:
+def _stratified(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Stratified 60 / 20 / 20 train / validation / test split (fixed seed)."""
     from sklearn.model_selection import train_test_split
 
-    out: tuple[np.ndarray, ...] = tuple(
-        train_test_split(x, y, test_size=val_fraction, random_state=SPLIT_SEED, stratify=y)
-    )
-    return out  # x_train, x_val, y_train, y_val
+    xt, xh, yt, yh = train_test_split(x, y, test_size=0.4, random_state=SPLIT_SEED, stratify=y)
+    xv, xs, yv, ys = train_test_split(xh, yh, test_size=0.5, random_state=SPLIT_SEED, stratify=yh)
+    return xt, xv, xs, yt, yv, ys
 
 
 def _bbc_split() -> Split:
@@ -113,13 +139,12 @@ def _bbc_split() -> Split:
     names = sorted({c for c, _ in docs})
     labels = np.array([names.index(c) for c, _ in docs])
     texts = [t.decode("utf-8", errors="replace") for _, t in docs]
-    xt, xv, yt, yv = _stratified(np.array(texts, dtype=object), labels)
+    xt, xv, xs, yt, yv, ys = _stratified(np.array(texts, dtype=object), labels)
     vec = TfidfVectorizer(max_features=BBC_FEATURES, sublinear_tf=True, stop_words="english")
     ftr = vec.fit_transform(list(xt)).toarray().astype(np.float32)  # fit on train only
     fva = vec.transform(list(xv)).toarray().astype(np.float32)
-    return Split(
-        torch.from_numpy(ftr), torch.from_numpy(yt), torch.from_numpy(fva), torch.from_numpy(yv)
-    )
+    fte = vec.transform(list(xs)).toarray().astype(np.float32)
+    return Split(*(torch.from_numpy(a) for a in (ftr, yt, fva, yv, fte, ys)))
 
 
 BBC_FEATURES = 2000
@@ -131,28 +156,30 @@ def _digits_split() -> Split:
 
     ds = load_digits()
     x = (ds.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    xt, xv, yt, yv = _stratified(x, ds.target.astype(np.int64))
-    return Split(
-        torch.from_numpy(xt), torch.from_numpy(yt), torch.from_numpy(xv), torch.from_numpy(yv)
-    )
+    xt, xv, xs, yt, yv, ys = _stratified(x, ds.target.astype(np.int64))
+    return Split(*(torch.from_numpy(a) for a in (xt, yt, xv, yv, xs, ys)))
 
 
-def lm_model_config() -> ModelConfig:
+def lm_model_config(large: bool = False) -> ModelConfig:
+    """The benchmark LM: d=64, 2 layers; ``large``: the training default's d=128, 4 layers."""
+    if large:
+        return ModelConfig(kind="llama", d_model=128, n_layers=4, n_heads=4, n_kv_heads=2)
     return ModelConfig(kind="llama", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
 
-def _lm(corpus: str, desc: str) -> Task:
+def _lm(corpus: str, desc: str, *, large: bool = False, steps: int = 150) -> Task:
     return Task(
-        name=corpus,
+        name=f"{corpus}-large" if large else corpus,
         kind="lm",
         description=desc,
-        steps=150,
+        steps=steps,
         quick_steps=4,
         batch_size=16,
-        eval_every=15,
+        eval_every=max(1, steps // 10),
         load=lambda: _lm_split(corpus),
-        model=lambda: LlamaLM(lm_model_config(), LM_SEQ),
+        model=lambda: LlamaLM(lm_model_config(large), LM_SEQ),
         seq_len=LM_SEQ,
+        data=corpus,
     )
 
 
@@ -161,6 +188,13 @@ TASKS: dict[str, Task] = {
     for t in (
         _lm("stdlib", "byte-level Llama LM (d=64, 2 layers, GQA) on CPython stdlib source"),
         _lm("kjv", "byte-level Llama LM (d=64, 2 layers, GQA) on the King James Bible"),
+        _lm(
+            "stdlib",
+            "byte-level Llama LM (d=128, 4 layers, GQA: the training default's model) on "
+            "CPython stdlib source",
+            large=True,
+            steps=200,
+        ),
         Task(
             name="bbc",
             kind="classify",
@@ -188,9 +222,14 @@ TASKS: dict[str, Task] = {
 
 
 @cache
+def _load_data(data: str) -> Split:
+    return next(t for t in TASKS.values() if (t.data or t.name) == data).load()
+
+
 def load_task_data(name: str) -> Split:
-    """A task's split, loaded once per process."""
-    return TASKS[name].load()
+    """A task's split, loaded once per process (tasks on the same data share it)."""
+    t = TASKS[name]
+    return _load_data(t.data or t.name)
 
 
 def task(name: str) -> Task:

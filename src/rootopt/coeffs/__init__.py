@@ -48,6 +48,7 @@ def _adanewton(rows: int, cols: int, steps: int) -> Schedule:
 
 register_provider("official", official_schedule)
 register_provider("adanewton", _adanewton)
+register_provider("adanewton-static", _adanewton)
 
 
 def _shape_free(cset: CoefficientSet) -> CoefficientProvider:
@@ -128,6 +129,18 @@ def resolve_record(
     key = (m, n, steps, dtype)
     if spec == "adanewton":
         return lookup(rows, cols, steps, dtype=dtype)
+    if spec == "adanewton-static":
+        # The same per-shape schedule without the per-matrix selector (docs/adanewton.md):
+        # the ablation that tells what the selector adds in training.
+        from dataclasses import replace
+
+        res = lookup(rows, cols, steps, dtype=dtype)
+        return replace(
+            res,
+            source="adanewton-static",
+            detail=f"{res.source}, no per-matrix selector",
+            selector=None,
+        )
     sched = resolve(spec, rows, cols, steps)
     what = _describe(spec)
     if isinstance(spec, str) and spec in FAITHFUL:

@@ -2,7 +2,9 @@
 
 Suites: ``convergence`` (lr sweep + seeds, steps to target), ``lr-robustness`` (final loss over
 the lr grid; reuses the convergence runs), ``robustness`` (injected gradient corruption and lr
-×3/×10), ``overhead`` (step time, optimizer memory, orthogonalization GFLOP/s), ``all``.
+×3/×10), ``overhead`` (step time, optimizer memory, orthogonalization GFLOP/s), ``all``;
+``study``: the defaults study (preregistered protocol in docs/benchmarks.md; writes
+``study.json`` and ``study.md``; resumable like the others).
 Writes ``runs/*.json`` (one per run; finished runs are reused on a rerun), ``results.json``,
 ``report.md`` and ``bench_*.png`` into ``--out``.
 """
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SUITES = ("convergence", "lr-robustness", "robustness", "overhead", "all")
+SUITES = ("convergence", "lr-robustness", "robustness", "overhead", "all", "study")
 MANIFEST = "bench-manifest.json"
 
 
@@ -104,7 +106,11 @@ def run(argv: list[str]) -> int:
     from rootopt.bench.tasks import TASKS
     from rootopt.optim.registry import REGISTRY
 
-    tasks = _pick(args.tasks, list(TASKS), "task")
+    if args.suite == "study":
+        return _study(args, argv)
+    from rootopt.bench.suites import DEFAULT_TASKS
+
+    tasks = _pick(args.tasks, list(TASKS), "task") if args.tasks else list(DEFAULT_TASKS)
     opts = _pick(args.optimizers, list(REGISTRY), "optimizer")
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1; got {args.workers}")
@@ -152,6 +158,69 @@ def run(argv: list[str]) -> int:
         f"rootopt bench {s}: wrote {res_path}, {out / 'report.md'} and {len(plots)} plots "
         f"in {time.perf_counter() - t0:.0f} s"
     )
+    return 0
+
+
+def _git_commit() -> dict[str, Any]:
+    """The commit of the rootopt source tree being run, and whether it has local changes."""
+    import subprocess
+
+    src = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def _study(args: argparse.Namespace, argv: list[str]) -> int:
+    from rootopt._atomic import atomic_write
+    from rootopt.bench import study, study_report
+
+    if args.tasks or args.optimizers or args.seeds:
+        raise UserError(
+            "the study's tasks, optimizers and seeds are its protocol; drop those flags"
+        )
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1; got {args.workers}")
+    out = Path(args.out)
+    _claim_out(out)
+    proto = study.Protocol.quick() if args.quick else study.Protocol.full()
+    log_path = out / "study-log.jsonl"
+    started = time.time()
+    entry = {
+        **_meta(args, argv),
+        **_git_commit(),
+        "start": started,
+        "compute": not args.finished_only,
+    }
+    w = study.run_study(
+        proto,
+        out,
+        workers=args.workers,
+        compute=not args.finished_only,
+        progress=not args.no_progress,
+    )
+    entry["end"] = time.time()
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+    sessions = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    meta = study_report.provenance(sessions, out)
+    summary = study.summarize(w, meta)
+    atomic_write(out / "study.json", json.dumps(summary, indent=1).encode())
+    atomic_write(out / "study.md", study_report.markdown(summary).encode())
+    state = "complete" if w.complete else f"{len(w.jobs)} jobs still needed"
+    print(f"rootopt bench study: {state}; wrote {out / 'study.json'} and {out / 'study.md'}")
     return 0
 
 
