@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default="bench-results", help="output directory (default bench-results)"
     )
     p.add_argument("--quick", action="store_true", help="tiny pipeline smoke test (~2 min)")
+    p.add_argument(
+        "--protocol",
+        choices=("full", "reduced"),
+        default="full",
+        help="study only: the preregistered protocol, or its four-cell reduction "
+        "(docs/benchmarks.md, 'What ran')",
+    )
     p.add_argument("--tasks", default="", help="comma-separated subset of tasks")
     p.add_argument("--optimizers", default="", help="comma-separated subset of optimizers")
     p.add_argument("--seeds", type=int, default=0, help="seeds at the best lr (default 3; quick 1)")
@@ -195,7 +202,9 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--workers must be >= 1; got {args.workers}")
     out = Path(args.out)
     _claim_out(out)
-    proto = study.Protocol.quick() if args.quick else study.Protocol.full()
+    proto = {"full": study.Protocol.full, "reduced": study.Protocol.reduced}[args.protocol]()
+    if args.quick:
+        proto = study.Protocol.quick()
     log_path = out / "study-log.jsonl"
     started = time.time()
     entry = {
