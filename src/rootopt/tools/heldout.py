@@ -273,7 +273,7 @@ def record_task(name: str, *, seed: int, capture: Sequence[int]) -> dict[str, An
     task, data_key = task_of(name)
     data = load_task_data(data_key)
     steps = max(capture)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
     model = task.model()
     lr = REGISTRY["root"].lr
@@ -316,6 +316,7 @@ def record_task(name: str, *, seed: int, capture: Sequence[int]) -> dict[str, An
             final_loss=losses[-1],
             loss_at_capture={str(s): losses[s - 1] for s in capture},
             record_s=time.perf_counter() - t0,
+            record_cpu_s=time.process_time() - c0,
             torch=str(torch.__version__),
             code_version=_git_version(),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -439,21 +440,42 @@ def optimizer_path(name: str, dtype: str, rows: int, cols: int) -> NSPath:
     return NSPath(opt._schedule(group, rows, cols), select, opt._gram(group), True, res.describe())
 
 
-def directions(B: Tensor, name: str, dtype: str) -> Tensor:
+def directions(B: Tensor, name: str, dtype: str, spiky: list[bool] | None = None) -> Tensor:
     """Schedule ``name``'s K-step Newton–Schulz result for the stack ``B`` (``(n, rows,
     cols)``), iterated in ``dtype`` by the optimizer's own call; float32 as the optimizer
-    returns it (values of a bfloat16 iteration stay bfloat16 numbers)."""
+    returns it (values of a bfloat16 iteration stay bfloat16 numbers).
+
+    ``spiky``: when given (and the path has a selector), the selector's decision for each
+    matrix is appended, read off the coefficients it returned (the spiky schedule's steps
+    2..K), which pass to the iteration unchanged."""
     from rootopt.optim.functional import orthogonal_direction
 
     path = optimizer_path(name, dtype, B.size(-2), B.size(-1))
+    select = path.select
+    if select is not None and spiky is not None:
+        inner = select
+
+        def select(A: Tensor) -> Tensor:
+            C: Tensor = inner(A)
+            tail = torch.tensor(inner.spiky[1:], dtype=C.dtype, device=C.device)
+            spiky.extend(bool(v) for v in (C[1:] == tail[:, None, :]).all(dim=2).all(dim=0))
+            return C
+
     return orthogonal_direction(
         B,
         path.schedule,
         method="newton_schulz",
         dtype=_TORCH_DTYPES[dtype],
         gram=path.gram,
-        select=path.select,
+        select=select,
     )
+
+
+def gram_statistic(B: Tensor) -> float:
+    """``m·s``, ``s = ||X₀X₀ᵀ||_F² = Σσ⁴/(Σσ²)²``, in float64: the statistic of the
+    selector's bfloat16 rule (spiky above its τ; docs/adanewton.md)."""
+    S2 = torch.linalg.svdvals(B.double()).square()
+    return float(min(B.shape) * S2.square().sum() / S2.sum().square())
 
 
 def polar_reference(B: Tensor) -> tuple[Tensor, int]:
@@ -483,10 +505,12 @@ def evaluate(
             B: Tensor = st["B"]
             errs: dict[str, dict[str, list[float]]] = {}
             refs = [polar_reference(b) for b in B]
+            picks: dict[str, list[bool]] = {}
             for dtype in DTYPES:
                 errs[dtype] = {}
+                picks[dtype] = []
                 for name in names:
-                    X = directions(B, name, dtype)
+                    X = directions(B, name, dtype, picks[dtype] if name == "adanewton" else None)
                     if name == "adanewton" and dtype == "float32":
                         stacks += 1
                         same += int(torch.equal(X, st["U"]))
@@ -494,6 +518,8 @@ def evaluate(
                     errs[dtype][name] = [
                         relative_error(x, P) for x, (P, _) in zip(X, refs, strict=True)
                     ]
+            if any(len(p) != B.size(0) for p in picks.values()):
+                raise RuntimeError("AdaNewton's selector was not called once per matrix")
             for i, pname in enumerate(st["names"]):
                 rows_out.append(
                     dict(
@@ -503,6 +529,8 @@ def evaluate(
                         rows=st["rows"],
                         cols=st["cols"],
                         rank=refs[i][1],
+                        ms=gram_statistic(B[i]),
+                        spiky={d: picks[d][i] for d in DTYPES},
                         err={d: {n: errs[d][n][i] for n in names} for d in DTYPES},
                     )
                 )
@@ -572,6 +600,8 @@ def summarize(
                     shape=shape,
                     layers=layers,
                     n=len(ms),
+                    spiky=sum(m["spiky"][dtype] for m in ms),
+                    ms_median=_median([m["ms"] for m in ms]),
                     stats=stats,
                     best_median=best_med,
                     ratio_median=stats["adanewton"]["median"] / stats[best_med]["median"],
@@ -600,7 +630,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
         rows = [g for g in summary["groups"] if g["dtype"] == dtype]
         if not rows:
             continue
-        head = ["task", "shape", "layers", "n"] + [LABELS[n] for n in names]
+        head = ["task", "shape", "layers", "n", "spiky"] + [LABELS[n] for n in names]
         head += ["ratio (median)", "ratio (worst)", f"≤ {TARGET}× per matrix"]
         out.append(f"**{dtype} iterations** (median / worst relative polar error):\n")
         out.append("| " + " | ".join(head) + " |")
@@ -611,6 +641,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
                 g["shape"].replace("x", "×"),
                 ", ".join(g["layers"]),
                 str(g["n"]),
+                str(g["spiky"]),
             ]
             for n in names:
                 s = g["stats"][n]
@@ -694,7 +725,16 @@ def run(
             recordings={
                 r["task"]: {
                     k: r["provenance"][k]
-                    for k in ("steps", "lr", "first_loss", "final_loss", "record_s", "code_version")
+                    for k in (
+                        "steps",
+                        "lr",
+                        "first_loss",
+                        "final_loss",
+                        "record_s",
+                        "record_cpu_s",
+                        "code_version",
+                    )
+                    if k in r["provenance"]
                 }
                 for r in recs
             },
@@ -712,12 +752,17 @@ def run(
         published=[p for p in PUBLISHED if p in names],
         target=TARGET,
         certified=certified,
+        # None of these shapes is in the paper's table: "official" is Muon's tuple.
+        official_equals_muon=all(
+            m["err"][d].get("official") == m["err"][d].get("muon") for m in matrices for d in DTYPES
+        ),
         adanewton_resolutions=resolutions,
         optimizer_check=check,
         groups=groups,
         matrices=[
             {
                 **m,
+                "ms": float(f"{m['ms']:.4g}"),
                 "err": {
                     d: {n: float(f"{v:.4g}") for n, v in e.items()} for d, e in m["err"].items()
                 },
@@ -725,6 +770,13 @@ def run(
             for m in matrices
         ],
     )
+
+
+def dumps_summary(summary: dict[str, Any]) -> str:
+    """The summary as JSON: indented, one line per matrix (about 90 KB for the default run)."""
+    body = {k: v for k, v in summary.items() if k != "matrices"}
+    rows = ",\n".join("  " + json.dumps(m, separators=(",", ":")) for m in summary["matrices"])
+    return json.dumps(body, indent=1)[:-2] + ',\n "matrices": [\n' + rows + "\n ]\n}\n"
 
 
 def _steps(text: str) -> tuple[int, ...]:
@@ -781,7 +833,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rootopt._threads import one_thread
 
     command = "rootopt coeffs heldout " + " ".join(argv if argv is not None else sys.argv[1:])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         with one_thread():
             summary = run(
@@ -791,6 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rootopt coeffs heldout: {exc}", file=sys.stderr)
         return 2
     summary["provenance"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    summary["provenance"]["cpu_s"] = round(time.process_time() - c0, 1)
     text = render_markdown(summary)
     print(text)
     chk = summary["optimizer_check"]
@@ -801,7 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if a.json is not None:
         with open(a.json, "x", encoding="utf-8") as fh:  # never replaces a file
-            fh.write(json.dumps(summary, indent=1) + "\n")
+            fh.write(dumps_summary(summary))
     if a.markdown is not None:
         with open(a.markdown, "x", encoding="utf-8") as fh:
             fh.write(text)
