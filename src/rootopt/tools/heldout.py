@@ -347,7 +347,10 @@ def _save_new(path: Path, obj: dict[str, Any]) -> None:
     os.close(fd)
     try:
         torch.save(obj, tmp)
-        os.link(tmp, path)  # fails if path exists: never overwrites
+        try:
+            os.link(tmp, path)  # fails if path exists: never overwrites
+        except FileExistsError:
+            raise HeldoutError(f"{path} appeared while recording; left untouched") from None
     finally:
         Path(tmp).unlink(missing_ok=True)
 
