@@ -8,10 +8,13 @@ Subcommands::
     rootopt coeffs families [--steps 5] [--json FILE]
     rootopt coeffs build-table [--shape 2048x8192 ...]
     rootopt coeffs record [--steps 300]
+    rootopt coeffs heldout [--out DIR] [--seed 9001] [--json FILE]
 
 Fitting is offline and explicit (``fit``, ``build-table``; the tools live in
 :mod:`rootopt.tools`). The optimizer itself only reads the shipped table and certifies
-what it resolves; ``show`` prints exactly what it would resolve for a shape.
+what it resolves; ``show`` prints exactly what it would resolve for a shape. ``heldout``
+records matrices from short ROOT training runs and measures every schedule's polar error on
+them through the optimizer's own Newton–Schulz path (docs/adanewton.md).
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def main(argv: list[str]) -> int:
         "show": cmd_show,
     }
     usage = (
-        "usage: rootopt coeffs {fit,show,bench,families,build-table,record} [options]  (-h on each)"
+        "usage: rootopt coeffs {fit,show,bench,families,build-table,record,heldout} [options]"
+        "  (-h on each)"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -172,6 +176,7 @@ def main(argv: list[str]) -> int:
         "families": "rootopt.tools.families",
         "build-table": "rootopt.tools.build",
         "record": "rootopt.tools.record",
+        "heldout": "rootopt.tools.heldout",
     }
     if sub in tools:
         import importlib

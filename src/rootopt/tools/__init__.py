@@ -2,8 +2,9 @@
 
 The fitter (:mod:`rootopt.tools.fit`), the spectrum families (:mod:`rootopt.tools.spectra`),
 the table builder (:mod:`rootopt.tools.build`), the user cache with its file lock
-(:mod:`rootopt.tools.fitcache`), the momentum-spectrum recorder (:mod:`rootopt.tools.record`)
-and the coefficient bench (:mod:`rootopt.tools.bench`). ``rootopt coeffs ...`` runs them.
+(:mod:`rootopt.tools.fitcache`), the momentum-spectrum recorder (:mod:`rootopt.tools.record`),
+the coefficient bench (:mod:`rootopt.tools.bench`) and the held-out evaluation on matrices
+recorded from training (:mod:`rootopt.tools.heldout`). ``rootopt coeffs ...`` runs them.
 
 Nothing in the runtime (``import rootopt``, the optimizer, its ``step()``) imports this
 package: the runtime reads the shipped table and certifies schedules
