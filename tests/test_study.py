@@ -302,3 +302,33 @@ def test_selection_runs_evaluate_only_at_the_end_with_the_same_losses(tmp_path: 
     assert [e["step"] for e in rep["evals"]] == [0, 20, 40]
     for key in ("final_val_loss", "final_test_loss", "train_loss"):
         assert sel[key] == rep[key]
+
+
+def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> None:
+    """A session logs at its start, so a kill (or a reboot) leaves its commit and command on
+    record; its end is the last result it wrote before the next session started."""
+    from rootopt.bench.study_report import provenance, read_sessions
+
+    out = tmp_path / "study"
+    (out / "runs").mkdir(parents=True)
+    (out / "timing").mkdir()
+    base = {"command": "rootopt bench study", "machine": "m", "compute": True}
+    a = {**base, "commit": "aaa", "session": "a", "start": 1000.0, "end": None}
+    b = {**base, "commit": "bbb", "session": "b", "start": 5000.0, "end": None}
+    log = out / "study-log.jsonl"
+    # a was killed (start entry only); b finished (its end entry follows); one torn line
+    lines = [json.dumps(a), json.dumps(b), '{"torn', json.dumps({**b, "end": 6000.0})]
+    log.write_text("\n".join(lines) + "\n")
+    for name, t, wall in (("r1", 1500.0, 10.0), ("r2", 2500.0, 20.0), ("r3", 5500.0, 5.0)):
+        f = out / "runs" / f"{name}.json"
+        f.write_text(json.dumps({"run_id": name, "wall_s": wall}))
+        os.utime(f, (t, t))
+    sessions = read_sessions(log)
+    assert len(sessions) == 2
+    assert [s["end"] for s in sessions] == [None, 6000.0]
+    meta = provenance(sessions, out)
+    assert meta["commits"] == ["aaa", "bbb"]
+    assert meta["sessions stopped before their end"] == 1
+    # a: 1000 → 2500 (its last run), b: 5000 → 6000
+    assert meta["wall_s"] == 1500 + 1000
+    assert meta["runs"] == 3 and meta["run_s (sum over runs)"] == 35

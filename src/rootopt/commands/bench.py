@@ -210,9 +210,19 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
     entry = {
         **_meta(args, argv),
         **_git_commit(),
+        "session": f"{started:.6f}-{os.getpid()}",
         "start": started,
+        "end": None,
         "compute": not args.finished_only,
     }
+
+    def log(e: dict[str, Any]) -> None:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(e) + "\n")
+
+    # Logged at the start too, so that a session killed before its end (a reboot, a kill) is
+    # still on record with its commit; the end entry of the same session completes it.
+    log(entry)
     w = study.run_study(
         proto,
         out,
@@ -220,11 +230,8 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
         compute=not args.finished_only,
         progress=not args.no_progress,
     )
-    entry["end"] = time.time()
-    with open(log_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(entry) + "\n")
-    sessions = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    meta = study_report.provenance(sessions, out)
+    log({**entry, "end": time.time()})
+    meta = study_report.provenance(study_report.read_sessions(log_path), out)
     summary = study.summarize(w, meta)
     atomic_write(out / "study.json", json.dumps(summary, indent=1).encode())
     atomic_write(out / "study.md", study_report.markdown(summary).encode())
