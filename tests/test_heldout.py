@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+import rootopt
 from rootopt import ROOT
 from rootopt.coeffs.presets import NAMED_SETS
 from rootopt.optim.functional import clip_outliers
@@ -171,13 +172,35 @@ def test_adanewton_path_equals_the_optimizer_step(ns_dtype):
     assert not torch.allclose(plain[0], steps[0], atol=1e-2)
 
 
-def test_wrapper_is_removed_after_capture():
-    from rootopt.optim import root as root_module
+def test_adanewton_path_equals_orthogonalize_and_static_equals_plain():
+    """The evaluator's AdaNewton is ``rootopt.orthogonalize``'s (the same per-matrix
+    selector); ``adanewton-static``, where offered, is AdaNewton's schedule without it."""
+    B = torch.stack([_spiky(24, 70, 12), _gaussian(24, 70, 13)])
+    for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        want = rootopt.orthogonalize(B, coefficients="adanewton", dtype=torch_dtype)
+        assert torch.equal(ho.directions(B, "adanewton", dtype), want.float())
+        plain = ho.directions(B, "adanewton-plain", dtype)
+        assert not torch.allclose(plain[0], want[0].float(), atol=1e-2)
+        if "adanewton-static" in ho.schedules():
+            assert torch.equal(ho.directions(B, "adanewton-static", dtype), plain)
 
-    before = root_module.orthogonal_direction
+
+def test_wrapper_is_removed_after_capture():
+    from rootopt.optim import functional
+
+    before = functional.direction
     with pytest.raises(RuntimeError, match="boom"), ho.ns_inputs([]):
+        assert functional.direction is not before
         raise RuntimeError("boom")
-    assert root_module.orthogonal_direction is before
+    assert functional.direction is before
+
+
+def test_recorder_fails_loudly_when_the_core_call_is_gone(monkeypatch):
+    from rootopt.optim import functional
+
+    monkeypatch.delattr(functional, "direction")
+    with pytest.raises(RuntimeError, match="must follow the optimizer's step"), ho.ns_inputs([]):
+        pass
 
 
 # ----------------------------------------------------------------------------- recorder

@@ -14,16 +14,17 @@ tool measures the schedules on data none of that saw:
    optimizer is the registry's ``root`` (ROOT at its defaults) with the bench runner's lr
    protocol. At the capture steps, every matrix that enters Newton–Schulz is captured as
    the optimizer passes it — the clipped Nesterov momentum ``B``, full matrices, together
-   with the direction the optimizer computed from it — by wrapping the call for the
-   duration of those steps. The runs are stored under ``--out`` (a cache directory by
+   with the direction the optimizer computed from it — by wrapping the one
+   orthogonalization call of ROOT's functional core (``rootopt.ortho.direction`` as
+   ``root_direction`` calls it) for the duration of those steps. The runs are stored under ``--out`` (a cache directory by
    default, never the repository).
 2. **Evaluate.** For every captured matrix, every schedule's relative polar error
    ``||X_K − UVᵀ||_F / ||UVᵀ||_F`` after K=5 steps, ``UVᵀ`` from a float64 SVD, with the
    iteration run for real in float32 and in bfloat16. Each schedule goes through the
    optimizer's own path: a ROOT built for that shape, ``ns_coefficients`` and ``ns_dtype``
-   resolves the schedule and the per-matrix selector (``_schedule``/``_selector``), and the
-   same ``orthogonal_direction`` call as ``ROOT._root_batched`` runs it on the stack of
-   matrices the optimizer stacked. For AdaNewton in float32 this reproduces the directions
+   resolves the schedule and the per-matrix selector as its step does (the group's
+   ``coefficients_for`` lookup and ``root_options``), and the core's ``root_direction``
+   runs them (without a second clip) on the stack of matrices the optimizer stacked. For AdaNewton in float32 this reproduces the directions
    recorded during training (checked, stack by stack).
 3. **Report.** Per task and shape and per dtype: median and worst error of each schedule
    and AdaNewton's ratio to the best published schedule (Muon, You, Polar Express, CANS),
@@ -49,12 +50,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from rootopt.tools import new_file
+
+if TYPE_CHECKING:
+    from rootopt.optim.functional import OrthoMethod
 
 RECORD_FORMAT = "rootopt.heldout_matrices/1"
 SUMMARY_FORMAT = "rootopt.heldout_summary/1"
@@ -138,52 +142,62 @@ def task_of(name: str) -> tuple[Any, str]:
 
 @contextmanager
 def ns_inputs(calls: list[tuple[Tensor, Tensor]]) -> Iterator[None]:
-    """While active, every ``orthogonal_direction`` call of :class:`rootopt.ROOT`'s batched
-    step appends ``(B, U)`` (copies of its input stack and of its result) to ``calls``.
+    """While active, every orthogonalization of ROOT's update — the one
+    :func:`rootopt.ortho.direction` call of :mod:`rootopt.optim.functional`, which
+    ``root_direction`` makes on each clipped stack for every path (stacked, reference,
+    distributed) — appends ``(B, U)`` (copies of its input stack and of its result, the
+    latter in float32) to ``calls``.
 
     The wrapper passes arguments and result through unchanged, so the step is the
-    optimizer's own; it is removed on exit."""
-    from rootopt.optim import root as root_module
+    optimizer's own; it is removed on exit. The core's telemetry hook is not used: it
+    hands over the momentum before the clip, not the matrix Newton–Schulz receives."""
+    from rootopt.optim import functional
 
-    original = getattr(root_module, "orthogonal_direction", None)
+    original = getattr(functional, "direction", None)
     if original is None:
         raise RuntimeError(
-            "rootopt.optim.root no longer calls orthogonal_direction; the held-out recorder "
+            "rootopt.optim.functional no longer calls direction; the held-out recorder "
             "must follow the optimizer's step"
         )
 
-    def spy(B: Tensor, schedule: Any, **kw: Any) -> Tensor:
-        U: Tensor = original(B, schedule, **kw)
-        calls.append((B.detach().clone(), U.detach().clone()))
+    def spy(B: Tensor, *args: Any, **kw: Any) -> Tensor:
+        kept = B.detach().clone()  # before the call: what entered the iteration
+        U: Tensor = original(B, *args, **kw)
+        calls.append((kept, U.detach().to(torch.float32, copy=True)))
         return U
 
-    root_module.orthogonal_direction = spy  # type: ignore[attr-defined]
+    functional.direction = spy  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        root_module.orthogonal_direction = original  # type: ignore[attr-defined]
+        functional.direction = original  # type: ignore[attr-defined]
 
 
 def expected_stacks(
     opt: torch.optim.Optimizer, names: dict[int, str]
 ) -> list[tuple[int, int, list[tuple[str, int]]]]:
     """The stacks one step of ``opt`` hands to Newton–Schulz, in call order:
-    ``(rows, cols, [(parameter name, matrices), ...])``, following ``ROOT._root_batched``
-    (groups in order; within a group, shapes in order of first appearance)."""
+    ``(rows, cols, [(parameter name, matrices), ...])``, following the stacked path of
+    :func:`rootopt.optim.functional._multi_tensor_root` (groups in order; within a group,
+    one stack per shape and state dtype in order of first appearance, which the core may
+    cut into consecutive buckets)."""
     from rootopt.optim.functional import matrix_view
-    from rootopt.optim.root import algorithm_of
+    from rootopt.optim.root import algorithm_of, state_dtype
 
+    if getattr(opt, "compile_step", False):
+        raise HeldoutError("the recorder follows ROOT's eager step only (compile_step off)")
     out: list[tuple[int, int, list[tuple[str, int]]]] = []
     for group in opt.param_groups:
-        by_shape: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        by_key: dict[tuple[int, int, torch.dtype], list[tuple[str, int]]] = {}
         for p in group["params"]:
             if p.grad is None or p.numel() == 0 or algorithm_of(group, p) != "root":
                 continue
             if not group["batched"] or group.get("ns_split") or group["robust_scaling"]:
                 raise HeldoutError("the recorder follows ROOT's default batched step only")
             view = matrix_view(p.shape, group["nd_view"])
-            by_shape.setdefault((view.rows, view.cols), []).append((names[id(p)], view.batch))
-        out += [(r, c, items) for (r, c), items in by_shape.items()]
+            key = (view.rows, view.cols, state_dtype(p))
+            by_key.setdefault(key, []).append((names[id(p)], view.batch))
+        out += [(r, c, items) for (r, c, _), items in by_key.items()]
     return out
 
 
@@ -410,10 +424,12 @@ def schedules() -> list[str]:
 
 
 class NSPath(NamedTuple):
-    """What ``ROOT._root_batched`` hands to ``orthogonal_direction`` for one shape."""
+    """What ROOT's stacked step hands to ``root_direction`` for one shape."""
 
     schedule: Any
     select: Any  # a GramSelector, or None
+    method: OrthoMethod
+    dtype: torch.dtype  # the iteration dtype
     gram: bool | None
     certified: bool  # False: the optimizer refuses it; run as published
     resolved: str  # where the schedule came from (Resolution.describe())
@@ -421,37 +437,50 @@ class NSPath(NamedTuple):
 
 @cache
 def optimizer_path(name: str, dtype: str, rows: int, cols: int) -> NSPath:
-    """The Newton–Schulz call of a ROOT with ``ns_coefficients=name`` and ``ns_dtype=dtype``
-    (other options at their defaults) for a ``rows x cols`` matrix, read from a ROOT built
-    for it (``_schedule``, ``_selector``, ``_gram``). ``adanewton-plain`` is AdaNewton's
-    schedule with ``select=None``. A published schedule the optimizer refuses for this
-    dtype (CANS in bfloat16 fails the certificate) is run as published, ``certified=False``."""
+    """The orthogonalization of a ROOT with ``ns_coefficients=name`` and ``ns_dtype=dtype``
+    (other options at their defaults) for a ``rows x cols`` matrix, obtained as its step
+    obtains it: a ROOT built for that matrix, the group's options as the update sees them
+    (``root_options``) and the group's ``(rows, cols) -> (schedule, selector)`` lookup
+    (``coefficients_for``). ``adanewton-plain`` is AdaNewton's schedule with
+    ``select=None``. A published schedule the optimizer refuses for this dtype (CANS in
+    bfloat16 fails the certificate) is run as published, ``certified=False``."""
     from rootopt import ROOT
     from rootopt.coeffs import CoefficientError
     from rootopt.coeffs.presets import NAMED_SETS
+    from rootopt.optim._coefficients import coefficients_for
+    from rootopt.optim._options import _lr, root_options
 
     spec = "adanewton" if name == "adanewton-plain" else name
+    cpu = torch.device("cpu")
     try:
         opt = ROOT([torch.zeros(rows, cols)], ns_coefficients=spec, ns_dtype=dtype, ns_steps=K)
     except CoefficientError as exc:
         if spec not in NAMED_SETS:
             raise
-        return NSPath(NAMED_SETS[spec].schedule(K), None, None, False, f"refused: {exc}")
+        return NSPath(
+            NAMED_SETS[spec].schedule(K), None, "newton_schulz", _TORCH_DTYPES[dtype], None,
+            False, f"refused: {exc}",
+        )  # fmt: skip
     group = opt.param_groups[0]
-    select = None if name == "adanewton-plain" else opt._selector(group, rows, cols)
+    o = root_options(group, cpu, _lr(group))
+    schedule, select = coefficients_for(opt._coeffs, group, cpu)(rows, cols)
     (res,) = opt.coefficient_resolutions()
-    return NSPath(opt._schedule(group, rows, cols), select, opt._gram(group), True, res.describe())
+    if name == "adanewton-plain":
+        select = None
+    return NSPath(schedule, select, o.method, o.ns_dtype, o.gram, True, res.describe())
 
 
 def directions(B: Tensor, name: str, dtype: str, spiky: list[bool] | None = None) -> Tensor:
     """Schedule ``name``'s K-step Newton–Schulz result for the stack ``B`` (``(n, rows,
-    cols)``), iterated in ``dtype`` by the optimizer's own call; float32 as the optimizer
-    returns it (values of a bfloat16 iteration stay bfloat16 numbers).
+    cols)``, already clipped), iterated in ``dtype`` by the optimizer's own call
+    (``root_direction`` with the schedule, selector and options of
+    :func:`optimizer_path`; no second clip), in float32 (the values of a bfloat16
+    iteration stay bfloat16 numbers, as the step adds them to the parameters).
 
     ``spiky``: when given (and the path has a selector), the selector's decision for each
     matrix is appended, read off the coefficients it returned (the spiky schedule's steps
     2..K), which pass to the iteration unchanged."""
-    from rootopt.optim.functional import orthogonal_direction
+    from rootopt.optim.functional import root_direction
 
     path = optimizer_path(name, dtype, B.size(-2), B.size(-1))
     select = path.select
@@ -464,14 +493,16 @@ def directions(B: Tensor, name: str, dtype: str, spiky: list[bool] | None = None
             spiky.extend(bool(v) for v in (C[1:] == tail[:, None, :]).all(dim=2).all(dim=0))
             return C
 
-    return orthogonal_direction(
+    U = root_direction(
         B,
         path.schedule,
-        method="newton_schulz",
-        dtype=_TORCH_DTYPES[dtype],
-        gram=path.gram,
         select=select,
+        quantile=None,  # B is the clipped matrix the step orthogonalized
+        method=path.method,
+        dtype=path.dtype,
+        gram=path.gram,
     )
+    return U.float()
 
 
 def gram_statistic(B: Tensor) -> float:
