@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 TINY = [
     "model.d_model=32",
@@ -39,3 +46,68 @@ def final_params(run_dir: Path) -> dict[str, object]:
     found, _ = checkpoint.newest_valid(run_dir / "checkpoints")
     assert found is not None
     return found.state
+
+
+def torchrun_env() -> dict[str, str]:
+    """This environment for a torchrun launch: our src first, one thread per process, no
+    rendezvous variables inherited from an outer launcher."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def torchrun_cmd(n: int, run: Path, data: Path, over: list[str], *launcher: str) -> list[str]:
+    # --standalone: a rendezvous on localhost with a free port chosen by torchrun
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *([] if any(a.startswith("--nnodes") for a in launcher) else ["--standalone"]),
+        f"--nproc_per_node={n}",
+        *launcher,
+        "-m",
+        "rootopt.train",
+        "--data_path",
+        str(data),
+        "--log_dir",
+        str(run),
+        *over,
+    ]
+
+
+def torchrun(
+    n: int, run: Path, data: Path, over: list[str], *launcher: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """One torchrun launch; on timeout its whole session is killed (no orphan workers)."""
+    proc = subprocess.Popen(
+        torchrun_cmd(n, run, data, over, *launcher),
+        env=torchrun_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc)
+        raise
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_session(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the launcher's whole session (orphaned workers would otherwise linger)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def logged_losses(run: Path) -> dict[int, float]:
+    """step -> training loss, from the run's metrics.jsonl."""
+    from rootopt.monitor import read_jsonl
+
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}

@@ -7,7 +7,6 @@ one set of launches to keep the default suite's time budget.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,16 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from _train_fixtures import TINY, prepare_tiny
+from _train_fixtures import (
+    TINY,
+    kill_session,
+    logged_losses,
+    prepare_tiny,
+    torchrun,
+    torchrun_cmd,
+    torchrun_env,
+)
 from rootopt.config import load_config
-from rootopt.monitor import read_jsonl
 from rootopt.train import train
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
 )
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 STEPS = 12
 # constant lr after warmup: a run stopped at step s and continued to STEPS follows the
 # same schedule as an uninterrupted one (cosine would depend on run.max_steps)
@@ -44,59 +49,6 @@ CFG = [
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_tiny(tmp_path_factory.mktemp("dist-shards") / "d")
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
-def _cmd(n: int, run: Path, data: Path, over: list[str], *launcher: str) -> list[str]:
-    # --standalone: a rendezvous on localhost with a free port chosen by torchrun
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *([] if any(a.startswith("--nnodes") for a in launcher) else ["--standalone"]),
-        f"--nproc_per_node={n}",
-        *launcher,
-        "-m",
-        "rootopt.train",
-        "--data_path",
-        str(data),
-        "--log_dir",
-        str(run),
-        *over,
-    ]
-
-
-def _torchrun(
-    n: int, run: Path, data: Path, over: list[str], *launcher: str, timeout: float = 180
-) -> subprocess.CompletedProcess[str]:
-    """One torchrun launch; on timeout its whole session is killed (no orphan workers)."""
-    proc = subprocess.Popen(
-        _cmd(n, run, data, over, *launcher),
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        raise
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
 
 
 def _model(run: Path) -> dict[str, torch.Tensor]:
@@ -143,7 +95,7 @@ def test_world_sizes_1_2_3_fsdp_and_resharded_resume_agree(shards: Path, tmp_pat
     equals the uninterrupted one step for step."""
     ref = tmp_path / "w1"
     _one_process(ref, shards, CFG)
-    base_losses, base_model = _losses(ref), _model(ref)
+    base_losses, base_model = logged_losses(ref), _model(ref)
     assert len(set(base_losses.values())) == STEPS  # the model trains: losses change
     assert base_losses[STEPS] < base_losses[1] - 0.5
 
@@ -153,23 +105,23 @@ def test_world_sizes_1_2_3_fsdp_and_resharded_resume_agree(shards: Path, tmp_pat
         "fsdp2": (2, ["distributed.parallel=fsdp"]),
     }
     for name, (n, extra) in runs.items():
-        out = _torchrun(n, tmp_path / name, shards, [*CFG, *extra])
+        out = torchrun(n, tmp_path / name, shards, [*CFG, *extra])
         mode = "fsdp" if extra else "ddp"
         assert f"{n} processes ({mode}, gloo), global batch 8" in out.stdout
         assert (tmp_path / name / "checkpoints" / f"dcp-{STEPS:08d}").is_dir()
-        _assert_same_losses(base_losses, _losses(tmp_path / name))
+        _assert_same_losses(base_losses, logged_losses(tmp_path / name))
         _assert_same(base_model, _model(tmp_path / name))
 
     # save at 2 → continue at 1 → continue at 3 (checkpoints: dcp → .pt → DCP, resharded)
     chain = tmp_path / "chain"
-    _torchrun(2, chain, shards, [*CFG, "run.max_steps=5"])
+    torchrun(2, chain, shards, [*CFG, "run.max_steps=5"])
     assert (chain / "checkpoints" / "dcp-00000005").is_dir()
     said: list[str] = []
     train(load_config(None, [*CFG, "run.max_steps=9"]), chain, str(shards), say=said.append)
     assert "resumed from dcp-00000005 at step 5 (saved at world size 2)" in said
-    out = _torchrun(3, chain, shards, CFG)
+    out = torchrun(3, chain, shards, CFG)
     assert "resumed from ckpt-00000009.pt at step 9 (saved at world size 1)" in out.stdout
-    _assert_same_losses(base_losses, _losses(chain))
+    _assert_same_losses(base_losses, logged_losses(chain))
     _assert_same(base_model, _model(chain))
     # checkpoint.keep_last (3) counts both formats in the order they were written: the
     # world-2 dcp-4 and dcp-5 were pruned by the later .pt and DCP saves (each format's
@@ -192,7 +144,7 @@ def test_bad_launch_settings_are_one_line(shards: Path, tmp_path: Path) -> None:
     for extra, over, want in cases:
         proc = subprocess.run(
             [sys.executable, "-m", "rootopt.train", "--log_dir", str(tmp_path / "r"), *over],
-            env={**_env(), **extra},
+            env={**torchrun_env(), **extra},
             capture_output=True,
             text=True,
             timeout=60,
@@ -217,13 +169,6 @@ def _worker(agent: int, rank: int, deadline: float) -> int:
     raise AssertionError(f"no worker with RANK={rank}")
 
 
-def _kill_session(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the launcher's whole session (orphaned workers would otherwise linger)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -245,8 +190,8 @@ def test_hung_rank_is_stopped_by_the_collective_timeout(shards: Path, tmp_path: 
     run = tmp_path / "hang"
     over = [*CFG, "run.max_steps=100000", "checkpoint.every=1000", "distributed.timeout_s=4"]
     proc = subprocess.Popen(
-        _cmd(2, run, shards, over),
-        env=_env(),
+        torchrun_cmd(2, run, shards, over),
+        env=torchrun_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -254,7 +199,7 @@ def test_hung_rank_is_stopped_by_the_collective_timeout(shards: Path, tmp_path: 
     )
     try:
         deadline = time.monotonic() + 120
-        while len(_losses(run) if (run / "metrics.jsonl").exists() else {}) < 3:
+        while len(logged_losses(run) if (run / "metrics.jsonl").exists() else {}) < 3:
             assert time.monotonic() < deadline, "no training step was logged"
             time.sleep(0.05)
         victim = _worker(proc.pid, 1, deadline)
@@ -265,7 +210,7 @@ def test_hung_rank_is_stopped_by_the_collective_timeout(shards: Path, tmp_path: 
         os.kill(victim, signal.SIGKILL)  # ... and a stopped process ignores torchrun's SIGTERM
         _, err = proc.communicate(timeout=120)
     finally:
-        _kill_session(proc)
+        kill_session(proc)
     assert proc.returncode != 0
     lines = [ln for ln in err.splitlines() if ln.startswith("rootopt train")]
     assert len(lines) == 1, err[-3000:]
@@ -341,10 +286,10 @@ def test_two_nodes_on_localhost_train_like_one_process(shards: Path, tmp_path: P
     run = tmp_path / "nodes"
     procs = [
         subprocess.Popen(
-            _cmd(1, run, shards, CFG, "--nnodes=2", f"--node_rank={node}",
+            torchrun_cmd(1, run, shards, CFG, "--nnodes=2", f"--node_rank={node}",
                  "--rdzv-backend=c10d", "--rdzv-id=loop-two-node",
                  f"--rdzv-endpoint=127.0.0.1:{port}"),
-            env=_env(),
+            env=torchrun_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -356,8 +301,8 @@ def test_two_nodes_on_localhost_train_like_one_process(shards: Path, tmp_path: P
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
         for p in procs:
-            _kill_session(p)
+            kill_session(p)
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-2000:] + err[-3000:]
-    _assert_same_losses(_losses(ref), _losses(run))
+    _assert_same_losses(logged_losses(ref), logged_losses(run))
     _assert_same(_model(ref), _model(run))
