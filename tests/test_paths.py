@@ -229,5 +229,10 @@ def test_orthogonalize_is_the_step_direction() -> None:
             )  # fmt: skip
             p.grad = G.clone()
             opt.step()
+            # The batched step iterates on a stack of one: the same call, bit for bit.
+            U3 = orthogonalize(G[None], dtype=DTYPES[dtype])[0]
+            assert torch.equal(-p.detach(), U3.float()), shape
+            # A 2-D matrix runs mm instead of bmm: equal up to their float32 rounding
+            # (about 20 ulps after K = 5 steps on 7x13).
             U = orthogonalize(G, dtype=DTYPES[dtype])
-            torch.testing.assert_close(-p.detach(), U.float(), atol=1e-6, rtol=0, msg=str(shape))
+            torch.testing.assert_close(-p.detach(), U.float(), atol=4e-6, rtol=0, msg=str(shape))
