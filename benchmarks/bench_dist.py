@@ -123,8 +123,8 @@ def worker(args: argparse.Namespace) -> None:
                     st = opt.state[p]
                     st["momentum_buffer"].mul_(0.95).add_(p.grad)
                     v = p.grad.add(st["momentum_buffer"], alpha=0.95)
-                    sched, select = coefficients_for(opt._coeffs, root_group, dev)(*p.shape)
-                    U = root_direction(v, sched, select=select, quantile=0.9)
+                    sched = coefficients_for(opt._coeffs, root_group, dev)(*p.shape)
+                    U = root_direction(v, sched, quantile=0.9)
                     buf[off : off + p.numel()] = U.reshape(-1)
                     off += p.numel()
                     n_ns += 1

@@ -31,8 +31,8 @@ SHAPES: dict[str, tuple[int, ...]] = {
     "gain": (16,),
 }
 
-# name -> (ROOT options, parameter dtype). Default coefficients (AdaNewton with its
-# per-matrix selector) everywhere: the default path is what is compared.
+# name -> (ROOT options, parameter dtype). Default coefficients (AdaNewton) everywhere:
+# the default path is what is compared.
 OPTION_SETS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
     "default": ({}, torch.float32),
     "float64": ({}, torch.float64),

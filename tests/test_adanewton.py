@@ -1,10 +1,9 @@
 """AdaNewton at run time: the shipped table, resolution of any shape at construction (never
-a fit, never a write), certificates, the dtype key, the per-matrix selector, bad input."""
+a fit, never a write), certificates, the dtype key, the ``adanewton-static`` alias, bad input."""
 
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import json
 import logging
 import os
@@ -24,7 +23,6 @@ from rootopt.coeffs import (
     CANS,
     PAPER_TABLE,
     CoefficientError,
-    GramSelector,
     certify,
     check_stability,
     resolve,
@@ -374,204 +372,76 @@ def test_unstable_table_entry_is_an_error_not_a_silent_use(tmp_path, monkeypatch
         ROOT([torch.nn.Parameter(torch.randn(90, 40))])
 
 
-# ------------------------------------------------------------------------------ selector
+# ------------------------------------------------------- one schedule per shape, the alias
 
 
-def test_selector_shape_dtype_and_rescaled_first_step():
-    res = an.lookup(200, 700, 5)
-    sel = res.selector
-    assert isinstance(sel, GramSelector) and sel.steps == 5
-    assert sel.soft_delta is not None  # float32: the soft count decides
-    s = torch.tensor([0.0, 1e-3, 0.01, 0.5, 1.0])
-    c = torch.tensor([0.5, 0.0, 0.2, 0.01, 1.0])
-    rows = sel.coefficients(s, c)
-    assert rows.shape == (5, 5, 3) and rows.dtype == torch.float32
-    # steps 2..K are the chosen schedule unchanged
-    for i, (sv, cv) in enumerate(zip(s.tolist(), c.tolist(), strict=True)):
-        chosen = sel.spiky if cv > sel.soft_tau else sel.flat
-        np.testing.assert_allclose(rows[1:, i].double().numpy(), np.array(chosen[1:]), rtol=1e-6)
-        t = max(sv**0.25 * (1 + sel.margin), sel.t_min)
-        a, b, cc = chosen[0]
-        np.testing.assert_allclose(
-            rows[0, i].double().numpy(), [a / t, b / t**3, cc / t**5], rtol=1e-5
-        )
-    with pytest.raises(ValueError, match="soft count"):
-        sel.coefficients(s)
-    # bfloat16 keeps the rule on s alone (its Gram matrix is too coarse for the count)
-    bsel = an.lookup(200, 700, 5, dtype="bfloat16").selector
-    assert bsel is not None and bsel.soft_delta is None
-    brows = bsel.coefficients(s)
-    for i, sv in enumerate(s.tolist()):
-        chosen = bsel.spiky if sv * bsel.short > bsel.tau else bsel.flat
-        np.testing.assert_allclose(brows[1:, i].double().numpy(), np.array(chosen[1:]), rtol=1e-6)
-
-
-def test_selector_file_is_checked_and_corrupt_content_is_one_error():
-    raw = json.loads((Path(an.__file__).parent / "data" / an.SELECTOR_FILE).read_text())
-    good = an.parse_selector_data(raw)
-    assert good == an.load_selector_data()
-    assert good.soft_delta == 1e-6 and good.soft_dtypes == ("float32", "float64")
-    bad_cases = [
-        ({"soft_count": {"delta": 0.0, "tau": 0.034, "dtypes": ["float32"]}}, "0 < delta < 1"),
-        ({"soft_count": {"delta": 1e-6, "tau": 2.0, "dtypes": ["float32"]}}, "0 < tau < 1"),
-        ({"soft_count": {"delta": 1e-6, "tau": 0.03, "dtypes": ["float8"]}}, "unknown dtypes"),
-        ({"soft_count": {"delta": 1e-6}}, "tau"),
-        ({"tau": -1}, "tau must be positive"),
-        ({"format": "other/9"}, "unknown format"),
-    ]
-    for patch, reason in bad_cases:
-        with pytest.raises(CoefficientError, match=rf"selector file .* is corrupt: .*{reason}"):
-            an.parse_selector_data({**raw, **patch})
-
-
-@pytest.mark.parametrize("shape", [(40, 90), (64, 64)])
-def test_selector_statistics_from_the_gram_matrix_equal_the_spectrum(shape):
-    """``s`` and the soft count read off ``A₀`` in float32 equal their values from the exact
-    singular values (a matrix with a noise floor near √δ, where the count matters)."""
-    from rootopt.tools.families import selector_statistics
-
-    m, n = shape
-    g = torch.Generator().manual_seed(5)
-    sel = an.lookup(m, n, 5).selector
-    assert sel is not None and sel.soft_delta is not None
-    U = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))[0]
-    V = torch.linalg.qr(torch.randn(n, m, generator=g, dtype=torch.float64))[0]
-    sig = torch.cat([torch.linspace(1, 0.3, 4, dtype=torch.float64),
-                     torch.logspace(-4, -2, m - 4, dtype=torch.float64)])  # fmt: skip
-    G = (U * sig) @ V.T
-    X = (G / G.norm()).float()
-    exact = dataclasses.replace(sel, soft_probes=0)  # the full trace, no estimator
-    s32, c32 = exact.statistics(X @ X.T)
-    sn = (sig / sig.norm()).numpy()
-    s_ex, c_ex = selector_statistics(sel, sn)
-    assert c32 is not None and c_ex is not None
-    assert float(s32[0]) == pytest.approx(float(s_ex[0]), rel=1e-4)
-    assert 0.05 < float(c_ex[0]) < 0.95  # the count is neither empty nor full here
-    # float32 rounding of A₀ (~1e-7) moves eigenvalues near δ = 1e-6 by a few tenths of
-    # a percent: ample for a threshold at 0.034 between groups of 0.02 and 0.07
-    assert float(c32[0]) == pytest.approx(float(c_ex[0]), rel=1e-2)
-    # the default: Hutchinson's estimate with fixed probes; deterministic, and within
-    # √(2/64)/√(#small) of the trace (here about m/2 small values: a few percent)
-    _, c_hat = sel.statistics(X @ X.T)
-    _, c_again = sel.statistics(X @ X.T)
-    assert c_hat is not None and c_again is not None and float(c_hat[0]) == float(c_again[0])
-    assert float(c_hat[0]) == pytest.approx(float(c_ex[0]), rel=0.1)
-    # a numerically singular Gram matrix (not factorable after the shift) counts as spiky
-    bad = -torch.eye(m)[None]
-    _, c_bad = sel.statistics(bad)
-    assert c_bad is not None and float(c_bad[0]) == float("inf")
-
-
-def test_selector_sees_the_noise_floor_that_s_does_not():
-    """Two 200x700 spectra with nearly the same ``m·s``: a rank-4 signal over a floor at
-    ~1 % of σ_max (the table's schedule is right) and the same signal over a floor at
-    ~0.2 % (the spiky one is right). The selector must pick differently and beat the
-    other choice on each (docs/adanewton.md, "Choosing per matrix")."""
-    from rootopt.tools.families import rel_error, selector_error, selector_statistics
-
-    rng = np.random.default_rng(11)
-    m, n = 200, 700
-    sel = an.lookup(m, n, 5).selector
-    assert sel is not None
-    U, _ = np.linalg.qr(rng.standard_normal((m, 4)))
-    V, _ = np.linalg.qr(rng.standard_normal((n, 4)))
-    S = (U * np.linspace(1.0, 0.3, 4)) @ V.T
-    N = rng.standard_normal((m, n)) / np.sqrt(n)
-    sigs = []
-    for floor in (0.01, 0.002):
-        sv = np.linalg.svd(S + floor * N, compute_uv=False)
-        sigs.append(sv / np.linalg.norm(sv))
-    ms = [m * float(np.sum(x**4)) for x in sigs]
-    assert ms[0] == pytest.approx(ms[1], rel=0.25)  # s alone cannot tell them apart
-    picks = []
-    for x in sigs:
-        s, c = selector_statistics(sel, x)
-        picks.append(bool(c is not None and float(c[0]) > sel.soft_tau))
-        s_t = float(s[0]) ** 0.25 * (1 + sel.margin)
-        flat = ((sel.flat[0][0] / s_t, sel.flat[0][1] / s_t**3, sel.flat[0][2] / s_t**5),
-                *sel.flat[1:])  # fmt: skip
-        spiky = ((sel.spiky[0][0] / s_t, sel.spiky[0][1] / s_t**3, sel.spiky[0][2] / s_t**5),
-                 *sel.spiky[1:])  # fmt: skip
-        other = rel_error(flat if picks[-1] else spiky, x)
-        assert selector_error(sel, x) < other
-    assert picks == [False, True]
-
-
-def _family_matrix(kind: str, m: int, n: int, g: torch.Generator) -> torch.Tensor:
-    if kind == "gaussian":
-        return torch.randn(m, n, generator=g, dtype=torch.float64)
-    if kind == "rank1":
-        return torch.randn(m, 1, generator=g, dtype=torch.float64) @ torch.randn(
-            1, n, generator=g, dtype=torch.float64
-        )
-    r = 8
-    U = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=torch.float64))[0]
-    V = torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64))[0]
-    S = (U * torch.arange(1, r + 1, dtype=torch.float64) ** -0.5) @ V.T
-    N = torch.randn(m, n, generator=g, dtype=torch.float64)
-    return S / S.norm() + 0.03 * N / N.norm()
-
-
-@pytest.mark.parametrize("kind", ["gaussian", "rank1", "lowrank"])
-def test_selector_iteration_float64_matches_scalar_map_and_stays_bounded(kind):
-    from rootopt.tools.families import iterate_float64, rel_error, selector_statistics
-
-    g = torch.Generator().manual_seed(3)
-    m, n = 60, 150
-    sel = an.lookup(m, n, 5).selector
-    assert sel is not None
-    G = torch.stack([_family_matrix(kind, m, n, g), _family_matrix(kind, m, n, g).T.contiguous().T])
-    X = iterate_float64(G, sel)
-    for i in range(2):
-        Gi = G[i]
-        U, S, Vh = torch.linalg.svd(Gi, full_matrices=False)
-        keep = 1e-10 * S[0] < S
-        polar = U[:, keep] @ Vh[keep]
-        err = float((X[i] - polar).norm() / polar.norm())
-        # the statistics see every singular value (zeros count as small ones); the error
-        # is measured on the range, where the polar factor is defined
-        rows = sel.coefficients(*selector_statistics(sel, (S / S.norm()).numpy()))
-        sched = tuple((float(a), float(b), float(c)) for a, b, c in rows[:, 0, :].double())
-        sig = (S[keep] / S.norm()).numpy()
-        assert err == pytest.approx(rel_error(sched, sig), rel=1e-4, abs=1e-9)
-        # worst-case amplification: the spectral norm never exceeds the certificate
-        assert float(torch.linalg.matrix_norm(X[i], ord=2)) <= 1.25 + 1e-9
-
-
-def test_zero_matrix_through_selector_is_finite():
-    from rootopt.tools.families import iterate_float64
-
-    sel = an.lookup(20, 30, 5).selector
-    assert sel is not None
-    X = iterate_float64(torch.zeros(1, 20, 30), sel)
-    assert torch.isfinite(X).all() and float(X.abs().max()) == 0.0
-
-
-def test_optimizer_exposes_selector_for_adanewton_only():
+def test_optimizer_hands_every_matrix_of_a_shape_its_table_schedule():
+    """The optimizer's coefficients are the schedule alone (no per-matrix selector:
+    docs/adanewton.md), the same for both orientations and equal to :func:`lookup`'s."""
     from rootopt.optim._coefficients import coefficients_for
 
     p = torch.nn.Parameter(torch.randn(37, 101))
     opt = ROOT([p])
     coefficients = coefficients_for(opt._coeffs, opt.param_groups[0], p.device)
-    schedule, sel = coefficients(37, 101)
-    assert isinstance(sel, GramSelector) and sel.short == 37
-    assert coefficients(101, 37)[0] == schedule == sel.flat
+    schedule = coefficients(37, 101)
+    assert schedule == coefficients(101, 37) == an.lookup(37, 101, 5).schedule
+    assert len(schedule) == 5 and all(len(t) == 3 for t in schedule)
     opt2 = ROOT([torch.nn.Parameter(torch.randn(37, 101))], ns_coefficients="muon")
-    assert coefficients_for(opt2._coeffs, opt2.param_groups[0], p.device)(37, 101)[1] is None
+    got = coefficients_for(opt2._coeffs, opt2.param_groups[0], p.device)(37, 101)
+    assert got == resolve("muon", 37, 101, 5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(768, 3072), (37, 101), (300, 300)])
+def test_adanewton_static_is_an_alias_of_adanewton(shape, dtype):
+    """``"adanewton-static"`` (the name recorded study arms use) resolves to exactly what
+    ``"adanewton"`` does: same schedule, source and certificate, tabled or generalised."""
+    a = resolve_record("adanewton", *shape, 5, dtype=dtype)
+    b = resolve_record("adanewton-static", *shape, 5, dtype=dtype)
+    assert b == a and b.schedule == an.lookup(*shape, 5, dtype=dtype).schedule
+    assert resolve("adanewton-static", *shape, 5) == resolve("adanewton", *shape, 5)
+
+
+def test_adanewton_static_steps_like_adanewton():
+    """ROOT and ``orthogonalize`` give bit-identical results under either name."""
+    from rootopt import orthogonalize
+
+    torch.manual_seed(0)
+    G = torch.randn(48, 130)
+    for dt in (torch.float32, torch.bfloat16):
+        assert torch.equal(
+            orthogonalize(G, coefficients="adanewton-static", dtype=dt),
+            orthogonalize(G, coefficients="adanewton", dtype=dt),
+        )
+    w0 = torch.randn(48, 130)
+    ws = [torch.nn.Parameter(w0.clone()) for _ in range(2)]
+    opts = [ROOT([w], lr=0.02, ns_coefficients=n) for w, n in zip(ws, ["adanewton", "adanewton-static"], strict=True)]  # fmt: skip
+    for _ in range(2):
+        for w, opt in zip(ws, opts, strict=True):
+            w.grad = G.clone()
+            opt.step()
+    assert not torch.equal(ws[0].detach(), w0)
+    assert torch.equal(ws[0].detach(), ws[1].detach())
 
 
 # ----------------------------------------------------------------- robustness (families)
 
 
 def test_families_unseen_shapes_meet_target_fast():
-    """A small draw of the family bench (docs/adanewton.md has the full table)."""
+    """A small draw of the family bench (docs/adanewton.md has the full table). One shape's
+    schedule for every matrix meets the target on every family but low rank + noise, where
+    CANS's steep first step wins (1.6-1.8x on wide/tall shapes, documented as a miss since
+    the per-matrix selector that covered it was removed)."""
     from rootopt.tools import families as fam
 
     res = fam.bench(draws=1, shapes={"wide": ((120, 400),), "tall": ((380, 100),)})
     rows = res["rows"]
     assert len(rows) == 2 * len(fam.FAMILIES)
     for r in rows:
-        assert r["ratio"] <= fam.TARGET, (r["shape"], r["family"], r["ratio"])
+        if r["family"] == "lowrank":
+            assert r["best_baseline"] == "cans" and r["ratio"] < 2.0, r
+        else:
+            assert r["ratio"] <= fam.TARGET, (r["shape"], r["family"], r["ratio"])
     assert res["worst_peak"] <= 1.25
 
 
@@ -706,7 +576,7 @@ def test_cli_show_reports_corrupt_table_in_one_line(tmp_path, monkeypatch, capsy
     an.clear_memory_caches()
     assert main(["show", "90x40", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "90x40, K=5, bfloat16" in out and "per-matrix selector" in out
+    assert "90x40, K=5, bfloat16" in out and "certified: peak" in out
 
 
 def test_family_and_coefficient_benches_never_overwrite_an_output_file(tmp_path, capsys):

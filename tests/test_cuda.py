@@ -63,9 +63,9 @@ def test_cuda_fp16_grad_scaler() -> None:
     assert loss.item() < first
 
 
-def test_cuda_selector_statistics_and_direction_match_cpu() -> None:
-    """AdaNewton's per-matrix selector on CUDA (batched Cholesky, fixed probes) reads the
-    same statistics and gives the same direction as on the CPU (docs/adanewton.md)."""
+def test_cuda_adanewton_direction_matches_cpu() -> None:
+    """AdaNewton's schedule on CUDA reaches the polar error it reaches on the CPU, on
+    low-rank signals over noise floors and an exactly rank-4 matrix."""
     from rootopt.coeffs.adanewton import lookup
     from rootopt.ortho import direction
 
@@ -75,27 +75,13 @@ def test_cuda_selector_statistics_and_direction_match_cpu() -> None:
     U = torch.linalg.qr(torch.randn(rows, 4, generator=g))[0]
     V = torch.linalg.qr(torch.randn(cols, 4, generator=g))[0]
     S = (U * torch.linspace(1, 0.3, 4)) @ V.T
-    floors = (0.01, 0.002, 0.0)  # table schedule, spiky schedule, exactly rank 4
+    floors = (0.01, 0.002, 0.0)
     G = torch.stack([S + f * torch.randn(rows, cols, generator=g) / cols**0.5 for f in floors])
-    res = lookup(rows, cols, 5)
-    sel = res.selector
-    assert sel is not None and sel.soft_delta is not None
-    X = G / G.norm(dim=(-2, -1), keepdim=True)
-    A = X @ X.mT
-    s_cpu, c_cpu = sel.statistics(A)
-    s_gpu, c_gpu = sel.statistics(A.cuda())
-    assert c_cpu is not None and c_gpu is not None
-    torch.testing.assert_close(s_gpu.cpu(), s_cpu, rtol=1e-5, atol=0.0)
-    finite = torch.isfinite(c_cpu)
-    torch.testing.assert_close(c_gpu.cpu()[finite], c_cpu[finite], rtol=2e-2, atol=1e-6)
-    assert torch.equal(c_gpu.cpu() > sel.soft_tau, c_cpu > sel.soft_tau)
-    assert (c_cpu > sel.soft_tau).tolist()[:2] == [False, True]
-    kw = {"method": "newton_schulz", "dtype": torch.float32, "select": sel}
-    out_cpu = direction(G, res.schedule, **kw)  # type: ignore[arg-type]
-    out_gpu = direction(G.cuda(), res.schedule, **kw)  # type: ignore[arg-type]
+    schedule = lookup(rows, cols, 5).schedule
+    out_cpu = direction(G, schedule, method="newton_schulz", dtype=torch.float32)
+    out_gpu = direction(G.cuda(), schedule, method="newton_schulz", dtype=torch.float32)
     # The directions of the noise floor's tiny singular values are ill-conditioned, so
-    # CPU and GPU rounding part there (measured up to 1.6e-3 per entry); what must agree
-    # is the polar error each reaches, i.e. the same schedule was chosen and applied.
+    # CPU and GPU rounding part there; what must agree is the polar error each reaches.
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     polar = U @ Vh
     for i in range(len(floors)):

@@ -73,7 +73,7 @@ def _by_reference(
             with torch.no_grad():
                 _single_tensor_root(
                     p, g, st["momentum_buffer"], st["step"], o,
-                    lambda r, c: (resolve(spec, r, c, 5), None),
+                    lambda r, c: resolve(spec, r, c, 5),
                 )  # fmt: skip
     return states
 

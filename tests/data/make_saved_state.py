@@ -5,6 +5,13 @@ version still load and continue the same run.
 
 Run from the repository root, with that version's ``src`` on ``PYTHONPATH``:
 ``python tests/data/make_saved_state.py tests/data``. Not run by the test suite.
+
+``after_without_selector_fdcf298.pt``: the two steps after the saved state as the same
+version computes them without AdaNewton's per-matrix selector, which was removed later
+(docs/adanewton.md); with it, every AdaNewton matrix took a rescaled first step. Written by
+``python tests/data/make_saved_state.py --continue-without-selector tests/data`` with that
+version's ``src`` on ``PYTHONPATH`` and its ``src/rootopt/coeffs/data/adanewton_selector.json``
+deleted (that version then resolves no selector: the plain table schedule of each shape).
 """
 
 from __future__ import annotations
@@ -93,5 +100,31 @@ def main(out: Path) -> None:
     torch.save(saved, out / "saved_state_fdcf298.pt")
 
 
+def continue_without_selector(out: Path) -> None:
+    """The continuation of every saved run, loaded from ``saved_state_fdcf298.pt``."""
+    from rootopt.coeffs.adanewton import load_selector_data
+
+    if load_selector_data() is not None:
+        raise SystemExit("delete adanewton_selector.json from that version's src first")
+    saved = torch.load(out / "saved_state_fdcf298.pt", weights_only=True)
+    after: dict[str, Any] = {}
+    for name, make in optimizers().items():
+        run = saved["runs"][name]
+        model = Mixed()
+        model.load_state_dict(run["model"])
+        opt = make(model)
+        opt.load_state_dict(run["optim"])
+        for step in range(2, 4):
+            grads(model, step)
+            opt.step()
+        after[name] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(
+        {"commit": saved["commit"], "after": after}, out / "after_without_selector_fdcf298.pt"
+    )
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1] == "--continue-without-selector":
+        continue_without_selector(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from rootopt.coeffs.adanewton import CoefficientError, GramSelector, Resolution
+from rootopt.coeffs.adanewton import CoefficientError, Resolution
 from rootopt.coeffs.presets import (
     CANS,
     CUBIC,
@@ -46,9 +46,21 @@ def _adanewton(rows: int, cols: int, steps: int) -> Schedule:
     return adanewton_schedule(rows, cols, steps)
 
 
+# Other names of the same coefficients. "adanewton-static" was AdaNewton without its
+# per-matrix selector; since the selector was removed (docs/adanewton.md) it is exactly
+# "adanewton", kept so that recorded study arms and saved configs still resolve.
+ALIASES: dict[str, str] = {"adanewton-static": "adanewton"}
+
+
+def canonical(spec: object) -> object:
+    """``spec`` with an alias name replaced by the name it stands for."""
+    return ALIASES.get(spec, spec) if isinstance(spec, str) else spec
+
+
 register_provider("official", official_schedule)
 register_provider("adanewton", _adanewton)
-register_provider("adanewton-static", _adanewton)
+for _alias, _name in ALIASES.items():
+    register_provider(_alias, _PROVIDERS[_name])
 
 
 def _shape_free(cset: CoefficientSet) -> CoefficientProvider:
@@ -114,7 +126,7 @@ def resolve_record(
     """Resolve ``spec`` for a ``rows x cols`` matrix, ``steps`` iterations in ``dtype``.
 
     Returns a :class:`~rootopt.coeffs.adanewton.Resolution` (schedule, source, certificate
-    peak, optional per-matrix selector). Every schedule except the faithful
+    peak). Every schedule except the faithful
     ``"official"`` mode must pass :func:`~rootopt.coeffs.stability.certify` for ``dtype``;
     otherwise :class:`~rootopt.coeffs.adanewton.CoefficientError` names the shape and the
     reason. Never fits and never writes a file.
@@ -127,20 +139,8 @@ def resolve_record(
         )
     m, n = min(rows, cols), max(rows, cols)
     key = (m, n, steps, dtype)
-    if spec == "adanewton":
+    if canonical(spec) == "adanewton":
         return lookup(rows, cols, steps, dtype=dtype)
-    if spec == "adanewton-static":
-        # The same per-shape schedule without the per-matrix selector (docs/adanewton.md):
-        # the ablation that tells what the selector adds in training.
-        from dataclasses import replace
-
-        res = lookup(rows, cols, steps, dtype=dtype)
-        return replace(
-            res,
-            source="adanewton-static",
-            detail=f"{res.source}, no per-matrix selector",
-            selector=None,
-        )
     sched = resolve(spec, rows, cols, steps)
     what = _describe(spec)
     if isinstance(spec, str) and spec in FAITHFUL:
@@ -190,6 +190,7 @@ def resolve(spec: CoefficientSpec, rows: int, cols: int, steps: int) -> Schedule
 
 
 __all__ = [
+    "ALIASES",
     "CANS",
     "CUBIC",
     "MUON",
@@ -202,12 +203,12 @@ __all__ = [
     "CoefficientProvider",
     "CoefficientSet",
     "CoefficientSpec",
-    "GramSelector",
     "Resolution",
     "Schedule",
     "StabilityReport",
     "apply_schedule",
     "available",
+    "canonical",
     "certify",
     "check_stability",
     "official_schedule",

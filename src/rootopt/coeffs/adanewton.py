@@ -25,25 +25,10 @@ Resolution order for ``(m, n, K, dtype)``:
 
 Every resolution is logged once per key on ``logging.getLogger("rootopt.coeffs")``: at
 INFO when tabled, at WARNING otherwise. :func:`lookup` returns a :class:`Resolution`
-record (what, where from, certificate peak, the per-matrix selector) that reports show.
-
-Per-matrix selection (:class:`GramSelector`): the first Newton–Schulz step computes
-``A₀ = X₀X₀ᵀ`` of the Frobenius-normalised ``X₀`` anyway; ``s = ||A₀||_F² = Σσᵢ⁴``
-bounds the largest singular value, ``σ_max ≤ s^{1/4} ≤ 1``. Dividing ``X₀`` by
-``t = s^{1/4}`` lifts every singular value by ``1/t`` (×2–×6 on real matrices) while
-keeping them in ``[0, 1]``, where the schedule is certified; it costs nothing because the
-division folds into the first step's coefficients, ``(a/t, b/t³, c/t⁵)``. ``m·s`` (``m``
-the short side) is ``≈ 1 + m/n`` for a Gaussian matrix and grows as ``m/r`` for a rank
-``r`` signal. But ``s`` (like every positive moment ``Σσ²ᵏ``) is carried by the largest
-singular values and cannot see how high the noise floor under a low-rank signal sits,
-which decides between the two schedules. For float32/float64 iterations the selector
-therefore counts the small singular values softly: with ``x = σ/t``,
-``c = mean δ/(x² + δ) = (δ/m)·tr((A₀/t² + δI)⁻¹)`` (one Cholesky factorisation and one
-triangular inverse of the ``m x m`` matrix, about ``⅔m³`` flops) is the fraction of
-singular values below ``√δ``; above ``c_tau`` the "spiky" schedule (steep first slope)
-is used, else the table's. Low-precision Gram matrices are too coarse for ``δ = 1e-6``,
-so bfloat16/float16 keep the rule ``m·s > tau``. No host synchronisation: all of it is
-``torch.where`` on ``(batch,)`` tensors. See ``docs/adanewton.md``.
+record (what, where from, certificate peak) that reports show. Every matrix of a shape
+gets the same schedule: the per-matrix selector that once switched schedules on
+statistics of ``X₀X₀ᵀ`` was removed (it helped on no task of the defaults study; see
+``docs/adanewton.md``).
 """
 
 from __future__ import annotations
@@ -54,14 +39,11 @@ import math
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch import Tensor
 
 from rootopt.coeffs.presets import MUON, POLAR_EXPRESS, YOU, Coeff, Schedule
 from rootopt.coeffs.stability import DEFAULT_DELTA, UNIT_ROUNDOFF, StabilityReport, certify
@@ -70,8 +52,6 @@ log = logging.getLogger("rootopt.coeffs")
 
 TABLE_FILE = "adanewton_table.json"
 TABLE_FORMAT = "rootopt.adanewton_table/1"
-SELECTOR_FILE = "adanewton_selector.json"
-SELECTOR_FORMAT = "rootopt.adanewton_selector/1"
 # A user table (built with ``rootopt coeffs build-table --out FILE``) replaces the shipped
 # one when this variable names it; read at construction, like the shipped table.
 TABLE_ENV = "ROOTOPT_ADANEWTON_TABLE"
@@ -170,195 +150,6 @@ def load_table() -> tuple[dict[str, Any], dict[Key, TableEntry]]:
     return _load_table(table_source())
 
 
-# ------------------------------------------------------------------------------ selector
-
-
-@dataclass(frozen=True)
-class SelectorData:
-    """The shipped low-rank schedules (per iteration dtype) and the switch threshold."""
-
-    spiky: dict[str, Schedule]
-    tau: float  # switch when m * s > tau (dtypes without the soft count)
-    steps: int
-    provenance: dict[str, Any]
-    soft_delta: float | None = None  # the soft count's δ; None: no soft count
-    soft_tau: float = math.inf  # switch when c > soft_tau
-    soft_dtypes: tuple[str, ...] = ()  # iteration dtypes that use the soft count
-
-
-@lru_cache(maxsize=1)
-def load_selector_data() -> SelectorData | None:
-    """``data/adanewton_selector.json``, or None when it is absent (no per-matrix selection)."""
-    try:
-        text = resources.files("rootopt.coeffs").joinpath("data").joinpath(SELECTOR_FILE)
-        raw = json.loads(text.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CoefficientError(
-            f"AdaNewton selector file {SELECTOR_FILE} is corrupt: {exc}"
-        ) from None
-    return parse_selector_data(raw)
-
-
-def parse_selector_data(raw: Any) -> SelectorData:
-    """The selector file's content, checked; :class:`CoefficientError` naming the file and
-    the first problem when it is malformed."""
-    try:
-        if raw.get("format") != SELECTOR_FORMAT:
-            raise ValueError(f"unknown format {raw.get('format')!r}")
-        steps = int(raw["steps"])
-        spiky = {str(dt): _parse_schedule(v, steps) for dt, v in dict(raw["spiky"]).items()}
-        tau = float(raw["tau"])
-        if not tau > 0:
-            raise ValueError("tau must be positive")
-        soft = raw.get("soft_count")
-        delta: float | None = None
-        c_tau = math.inf
-        soft_dtypes: tuple[str, ...] = ()
-        if soft is not None:
-            delta, c_tau = float(soft["delta"]), float(soft["tau"])
-            soft_dtypes = tuple(str(d) for d in soft["dtypes"])
-            if not (0 < delta < 1 and 0 < c_tau < 1):
-                raise ValueError("soft_count needs 0 < delta < 1 and 0 < tau < 1")
-            unknown = [d for d in soft_dtypes if d not in UNIT_ROUNDOFF]
-            if unknown:
-                raise ValueError(f"soft_count names unknown dtypes {unknown}")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CoefficientError(
-            f"AdaNewton selector file {SELECTOR_FILE} is corrupt: {exc}"
-        ) from None
-    return SelectorData(
-        spiky, tau, steps, dict(raw.get("provenance", {})), delta, c_tau, soft_dtypes
-    )
-
-
-@dataclass(frozen=True)
-class GramSelector:
-    """Per-matrix coefficients from the first Gram matrix ``A₀ = X₀X₀ᵀ`` (``X₀``
-    Frobenius-normalised, ``m x m`` with ``m`` the short side).
-
-    ``selector(A)`` with ``A`` of shape ``(batch, m, m)`` returns a float32 tensor of
-    shape ``(K, batch, 3)``: row ``k`` holds the ``(a, b, c)`` of step ``k`` for every
-    matrix. Step 1 is meant for ``X₀`` and ``A₀``: ``X₁ = a X₀ + (b A₀ + c A₀²) X₀``.
-    :meth:`statistics` reads ``s = ||A₀||_F² = Σσ⁴`` and, when ``soft_delta`` is set,
-    the soft count ``c = mean δ/(x² + δ)`` of the singular values ``x = σ/√(√s)``
-    below ``√δ``; :meth:`coefficients` maps them to the rows. A matrix gets ``spiky``
-    when ``c > soft_tau`` (with the soft count) or ``short · s > tau`` (without), else
-    ``flat``; either way the first tuple is rescaled by ``t = s^{1/4}·(1+margin)``
-    (``(a/t, b/t³, c/t⁵)``), which equals running the schedule on ``X₀ / t`` whose
-    singular values stay in ``[0, 1]`` because ``σ_max⁴ ≤ Σσ⁴ = s``. Both schedules are
-    certified on ``[0, 1]`` for the iteration dtype, so the amplification bound holds
-    whichever is picked. ``t`` is floored at ``t_min`` (a zero matrix gives ``s = 0``).
-    """
-
-    short: int
-    flat: Schedule
-    spiky: Schedule
-    tau: float
-    margin: float
-    t_min: float = 1e-4
-    soft_delta: float | None = None
-    soft_tau: float = math.inf
-    soft_probes: int = 64  # Hutchinson probes for the trace; 0: the exact trace
-    _cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-    _probes: dict[tuple[int, torch.device, torch.dtype], Tensor] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-
-    @property
-    def steps(self) -> int:
-        return len(self.flat)
-
-    def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        key = (device, torch.float32)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = (
-                torch.tensor(self.flat, dtype=torch.float32, device=device),
-                torch.tensor(self.spiky, dtype=torch.float32, device=device),
-            )
-            self._cache[key] = hit
-        return hit
-
-    def statistics(self, A: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``(s, c)`` of a batch of Gram matrices ``A`` (``(batch, m, m)`` or ``(m, m)``);
-        ``c`` is None without the soft count. A Gram matrix whose shifted form does not
-        factor (it is numerically singular below ``-δ``) counts as ``c = inf``."""
-        acc = torch.float64 if A.dtype == torch.float64 else torch.float32
-        A = A.detach().to(acc)
-        if A.ndim == 2:
-            A = A[None]
-        s = A.square().sum(dim=(-2, -1))
-        if self.soft_delta is None:
-            return s, None
-        m = A.size(-1)
-        t2 = s.clamp_min(0.0).sqrt().clamp_min(self.t_min**2)[:, None, None]
-        B = A / t2  # a new tensor: the shift below does not touch the caller's A
-        B.diagonal(dim1=-2, dim2=-1).add_(self.soft_delta)
-        L, info = torch.linalg.cholesky_ex(B)
-        if 0 < self.soft_probes < m:
-            # tr(B⁻¹) = E ||L⁻¹ z||² over Rademacher z: k triangular solves instead of
-            # the m³/3 of a full inverse. Fixed probes keep it deterministic and equal on
-            # every rank; relative spread ≈ √(2/k) / √(number of small singular values).
-            Z = self._probe_matrix(m, A.device, acc)
-            W = torch.linalg.solve_triangular(L, Z.expand(L.size(0), -1, -1), upper=False)
-            tr = W.square().sum(dim=(-2, -1)) / Z.size(-1)
-        else:
-            eye = torch.eye(m, dtype=acc, device=A.device).expand_as(L)
-            tr = torch.linalg.solve_triangular(L, eye, upper=False).square().sum(dim=(-2, -1))
-        c = tr * (self.soft_delta / m)
-        return s, torch.where(info > 0, torch.full_like(c, math.inf), c)
-
-    def _probe_matrix(self, m: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-        key = (m, device, dtype)
-        Z = self._probes.get(key)
-        if Z is None:
-            g = torch.Generator().manual_seed(20251125 + m)
-            Z = torch.randint(0, 2, (m, self.soft_probes), generator=g).mul_(2).sub_(1)
-            Z = Z.to(device=device, dtype=dtype)
-            self._probes[key] = Z
-        return Z
-
-    def decide(self, s: Tensor, c: Tensor | None = None) -> Tensor:
-        """The decision, per matrix (``(batch,)`` bool): the spiky schedule when the soft
-        count ``c`` exceeds ``soft_tau`` (float32/float64), or ``m·s`` exceeds ``tau``
-        (low precision). The one place a different (e.g. continuous) rule would go."""
-        if self.soft_delta is not None:
-            if c is None:
-                raise ValueError("this selector needs the soft count c as well as s")
-            return c.detach().to(torch.float32).reshape(-1) > self.soft_tau
-        return s.detach().to(torch.float32).reshape(-1) * self.short > self.tau
-
-    def coefficients(self, s: Tensor, c: Tensor | None = None) -> Tensor:
-        """The ``(K, batch, 3)`` rows for statistics ``s`` (and ``c``), see the class."""
-        s32 = s.detach().to(torch.float32).reshape(-1)
-        flat, spiky = self._tables(s32.device)
-        use_spiky = self.decide(s, c)[None, :, None]  # (1, batch, 1)
-        coeffs = torch.where(use_spiky, spiky[:, None, :], flat[:, None, :])  # (K, batch, 3)
-        t = s32.clamp_min(0.0).pow(0.25).mul(1.0 + self.margin).clamp_min(self.t_min)
-        first = coeffs[0] * torch.stack((t.reciprocal(), t.pow(-3), t.pow(-5)), dim=-1)
-        return torch.cat((first[None], coeffs[1:]), dim=0)
-
-    def __call__(self, A: Tensor) -> Tensor:
-        return self.coefficients(*self.statistics(A))
-
-    def describe(self) -> str:
-        if self.soft_delta is not None:
-            return (
-                f"gram-rescaled, spiky schedule when the soft count of singular values "
-                f"below {math.sqrt(self.soft_delta):g}·s^(1/4) exceeds {self.soft_tau:g}"
-            )
-        return f"gram-rescaled, spiky schedule when {self.short}·s > {self.tau:g}"
-
-
-def selector_margin(dtype: str) -> float:
-    """Safety factor on ``t``: ``s`` is computed in the iteration dtype (float32 sums)."""
-    return max(4.0 * UNIT_ROUNDOFF.get(dtype, 2.0**-8), 1e-4)
-
-
 # ----------------------------------------------------------------------------- lookup
 
 
@@ -371,7 +162,6 @@ class Resolution:
     source: str  # table | generalised | nearest | preset | fitted | user | <preset name>
     detail: str = ""
     peak: float = float("nan")  # certificate: max of the K-fold map on [0, 1]
-    selector: GramSelector | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -379,9 +169,8 @@ class Resolution:
 
     def describe(self) -> str:
         m, n, k, dt = self.key
-        sel = f"; per-matrix: {self.selector.describe()}" if self.selector is not None else ""
         det = f" ({self.detail})" if self.detail else ""
-        return f"{m}x{n} K={k} {dt}: {self.source}{det}, peak {self.peak:.3f}{sel}"
+        return f"{m}x{n} K={k} {dt}: {self.source}{det}, peak {self.peak:.3f}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -392,7 +181,6 @@ class Resolution:
             "detail": self.detail,
             "peak": self.peak,
             "schedule": [list(t) for t in self.schedule],
-            "selector": None if self.selector is None else self.selector.describe(),
         }
 
 
@@ -522,27 +310,7 @@ def _resolve(m: int, n: int, steps: int, dtype: str) -> Resolution:
 
 @lru_cache(maxsize=8192)
 def _lookup_cached(m: int, n: int, steps: int, dtype: str, source: str) -> Resolution:
-    res = _resolve(m, n, steps, dtype)
-    sel = load_selector_data()
-    spiky = None if sel is None or sel.steps != steps else sel.spiky.get(dtype)
-    if sel is not None and spiky is not None:
-        rep = _certificate(spiky, dtype)
-        if not rep.stable:
-            raise CoefficientError(
-                f"AdaNewton selector schedule for {dtype} fails the certificate: {rep.reason}"
-            )
-        soft = dtype in sel.soft_dtypes
-        selector = GramSelector(
-            m,
-            res.schedule,
-            spiky,
-            sel.tau,
-            selector_margin(dtype),
-            soft_delta=sel.soft_delta if soft else None,
-            soft_tau=sel.soft_tau if soft else math.inf,
-        )
-        res = Resolution(res.key, res.schedule, res.source, res.detail, res.peak, selector)
-    return res
+    return _resolve(m, n, steps, dtype)
 
 
 def lookup(rows: int, cols: int, steps: int = 5, *, dtype: str = "float32") -> Resolution:
@@ -588,7 +356,6 @@ def clear_memory_caches() -> None:
     """Forget in-process lookups (the table is re-read, the log-once set emptied)."""
     _lookup_cached.cache_clear()
     _load_table.cache_clear()
-    load_selector_data.cache_clear()
     with _lock:
         _logged.clear()
 

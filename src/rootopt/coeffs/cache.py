@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rootopt.coeffs import CoefficientSpec, resolve_record
-from rootopt.coeffs.adanewton import GramSelector, Resolution
+from rootopt.coeffs import CoefficientSpec, canonical, resolve_record
+from rootopt.coeffs.adanewton import Resolution
 from rootopt.coeffs.presets import Schedule
 
 # (rows, cols, steps, dtype) -> Resolution: how an optimizer fits a shape the table lacks
@@ -24,7 +24,8 @@ class CoefficientCache:
     """``(spec, min dim, max dim, K, dtype, fitted) -> Resolution``.
 
     ``get`` resolves on a miss (pure lookup; with ``fitter``, that callable instead, for
-    ``"adanewton"`` only) and remembers the answer; ``records()`` lists what was resolved.
+    ``"adanewton"`` and its alias only) and remembers the answer; ``records()`` lists
+    what was resolved.
     Callable specs are keyed by identity: the same function object, the same schedules.
     """
 
@@ -48,7 +49,7 @@ class CoefficientCache:
         *,
         fitter: Fitter | None = None,
     ) -> Resolution:
-        fitted = fitter is not None and spec == "adanewton"
+        fitted = fitter is not None and canonical(spec) == "adanewton"
         key = self.key(spec, rows, cols, steps, dtype, fitted)
         res = self._res.get(key)
         if res is None:
@@ -69,16 +70,16 @@ class CoefficientCache:
         dtype: str,
         *,
         fitted: bool = False,
-    ) -> tuple[Schedule, GramSelector | None]:
-        """The schedule and the per-matrix selector (or None) for one shape, as resolved
-        when the group was added. A key missing here (options changed after construction)
-        gets the same pure lookup, which never fits or writes."""
+    ) -> Schedule:
+        """The schedule for one shape, as resolved when the group was added. A key missing
+        here (options changed after construction) gets the same pure lookup, which never
+        fits or writes."""
         res = self._res.get(
-            self.key(spec, rows, cols, steps, dtype, fitted and spec == "adanewton")
+            self.key(spec, rows, cols, steps, dtype, fitted and canonical(spec) == "adanewton")
         )
         if res is None:
             res = self.get(spec, rows, cols, steps, dtype)
-        return res.schedule, res.selector
+        return res.schedule
 
     def records(self) -> list[Resolution]:
         return list(self._res.values())

@@ -150,9 +150,6 @@ def cmd_show(argv: list[str]) -> int:
     )
     print(_fmt(res.schedule))
     print(f"certified: peak {res.peak:.4f}")
-    if res.selector is not None:
-        print(f"per-matrix selector: {res.selector.describe()}")
-        print("  spiky schedule:\n" + _fmt(res.selector.spiky))
     return 0
 
 

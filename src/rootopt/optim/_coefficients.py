@@ -24,7 +24,7 @@ def group_matrices(group: dict[str, Any], pi: int, p: Tensor) -> list[Matrix]:
 def coefficients_for(
     cache: CoefficientCache, group: dict[str, Any], device: torch.device
 ) -> CoefficientsFor:
-    """``(rows, cols) -> (schedule, selector)`` for a group's parameters on ``device``."""
+    """``(rows, cols) -> schedule`` for a group's parameters on ``device``."""
     spec, steps, fit = group["ns_coefficients"], group["ns_steps"], group.get("ns_fit", False)
     dtype = ns_dtype_name(group["ns_dtype"], device)
     return lambda r, c: cache.schedule(spec, r, c, steps, dtype, fitted=fit)

@@ -11,7 +11,7 @@ docs/performance.md, "One update, every path"), per weight matrix::
     p    = p (1 - lr wd) - lr * s(rows, cols) * U
 
 Three units do it, on lists and stacks: :func:`momentum_`, :func:`root_direction`
-(threshold → per-matrix coefficient selection → Newton–Schulz, or SVD / QR) and
+(threshold → Newton–Schulz, or SVD / QR) and
 :func:`apply_` (decay and scaled step). :func:`_single_tensor_root` writes the update
 plainly for one parameter, one matrix at a time: the reference. :func:`_multi_tensor_root`
 stacks matrices of one shape (a fused projection's Q/K/V blocks are just more entries of a
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from rootopt.coeffs import Coeff
 from rootopt.optim.quantile import abs_quantile
-from rootopt.ortho import Selector, direction
+from rootopt.ortho import direction
 
 # Added to the quantile so that an all-zero matrix has a positive threshold (official code).
 THRESHOLD_EPS = 1e-9
@@ -41,8 +41,8 @@ THRESHOLD_EPS = 1e-9
 LrScale = Literal["moonlight", "muon", "none"]
 NDView = Literal["auto", "flatten", "batch"]
 OrthoMethod = Literal["newton_schulz", "svd", "qr"]
-# (rows, cols) of a matrix -> its schedule and per-matrix selector (resolved ahead)
-CoefficientsFor = Callable[[int, int], tuple[Sequence[Coeff], Selector | None]]
+# (rows, cols) of a matrix -> its schedule (resolved ahead)
+CoefficientsFor = Callable[[int, int], Sequence[Coeff]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,7 +221,6 @@ def root_direction(
     V: Tensor,
     schedule: Sequence[Coeff],
     *,
-    select: Selector | None = None,
     quantile: float | None,
     method: OrthoMethod = "newton_schulz",
     dtype: torch.dtype = torch.float32,
@@ -229,8 +228,8 @@ def root_direction(
 ) -> Tensor:
     """``U`` for a matrix or a stack ``(batch, rows, cols)``: each matrix clipped at its own
     threshold ``quantile(|v|, q) + 1e-9`` (in place on ``V``; ``quantile=None``: no clip),
-    then :func:`rootopt.ortho.direction` — per-matrix coefficient selection (``select``)
-    and Newton–Schulz in ``dtype``, or the SVD / QR factor (float32). Returns ``V``'s shape,
+    then :func:`rootopt.ortho.direction` — Newton–Schulz with ``schedule`` in ``dtype``, or
+    the SVD / QR factor (float32). Returns ``V``'s shape,
     contiguous, in the iteration dtype. ``rootopt.orthogonalize`` is this without the clip.
     """
     if quantile is not None:  # the clamp is V - sign(V) relu(|V| - eps), in one pass
@@ -244,7 +243,7 @@ def root_direction(
             V = V.clamp_(min=-eps, max=eps)
     if method != "newton_schulz":
         dtype = torch.float32
-    return direction(V, schedule, method=method, dtype=dtype, gram=gram, select=select)
+    return direction(V, schedule, method=method, dtype=dtype, gram=gram)
 
 
 def apply_(
@@ -313,9 +312,9 @@ def _single_tensor_root(
             if o.quantile is not None:  # 2. threshold: clamp at the per-matrix quantile
                 eps = abs_quantile(M, o.quantile) + THRESHOLD_EPS
                 B = M.clamp(-eps, eps)
-            schedule, select = coefficients(m.rows, m.cols)
+            schedule = coefficients(m.rows, m.cols)
             dtype = o.ns_dtype if o.method == "newton_schulz" else torch.float32
-            U = direction(B, schedule, method=o.method, dtype=dtype, gram=o.gram, select=select)
+            U = direction(B, schedule, method=o.method, dtype=dtype, gram=o.gram)
             if record is not None:
                 record(0, m, M[None], U[None])
             if robust is not None:  # (option) robust per-element scaling
@@ -423,9 +422,8 @@ def _directions(
             parts = [m.of(vs[i], views[i]) for i, m in bucket]
             V = parts[0] if len(parts) == 1 and private else torch.cat(parts)
         M = V.clone() if record is not None else None
-        schedule, select = coefficients(rows, cols)
         U = root_direction(
-            V, schedule, select=select, quantile=o.quantile, method=o.method,
+            V, coefficients(rows, cols), quantile=o.quantile, method=o.method,
             dtype=o.ns_dtype, gram=o.gram,
         )  # fmt: skip
         if U.dtype != dtypes[first] and U.device.type != "cpu":

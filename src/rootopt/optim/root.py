@@ -63,10 +63,10 @@ class ROOT(Optimizer):
             ``"algorithm"`` routes per parameter: ``ndim >= 2`` ROOT, the rest AdamW
             (:func:`rootopt.param_groups` builds safe groups from a model).
         lr, momentum, nesterov, weight_decay: as in the update above.
-        ns_steps, ns_coefficients: K iterations; ``"adanewton"`` (shape-specific, stable,
-            per-matrix selection), ``"official"`` (the paper's table + Muon fallback),
-            ``"muon"``, ``"polar_express"``, ``"you"``, ``"cans"``, ``"cubic"``,
-            ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
+        ns_steps, ns_coefficients: K iterations; ``"adanewton"`` (shape-specific, certified
+            stable; ``"adanewton-static"`` is an alias of it), ``"official"`` (the paper's
+            table + Muon fallback), ``"muon"``, ``"polar_express"``, ``"you"``, ``"cans"``,
+            ``"cubic"``, ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
         ns_dtype: iteration dtype; ``"auto"`` per device (``_options.AUTO_NS_DTYPE``:
             float32 everywhere today; TF32 is torch's own setting), or a dtype name.
         ortho_method: ``"newton_schulz"``, ``"svd"`` (exact UVᵀ) or ``"qr"``.
@@ -209,7 +209,7 @@ class ROOT(Optimizer):
 
     def coefficient_resolutions(self) -> list[Resolution]:
         """What was resolved for every distinct matrix shape (for reports): schedule,
-        source, certificate peak and the per-matrix selector."""
+        source and certificate peak."""
         return self._coeffs.records()
 
     # ------------------------------------------------------------- pickling, state dicts

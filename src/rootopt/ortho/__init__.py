@@ -7,13 +7,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rootopt.coeffs import CoefficientSpec, resolve
+from rootopt.coeffs import CoefficientSpec, canonical, resolve
 from rootopt.coeffs.adanewton import lookup
 from rootopt.ortho.newton_schulz import (
     GRAM_DTYPES,
     NORM_EPS,
     Coefficients,
-    Selector,
     gram_newton_schulz,
     newton_schulz,
     prefer_gram,
@@ -38,20 +37,18 @@ def direction(
     method: Method = "newton_schulz",
     dtype: torch.dtype = torch.float32,
     gram: bool | None = None,
-    select: Selector | None = None,
     eps: float = NORM_EPS,
 ) -> Tensor:
     """The orthogonalization step shared by the optimizer and :func:`orthogonalize`: for
-    Newton–Schulz, per-matrix coefficient selection (``select``, e.g. AdaNewton's
-    :class:`~rootopt.coeffs.GramSelector`, else ``schedule``) and the iteration, plain or in
-    Gram space (``gram=None``: :func:`prefer_gram` decides by shape and dtype); else the SVD
-    polar factor or the QR direction. ``B``: ``(m, n)`` or ``(batch, m, n)``; returns
+    Newton–Schulz, the iteration with ``schedule``, plain or in Gram space (``gram=None``:
+    :func:`prefer_gram` decides by shape and dtype); else the SVD polar factor or the QR
+    direction. ``B``: ``(m, n)`` or ``(batch, m, n)``; returns
     ``dtype``, ``B``'s shape."""
     if method == "newton_schulz":
         if gram is None:
             gram = prefer_gram(B.size(-2), B.size(-1), dtype)
         ns = gram_newton_schulz if gram else newton_schulz
-        return ns(B, schedule, dtype=dtype, eps=eps, select=select)
+        return ns(B, schedule, dtype=dtype, eps=eps)
     if method == "svd":
         return svd_polar(B, dtype=dtype)
     if method == "qr":
@@ -68,18 +65,15 @@ def orthogonalize(
     dtype: torch.dtype = torch.float32,
     eps: float = NORM_EPS,
     gram: bool | None = None,
-    select: Selector | None = None,
 ) -> Tensor:
     """Approximately (NS) or exactly (svd) map ``G = U S Vᵀ`` to ``U Vᵀ``.
 
     ``G`` is 2-D ``(m, n)`` or a batch ``(B, m, n)``. For Newton–Schulz, ``coefficients``
     is resolved for the shape ``(m, n)``, ``steps`` iterations and ``dtype`` (see
-    :func:`rootopt.coeffs.resolve`), or given as a ``(K, 3)`` / ``(K, B, 3)`` tensor;
-    ``select`` chooses per-matrix coefficients from ``X₀X₀ᵀ`` (see
-    :mod:`rootopt.ortho.newton_schulz`). ``"adanewton"`` brings its own per-matrix selector
-    (:class:`~rootopt.coeffs.GramSelector`) unless ``select`` is given, so the result is
-    exactly the direction :class:`rootopt.ROOT` computes for ``G`` with the threshold off
-    (``outlier_quantile=None``). ``gram``: run the iteration in Gram space (``None``: where
+    :func:`rootopt.coeffs.resolve`), or given as a ``(K, 3)`` / ``(K, B, 3)`` tensor.
+    ``"adanewton"`` is certified for the iteration dtype as in the optimizer, so the result
+    is exactly the direction :class:`rootopt.ROOT` computes for ``G`` with the threshold
+    off (``outlier_quantile=None``). ``gram``: run the iteration in Gram space (``None``: where
     :func:`prefer_gram` says it pays and holds). ``dtype`` is the iteration dtype (float32
     default, bfloat16 for speed). Returns ``dtype``.
     """
@@ -94,14 +88,13 @@ def orthogonalize(
         coeffs: Coefficients
         if isinstance(coefficients, Tensor):
             coeffs = coefficients
-        elif coefficients == "adanewton" and dtype in _DTYPE_NAMES:
-            res = lookup(rows, cols, steps, dtype=_DTYPE_NAMES[dtype])
-            coeffs, select = res.schedule, select if select is not None else res.selector
+        elif canonical(coefficients) == "adanewton" and dtype in _DTYPE_NAMES:
+            coeffs = lookup(rows, cols, steps, dtype=_DTYPE_NAMES[dtype]).schedule
         else:
             coeffs = resolve(coefficients, rows, cols, steps)
     else:
         coeffs = ()
-    return direction(G, coeffs, method=method, dtype=dtype, gram=gram, select=select, eps=eps)
+    return direction(G, coeffs, method=method, dtype=dtype, gram=gram, eps=eps)
 
 
 __all__ = [
@@ -110,7 +103,6 @@ __all__ = [
     "NORM_EPS",
     "Coefficients",
     "Method",
-    "Selector",
     "direction",
     "gram_newton_schulz",
     "newton_schulz",

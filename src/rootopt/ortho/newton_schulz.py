@@ -22,17 +22,12 @@ trace(G Gᵀ)`` comes with the first Gram matrix, so no separate pass over ``G``
 and ``X₀`` is never materialised.
 
 Coefficients: a schedule (a sequence of K ``(a, b, c)`` floats), or a float tensor of shape
-``(K, 3)`` (per step) or ``(K, batch, 3)`` (per step and per matrix of a stack). With
-``select``, a callable receiving the first Gram matrices ``A₀ = X₀ X₀ᵀ`` (shape
-``(batch, m, m)``, ``X₀`` Frobenius-normalised) and returning a ``(K, batch, 3)`` tensor,
-the coefficients are chosen per matrix from statistics of ``A₀`` (for AdaNewton: its
-squared Frobenius norm and a soft count of small singular values, see
-:class:`rootopt.coeffs.GramSelector`) without a host synchronisation.
+``(K, 3)`` (per step) or ``(K, batch, 3)`` (per step and per matrix of a stack).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -44,9 +39,6 @@ NORM_EPS = 1e-7
 
 # Coefficients as accepted by every iteration here.
 Coefficients = Sequence[Coeff] | Tensor
-# ``select(A₀)`` with ``A₀ = X₀ X₀ᵀ`` of the Frobenius-normalised ``X₀``, shape
-# ``(batch, m, m)`` -> ``(K, batch, 3)`` (e.g. :class:`rootopt.coeffs.GramSelector`).
-Selector = Callable[[Tensor], Tensor]
 
 # Dtypes in which the normalisation is folded into the small matrix (their range holds
 # the un-normalised Gram matrix); float16 normalises X first.
@@ -105,17 +97,9 @@ def _first_gram(X: Tensor, eps: float, folded: bool) -> tuple[Tensor, Tensor]:
     return A.mul_(inv.square()), inv
 
 
-def _coefficient_rows(
-    coefficients: Coefficients, select: Selector | None, A: Tensor
-) -> Sequence[Coeff] | Tensor:
+def _coefficient_rows(coefficients: Coefficients, A: Tensor) -> Sequence[Coeff] | Tensor:
     """The coefficients to use: the schedule, or a ``(K, batch, 3)`` / ``(K, 3)`` tensor."""
     batch = A.size(0) if A.ndim == 3 else 1
-    if select is not None:
-        C = select(A if A.ndim == 3 else A[None])
-        if not isinstance(C, Tensor) or C.ndim != 3 or C.size(1) != batch or C.size(2) != 3:
-            got = tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__
-            raise ValueError(f"select must return a (K, {batch}, 3) tensor, got {got}")
-        coefficients = C
     if isinstance(coefficients, Tensor):
         C = coefficients
         ok = (C.ndim == 2 and C.size(1) == 3) or (
@@ -183,7 +167,6 @@ def newton_schulz(
     *,
     dtype: torch.dtype = torch.float32,
     eps: float = NORM_EPS,
-    select: Selector | None = None,
 ) -> Tensor:
     """Apply the quintic iterations of ``coefficients`` to ``G`` (``(m, n)`` or ``(B, m, n)``).
 
@@ -192,7 +175,7 @@ def newton_schulz(
     """
     X, transpose, folded = _wide(G, dtype, eps, "newton_schulz")
     A, inv = _first_gram(X, eps, folded)
-    C = _per_step(_coefficient_rows(coefficients, select, A), A)
+    C = _per_step(_coefficient_rows(coefficients, A), A)
     mm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for k in range(len(C)):
         if k > 0:
@@ -221,7 +204,6 @@ def gram_newton_schulz(
     *,
     dtype: torch.dtype = torch.float32,
     eps: float = NORM_EPS,
-    select: Selector | None = None,
 ) -> Tensor:
     """The same iteration as :func:`newton_schulz`, run on the ``m x m`` Gram matrix.
 
@@ -237,7 +219,7 @@ def gram_newton_schulz(
     # (A₀ from X₀ and Q_K X₀) see X₀'s own dtype.
     acc = torch.float64 if X.dtype == torch.float64 else torch.float32
     A, inv = _first_gram(X.to(acc), eps, folded)
-    C = _per_step(_coefficient_rows(coefficients, select, A), A)
+    C = _per_step(_coefficient_rows(coefficients, A), A)
     K = len(C)
     Q: Tensor | None = None
     for k in range(K):

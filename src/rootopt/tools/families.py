@@ -4,8 +4,7 @@
 For square, wide and tall shapes that the shipped table does not hold, draws matrices of
 four families and measures the polar error ``||X_K − U Vᵀ||_F / ||U Vᵀ||_F`` after K
 steps of Muon, You, Polar Express, CANS (published, on the Frobenius-normalised matrix)
-and AdaNewton as the optimizer resolves it (the generalised schedule, with and without
-the per-matrix :class:`~rootopt.coeffs.GramSelector`). Families:
+and AdaNewton as the optimizer resolves it (the generalised schedule). Families:
 
 - ``gaussian``: i.i.d. N(0, 1) entries;
 - ``heavytail``: Student-t (ν = 3) entries with log-normal row/column scales, clipped at
@@ -20,9 +19,7 @@ the per-matrix :class:`~rootopt.coeffs.GramSelector`). Families:
   floor at about ``f·(1 ± √(m/n))`` of the largest singular value.
 
 Errors are computed on exact singular values in float64 (the scalar map is exact for
-Newton–Schulz in exact arithmetic; :func:`iterate_float64` runs the real iteration with a
-selector and is tested equal). The selector sees exactly what the iteration would give it:
-``s = Σσ⁴`` of the Frobenius-normalised matrix.
+Newton–Schulz in exact arithmetic).
 """
 
 from __future__ import annotations
@@ -34,11 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from rootopt.coeffs import CANS, MUON, POLAR_EXPRESS, YOU, GramSelector, Schedule
+from rootopt.coeffs import CANS, MUON, POLAR_EXPRESS, YOU, Schedule
 from rootopt.coeffs.adanewton import lookup
-from rootopt.coeffs.stability import apply_schedule, verify_schedule
+from rootopt.coeffs.stability import apply_schedule
 from rootopt.tools import new_file
 from rootopt.tools.spectra import load_recorded, transport
 
@@ -113,47 +109,6 @@ def rel_error(schedule: Schedule, sigma: np.ndarray) -> float:
     return float(np.sqrt(np.mean((y - 1.0) ** 2)))
 
 
-def selector_statistics(
-    selector: GramSelector, sigma: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(s, c)`` as :meth:`GramSelector.statistics` computes them from ``A₀``, here from
-    the exact normalised singular values: ``s = Σσ⁴``, ``c = mean δ/(σ²/√s + δ)``."""
-    s = float(np.sum(sigma**4))
-    c = None
-    if selector.soft_delta is not None:
-        d = selector.soft_delta
-        x2 = sigma**2 / max(np.sqrt(s), selector.t_min**2)
-        c = torch.tensor([float(np.mean(d / (x2 + d)))], dtype=torch.float64)
-    return torch.tensor([s], dtype=torch.float64), c
-
-
-def selector_error(selector: GramSelector, sigma: np.ndarray) -> float:
-    """The error of the per-matrix path: coefficients from the statistics of ``sigma``."""
-    coeffs = selector.coefficients(*selector_statistics(selector, sigma))[:, 0, :].double().numpy()
-    sched = tuple((float(a), float(b), float(c)) for a, b, c in coeffs)
-    return rel_error(sched, sigma)
-
-
-def iterate_float64(G: torch.Tensor, selector: GramSelector, eps: float = 1e-7) -> torch.Tensor:
-    """The Newton–Schulz iteration with per-matrix coefficients, in float64 (an oracle).
-
-    ``G`` is ``(batch, m, n)``; each matrix is Frobenius-normalised and
-    ``selector(X₀X₀ᵀ)`` gives ``(K, batch, 3)``."""
-    X = G.double()
-    tr = X.size(-2) > X.size(-1)
-    if tr:
-        X = X.mT
-    X = X / (X.square().sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
-    A = X @ X.mT
-    coeffs = selector(A).double()
-    for k in range(coeffs.shape[0]):
-        if k > 0:
-            A = X @ X.mT
-        a, b, c = (coeffs[k, :, j, None, None] for j in range(3))
-        X = a * X + (b * A + c * (A @ A)) @ X
-    return X.mT if tr else X
-
-
 def bench(
     *,
     dtype: str = "float32",
@@ -176,25 +131,12 @@ def bench(
         for m, n in lst:
             res = lookup(m, n, steps, dtype=dtype)
             worst_peak = max(worst_peak, res.peak)
-            sel = res.selector
-            if sel is not None:
-                worst_peak = max(
-                    worst_peak,
-                    verify_schedule(sel.spiky, delta=1e9).peak,
-                    verify_schedule(sel.flat, delta=1e9).peak,
-                )
             for fam in FAMILIES:
                 sigs = draw_family(fam, m, n, rng, draws=draws)
                 errs: dict[str, float] = {
                     k: float(np.mean([rel_error(s, x) for _, x in sigs])) for k, s in base.items()
                 }
-                errs["adanewton_plain"] = float(
-                    np.mean([rel_error(res.schedule, x) for _, x in sigs])
-                )
-                if sel is not None:
-                    errs["adanewton"] = float(np.mean([selector_error(sel, x) for _, x in sigs]))
-                else:
-                    errs["adanewton"] = errs["adanewton_plain"]
+                errs["adanewton"] = float(np.mean([rel_error(res.schedule, x) for _, x in sigs]))
                 best = min(BASELINES, key=lambda k: errs[k])
                 rows.append(
                     {
@@ -205,7 +147,6 @@ def bench(
                         "errors": errs,
                         "best_baseline": best,
                         "ratio": errs["adanewton"] / errs[best],
-                        "ratio_plain": errs["adanewton_plain"] / errs[best],
                         "source": res.source,
                     }
                 )
@@ -224,16 +165,7 @@ def lowest_k(
         errs = {
             name: float(np.mean([rel_error(s, x) for _, x in sigs])) for name, s in base.items()
         }
-        res = lookup(*shape, k)
-        sel = res.selector
-        ada = float(
-            np.mean(
-                [
-                    selector_error(sel, x) if sel is not None else rel_error(res.schedule, x)
-                    for _, x in sigs
-                ]
-            )
-        )
+        ada = float(np.mean([rel_error(lookup(*shape, k).schedule, x) for _, x in sigs]))
         best = min(errs, key=lambda k2: errs[k2])
         out.append(
             {
@@ -249,15 +181,14 @@ def lowest_k(
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        "| kind | shape | family | AdaNewton | plain schedule | best baseline | its error | ratio | ratio (plain) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| kind | shape | family | AdaNewton | best baseline | its error | ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         e = r["errors"]
         lines.append(
             f"| {r['kind']} | {r['shape'][0]}x{r['shape'][1]} | {r['family']} | {e['adanewton']:.4f} | "
-            f"{e['adanewton_plain']:.4f} | {r['best_baseline']} | {e[r['best_baseline']]:.4f} | "
-            f"{r['ratio']:.2f} | {r['ratio_plain']:.2f} |"
+            f"{r['best_baseline']} | {e[r['best_baseline']]:.4f} | {r['ratio']:.2f} |"
         )
     lines.append(f"\nworst-case amplification of every schedule used: {result['worst_peak']:.3f}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ answer (all finite) and are counted as ``syncs``.
 Counted per step: ``ops`` (every dispatched ATen operation), ``kernels`` (those that launch
 work: not views, reshapes or bare allocations; a ``_foreach`` call is one, as it is one or a
 few launches on CUDA) and ``syncs``. Used by ``benchmarks/bench_step.py``,
-``benchmarks/bench_selector.py`` and ``tests/test_opcount.py``.
+``benchmarks/bench_step_device.py`` and ``tests/test_opcount.py``.
 """
 
 from __future__ import annotations

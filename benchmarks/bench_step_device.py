@@ -1,12 +1,9 @@
-"""What AdaNewton's per-matrix selector costs, and a whole optimizer step against
-torch.optim.Muon, on this machine's device (CUDA when present, else CPU).
+"""Newton–Schulz throughput and a whole optimizer step against torch.optim.Muon, on this
+machine's device (CUDA when present, else CPU).
 
-Part 1, per shape and iteration dtype, for a bucket of ``--batch`` matrices:
-- the Newton–Schulz iteration with the shape's schedule (``select=None``), its GFLOP/s
-  and their share of the matmul peak measured at that shape and dtype (``X Xᵀ``);
-- the same with the :class:`~rootopt.coeffs.GramSelector` (float32: ``s`` plus the soft
-  count, one Cholesky factorisation and 64 triangular solves; bfloat16: ``s`` only);
-- the selector's statistics alone, on the Gram matrices.
+Part 1, per shape and iteration dtype, for a bucket of ``--batch`` matrices: the
+Newton–Schulz iteration with the shape's AdaNewton schedule, its GFLOP/s and their share
+of the matmul peak measured at that shape and dtype (``X Xᵀ``).
 
 Part 2, optimizer steps on the matrices of a GPT-style decoder (``--d-model``,
 ``--layers``): operations dispatched per step (``rootopt.tools.opcount``, meta tensors),
@@ -22,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from functools import partial
 from typing import Any
 
 import torch
@@ -35,7 +31,7 @@ from rootopt.ortho import direction, prefer_gram
 from rootopt.tools.opcount import optimizer_counts, standard_makers
 
 
-def selector_costs(
+def ns_costs(
     shapes: list[tuple[int, int]], batch: int, device: torch.device, reps: int
 ) -> list[dict[str, Any]]:
     rows = []
@@ -43,19 +39,15 @@ def selector_costs(
         G = torch.randn(batch, r, c, device=device)
         for dt in (torch.float32, torch.bfloat16):
             name = str(dt).removeprefix("torch.")
-            res = lookup(r, c, 5, dtype=name)
-            sel = res.selector
-            assert sel is not None
+            sched = lookup(r, c, 5, dtype=name).schedule
             m = min(r, c)
             X = G.to(dt)
             X = X.mT if r > c else X
-            A = X @ X.mT
-            A = A / A.float().diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None].to(A.dtype)
-
-            ns = partial(direction, G, res.schedule, method="newton_schulz", dtype=dt)
-            plain, chosen = ns, partial(ns, select=sel)
-            stats = partial(sel.statistics, A)
-            t_plain, t_sel, t_stat = (median_ms(f, device, reps)[0] for f in (plain, chosen, stats))
+            t_ns = median_ms(
+                lambda G=G, s=sched, dt=dt: direction(G, s, method="newton_schulz", dtype=dt),
+                device,
+                reps,
+            )[0]
             gram = prefer_gram(r, c, dt)
             n = max(r, c)
             flops = batch * (
@@ -68,16 +60,12 @@ def selector_costs(
                     "shape": [r, c],
                     "dtype": name,
                     "batch": batch,
-                    "soft_count": sel.soft_delta is not None,
-                    "ns_ms": t_plain,
-                    "ns_with_selector_ms": t_sel,
-                    "statistics_ms": t_stat,
-                    "overhead": t_sel / t_plain,
+                    "ns_ms": t_ns,
                     "short_side": m,
                     "gram": gram,
-                    "ns_gflops": flops / t_plain / 1e6,
+                    "ns_gflops": flops / t_ns / 1e6,
                     "matmul_peak_gflops": peak,
-                    "ns_of_peak": flops / t_plain / 1e6 / peak,
+                    "ns_of_peak": flops / t_ns / 1e6 / peak,
                 }
             )
     return rows
@@ -209,16 +197,12 @@ def main() -> int:
     layers = a.layers or (8 if cuda else 2)
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"device: {name}; torch {torch.__version__}; batch {a.batch}; reps {a.reps}")
-    rows = selector_costs([(int(r), int(c)) for r, c in shapes], a.batch, device, a.reps)
-    print(
-        "\nshape        dtype     soft  NS ms   NS+selector ms  statistics ms  overhead"
-        "  NS GFLOP/s (of the X Xt matmul at this shape)"
-    )
+    rows = ns_costs([(int(r), int(c)) for r, c in shapes], a.batch, device, a.reps)
+    print("\nshape        dtype     NS ms   NS GFLOP/s (of the X Xt matmul at this shape)")
     for r in rows:
         print(
-            f"{r['shape'][0]}x{r['shape'][1]:<7} {r['dtype']:<9} {'yes' if r['soft_count'] else 'no':<5}"
-            f"{r['ns_ms']:7.2f}   {r['ns_with_selector_ms']:9.2f}      {r['statistics_ms']:9.3f}     "
-            f"{r['overhead']:.3f}   {r['ns_gflops']:8.0f} ({r['ns_of_peak'] * 100:3.0f}% of "
+            f"{r['shape'][0]}x{r['shape'][1]:<7} {r['dtype']:<9} {r['ns_ms']:7.2f}   "
+            f"{r['ns_gflops']:8.0f} ({r['ns_of_peak'] * 100:3.0f}% of "
             f"{r['matmul_peak_gflops']:.0f}{', Gram' if r['gram'] else ''})"
         )
     counts = optimizer_counts(standard_makers(), d_model=d, layers=layers)
@@ -246,7 +230,7 @@ def main() -> int:
         print(f"  {k:<34} {v:.3f}")
     if a.json:
         with open(a.json, "x") as fh:  # a new file: never overwrite one
-            json.dump({"device": name, "torch": torch.__version__, "selector": rows, "steps": steps,
+            json.dump({"device": name, "torch": torch.__version__, "newton_schulz": rows, "steps": steps,
                        "ratios": ratios, "op_counts": counts, "d_model": d, "layers": layers},
                       fh, indent=1)  # fmt: skip
     return 0
