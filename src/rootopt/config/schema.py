@@ -169,7 +169,9 @@ class OptimizationConfig:
     momentum: float = _f(0.95, "ROOT/Muon/SGD momentum", min=0, max=0.99999)
     nesterov: bool = _f(True, "Nesterov momentum (ROOT)")
     ns_steps: int = _f(5, "Newton–Schulz iterations (ROOT)", min=1, max=20)
-    ns_coefficients: str = _f("adanewton", "Newton–Schulz coefficient preset (ROOT)")
+    ns_coefficients: str = _f(
+        "muon", "Newton–Schulz coefficient preset (ROOT; default chosen in docs/benchmarks.md)"
+    )
     outlier_quantile: float = _f(
         0.9,
         "soft-threshold quantile (ROOT; a coefficient 0.1 = top 10% as outliers ⇔ 0.9)",

@@ -63,9 +63,10 @@ class ROOT(Optimizer):
             ``"algorithm"`` routes per parameter: ``ndim >= 2`` ROOT, the rest AdamW
             (:func:`rootopt.param_groups` builds safe groups from a model).
         lr, momentum, nesterov, weight_decay: as in the update above.
-        ns_steps, ns_coefficients: K iterations; ``"adanewton"`` (shape-specific, certified
-            stable; ``"adanewton-static"`` is an alias of it), ``"official"`` (the paper's
-            table + Muon fallback), ``"muon"``, ``"polar_express"``, ``"you"``, ``"cans"``,
+        ns_steps, ns_coefficients: K iterations; ``"muon"`` (Muon's tuple: the default,
+            chosen by the defaults study, docs/benchmarks.md), ``"adanewton"``
+            (shape-specific, certified stable; ``"adanewton-static"`` is an alias of it),
+            ``"official"`` (the paper's table + Muon fallback), ``"polar_express"``, ``"you"``, ``"cans"``,
             ``"cubic"``, ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
         ns_dtype: iteration dtype; ``"auto"`` per device (``_options.AUTO_NS_DTYPE``:
             float32 everywhere today; TF32 is torch's own setting), or a dtype name.
@@ -103,7 +104,7 @@ class ROOT(Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.1,
         ns_steps: int = 5,
-        ns_coefficients: CoefficientSpec = "adanewton",
+        ns_coefficients: CoefficientSpec = "muon",
         ns_dtype: str | torch.dtype = "auto",
         ortho_method: OrthoMethod = "newton_schulz",
         outlier_quantile: float | None = 0.9,

@@ -60,7 +60,7 @@ def orthogonalize(
     G: Tensor,
     *,
     steps: int = 5,
-    coefficients: CoefficientSpec | Tensor = "adanewton",
+    coefficients: CoefficientSpec | Tensor = "muon",
     method: Method = "newton_schulz",
     dtype: torch.dtype = torch.float32,
     eps: float = NORM_EPS,
@@ -70,8 +70,8 @@ def orthogonalize(
 
     ``G`` is 2-D ``(m, n)`` or a batch ``(B, m, n)``. For Newton–Schulz, ``coefficients``
     is resolved for the shape ``(m, n)``, ``steps`` iterations and ``dtype`` (see
-    :func:`rootopt.coeffs.resolve`), or given as a ``(K, 3)`` / ``(K, B, 3)`` tensor.
-    ``"adanewton"`` is certified for the iteration dtype as in the optimizer, so the result
+    :func:`rootopt.coeffs.resolve`), or given as a ``(K, 3)`` / ``(K, B, 3)`` tensor; the
+    default is the optimizer's (``"muon"``). ``"adanewton"`` is certified for the iteration dtype as in the optimizer, so the result
     is exactly the direction :class:`rootopt.ROOT` computes for ``G`` with the threshold
     off (``outlier_quantile=None``). ``gram``: run the iteration in Gram space (``None``: where
     :func:`prefer_gram` says it pays and holds). ``dtype`` is the iteration dtype (float32
