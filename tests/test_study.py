@@ -332,3 +332,16 @@ def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> Non
     # a: 1000 → 2500 (its last run), b: 5000 → 6000
     assert meta["wall_s"] == 1500 + 1000
     assert meta["runs"] == 3 and meta["run_s (sum over runs)"] == 35
+
+
+def test_benchmarks_page_is_the_committed_study() -> None:
+    """docs/benchmarks.md carries exactly the tables rendered from docs/study_results.json."""
+    from rootopt.bench.study_report import BEGIN, END, markdown, splice
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    summary = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    page = (docs / "benchmarks.md").read_text(encoding="utf-8")
+    assert page.count(BEGIN) == 1 and page.count(END) == 1
+    block = markdown(summary)
+    assert "#### Decisions" in block and summary["decisions"]["ns_coefficients"]["winner"]
+    assert splice(page, block) == page

@@ -215,3 +215,42 @@ def splice(doc: str, block: str) -> str:
     if i < 0 or j < 0 or j < i:
         raise ValueError("the document has no study markers")
     return doc[:i] + block.rstrip("\n") + doc[j + len(END) :]
+
+
+# The README's results table: the default ROOT against what a user would pick instead.
+HEADLINE_ARMS = (("muon-bf16", "Muon (`torch.optim.Muon`)"), ("adamw", "AdamW"))
+
+
+def headline_arm(s: dict[str, Any]) -> str | None:
+    """The arm of the library's default: the final decision, else the chosen coefficients."""
+    d = s["decisions"]
+    if "final" in d:
+        return str(d["final"])
+    if "ns_coefficients" in d:
+        return str(d["ns_coefficients"]["winner"])
+    return None
+
+
+def headline(s: dict[str, Any]) -> str:
+    """A table of test loss (mean ± half the 95 % interval) per cell for the default ROOT,
+    ``torch.optim.Muon`` and AdamW, the lowest mean in bold; every number from ``s``."""
+    arm = headline_arm(s)
+    if arm is None:
+        raise ValueError("the study has not decided the coefficients yet")
+    cols = [(arm, "ROOT (default)"), *HEADLINE_ARMS]
+    lines = [
+        "| task, steps | " + " | ".join(label for _, label in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for cell, c in s["cells"].items():
+        rows = [c["arms"].get(n) for n, _ in cols]
+        if any(r is None or not r.get("test_loss_ci") for r in rows):
+            continue
+        cis = [r["test_loss_ci"] for r in rows if r is not None]
+        best = min(ci["mean"] for ci in cis)
+        shown = []
+        for ci in cis:
+            text = f"{ci['mean']:.3f} ± {(ci['hi'] - ci['lo']) / 2:.3f}"
+            shown.append(f"**{text}**" if ci["mean"] == best else text)
+        lines.append(f"| `{c['task']}`, {c['steps']} | " + " | ".join(shown) + " |")
+    return "\n".join(lines) + "\n"
