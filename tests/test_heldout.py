@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import rootopt
 from rootopt import ROOT
+from rootopt.coeffs import resolve
 from rootopt.coeffs.presets import NAMED_SETS
 from rootopt.optim.functional import clip_outliers
 from rootopt.tools import heldout as ho
@@ -29,7 +30,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def _spiky(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """A rank-3 signal over a floor ~1e-4 of it: the selector's spiky regime."""
+    """A rank-3 signal over a floor ~1e-4 of it: a spiky spectrum."""
     g = torch.Generator().manual_seed(seed)
     u = torch.randn(rows, 3, generator=g)
     v = torch.randn(3, cols, generator=g)
@@ -93,18 +94,21 @@ def test_float32_iteration_matches_a_float64_reference(name):
     )
 
 
-def test_float32_adanewton_matches_the_float64_iteration_with_its_selected_coefficients():
-    from rootopt.tools.families import iterate_float64
-
+def test_float32_adanewton_matches_the_float64_iteration_with_the_shapes_schedule():
+    """Every matrix of a shape, spiky or not, gets the shape's one resolved schedule: the
+    table's, not a published one."""
     B = torch.stack([_spiky(12, 30, 5), _gaussian(12, 30, 6)])
     path = ho.optimizer_path("adanewton", "float32", 12, 30)
-    assert path.select is not None and path.certified
+    assert path.certified and len(path.schedule) == ho.K
+    assert [tuple(c) for c in path.schedule] == [
+        tuple(c) for c in resolve("adanewton", 12, 30, ho.K)
+    ]
+    assert all(list(path.schedule) != list(s.schedule(ho.K)) for s in NAMED_SETS.values())
     X = ho.directions(B, "adanewton", "float32")
-    ref = iterate_float64(B, path.select)
-    assert float((X.double() - ref).abs().max()) < 1e-4
-    # The selector decided differently for the two matrices: the plain schedule differs.
-    plain = ho.directions(B, "adanewton-plain", "float32")
-    assert not torch.allclose(plain[0], X[0], atol=1e-3)
+    assert X.shape == B.shape
+    for x, b in zip(X, B, strict=True):
+        ref = _ns_float64(b.double().numpy(), path.schedule)
+        assert np.abs(x.double().numpy() - ref).max() < 1e-4
 
 
 class _MatmulDtypes(TorchFunctionMode):
@@ -142,7 +146,7 @@ def test_bfloat16_evaluation_iterates_in_bfloat16(name):
 
 def test_cans_is_refused_in_bfloat16_and_run_as_published():
     path = ho.optimizer_path("cans", "bfloat16", 16, 40)
-    assert not path.certified and path.select is None and "refused" in path.resolved
+    assert not path.certified and "refused" in path.resolved
     assert list(path.schedule) == list(NAMED_SETS["cans"].schedule(ho.K))
     assert ho.optimizer_path("cans", "float32", 16, 40).certified
 
@@ -154,7 +158,8 @@ def test_cans_is_refused_in_bfloat16_and_run_as_published():
 def test_adanewton_path_equals_the_optimizer_step(ns_dtype):
     """ROOT with lr 1, no decay, no lr scaling and parameters at 0 leaves ``p = −U``: the
     update direction of its step, which the evaluator must reproduce bit for bit for the
-    ``B`` the step orthogonalized (selector included; plain and Gram-space shapes)."""
+    ``B`` the step orthogonalized (spiky and Gaussian matrices; plain and Gram-space
+    shapes)."""
     grads = [_spiky(24, 70, 9), _gaussian(24, 70, 10), _spiky(72, 160, 11).T]
     params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(params, grads, strict=True):
@@ -167,22 +172,16 @@ def test_adanewton_path_equals_the_optimizer_step(ns_dtype):
     steps = [-p.detach() for p in params]
     for (B, _U), want in zip(calls, [torch.stack(steps[:2]), steps[2][None]], strict=True):
         assert torch.equal(ho.directions(B, "adanewton", ns_dtype), want)
-    # The selector took part: the spiky matrix gets another direction without it.
-    plain = ho.directions(calls[0][0], "adanewton-plain", ns_dtype)
-    assert not torch.allclose(plain[0], steps[0], atol=1e-2)
 
 
-def test_adanewton_path_equals_orthogonalize_and_static_equals_plain():
-    """The evaluator's AdaNewton is ``rootopt.orthogonalize``'s (the same per-matrix
-    selector); ``adanewton-static``, where offered, is AdaNewton's schedule without it."""
+def test_adanewton_path_equals_orthogonalize():
+    """The evaluator's AdaNewton is ``rootopt.orthogonalize``'s, bit for bit; the alias
+    ``adanewton-static`` is not evaluated a second time."""
     B = torch.stack([_spiky(24, 70, 12), _gaussian(24, 70, 13)])
     for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         want = rootopt.orthogonalize(B, coefficients="adanewton", dtype=torch_dtype)
         assert torch.equal(ho.directions(B, "adanewton", dtype), want.float())
-        plain = ho.directions(B, "adanewton-plain", dtype)
-        assert not torch.allclose(plain[0], want[0].float(), atol=1e-2)
-        if "adanewton-static" in ho.schedules():
-            assert torch.equal(ho.directions(B, "adanewton-static", dtype), plain)
+    assert ho.schedules() == ["adanewton", "muon", "you", "polar_express", "cans", "official"]
 
 
 def test_wrapper_is_removed_after_capture():
@@ -304,16 +303,22 @@ def test_cli_records_into_the_cache_and_reports(tmp_path, capsys):
     s = json.loads(out_json.read_text())
     assert s["format"] == ho.SUMMARY_FORMAT and s["provenance"]["seed"] == ho.DEFAULT_SEED
     assert s["optimizer_check"] == {"stacks": 4, "identical": 4, "max_abs_diff": 0.0}
-    assert {"adanewton", "adanewton-plain", "muon", "you", "polar_express", "cans"} <= set(
-        s["schedules"]
+    assert s["schedules"] == ["adanewton", "muon", "you", "polar_express", "cans", "official"]
+    # One AdaNewton schedule per shape: no per-matrix decisions are measured or reported.
+    assert all(set(m["err"][d]) == set(s["schedules"]) for m in s["matrices"] for d in ho.DTYPES)
+    assert not any("spiky" in m for m in s["matrices"]) and not any(
+        "spiky" in g for g in s["groups"]
     )
+    text = ho.render_markdown(s)
+    head = [line for line in text.splitlines() if line.startswith("| task")]
+    assert len(head) == 2 and all("spiky" not in h and "no selector" not in h for h in head)
     rows = [g for g in s["groups"] if g["dtype"] == "float32" and g["task"] == "digits"]
     assert sorted(g["shape"] for g in rows) == ["16x9", "32x144"] and all(g["n"] == 2 for g in rows)
     for g in s["groups"]:
         best = min(g["stats"][p]["median"] for p in s["published"])
         assert g["ratio_median"] == pytest.approx(g["stats"]["adanewton"]["median"] / best)
     assert s["certified"]["bfloat16"]["cans"] is False and s["certified"]["float32"]["cans"]
-    assert ho.render_markdown(s) in capsys.readouterr().out
+    assert text in capsys.readouterr().out
     # A second run reuses the recording (same bytes) and refuses to replace the JSON.
     before = rec.read_bytes()
     with pytest.raises(SystemExit) as exc:
@@ -353,6 +358,8 @@ def test_cli_refuses_files_it_does_not_own(tmp_path, capsys):
 
 
 def test_doc_table_is_generated_from_the_committed_summary():
+    """The committed summary was measured with the removed selector: its "spiky" and "no
+    selector" columns are rendered as recorded."""
     summary = json.loads((DOCS / "adanewton_heldout.json").read_text())
     assert summary["format"] == ho.SUMMARY_FORMAT
     doc = (DOCS / "adanewton.md").read_text()

@@ -2,9 +2,9 @@
 (``rootopt coeffs heldout``; docs/adanewton.md, "Held-out evaluation on recorded training
 matrices").
 
-AdaNewton's table and selector were fitted and tuned on synthetic spectrum families and on
-spectra recorded from three small LMs on CPython's stdlib source (docs/adanewton.md). This
-tool measures the schedules on data none of that saw:
+AdaNewton's table was fitted on synthetic spectrum families and on spectra recorded from
+three small LMs on CPython's stdlib source (docs/adanewton.md). This tool measures the
+schedules on data none of that saw:
 
 1. **Record.** Short ROOT runs, with a seed no fit or tuning used (default 9001), of tasks
    and shapes outside the fitting data: the ``kjv`` byte-level LM (another corpus),
@@ -22,10 +22,11 @@ tool measures the schedules on data none of that saw:
    ``||X_K − UVᵀ||_F / ||UVᵀ||_F`` after K=5 steps, ``UVᵀ`` from a float64 SVD, with the
    iteration run for real in float32 and in bfloat16. Each schedule goes through the
    optimizer's own path: a ROOT built for that shape, ``ns_coefficients`` and ``ns_dtype``
-   resolves the schedule and the per-matrix selector as its step does (the group's
+   resolves the schedule and the iteration options as its step does (the group's
    ``coefficients_for`` lookup and ``root_options``), and the core's ``root_direction``
-   runs them (without a second clip) on the stack of matrices the optimizer stacked. For AdaNewton in float32 this reproduces the directions
-   recorded during training (checked, stack by stack).
+   runs them (without a second clip) on the stack of matrices the optimizer stacked. For
+   AdaNewton in float32 this reproduces the directions recorded during training (checked,
+   stack by stack).
 3. **Report.** Per task and shape and per dtype: median and worst error of each schedule
    and AdaNewton's ratio to the best published schedule (Muon, You, Polar Express, CANS),
    against the 0.9× target of docs/adanewton.md.
@@ -62,19 +63,16 @@ if TYPE_CHECKING:
 
 RECORD_FORMAT = "rootopt.heldout_matrices/1"
 SUMMARY_FORMAT = "rootopt.heldout_summary/1"
-# A seed no fit, table build or selector choice used (they used 0, 7, 1000 and 2024).
+# A seed no fit, table build or tuning used (they used 0, 7, 1000 and 2024).
 DEFAULT_SEED = 9001
 CAPTURE_STEPS = (25, 100, 200)
 TASK_NAMES = ("kjv", "stdlib-large", "digits", "bbc")
 K = 5
 DTYPES = ("float32", "bfloat16")
-# Evaluated schedules, in report order. "adanewton-plain" is AdaNewton's resolved schedule
-# without the per-matrix selector (what the selector adds); "adanewton-static" is evaluated
-# where the installed rootopt offers it.
+# Evaluated schedules, in report order. "adanewton-static" is not among them: it is an alias
+# of "adanewton" (rootopt.coeffs.ALIASES) and would repeat its column.
 SCHEDULES = (
     "adanewton",
-    "adanewton-static",
-    "adanewton-plain",
     "muon",
     "you",
     "polar_express",
@@ -87,7 +85,8 @@ PUBLISHED = ("muon", "you", "polar_express", "cans")
 TARGET = 0.9
 LABELS = {
     "adanewton": "AdaNewton",
-    "adanewton-static": "AdaNewton static",
+    # A column of summaries measured before the per-matrix selector was removed
+    # (docs/adanewton_heldout.json; docs/adanewton.md): rendered as recorded, never measured.
     "adanewton-plain": "no selector",
     "muon": "Muon",
     "you": "You",
@@ -420,14 +419,13 @@ def schedules() -> list[str]:
     from rootopt.coeffs import available
 
     have = set(available())
-    return [s for s in SCHEDULES if s == "adanewton-plain" or s in have]
+    return [s for s in SCHEDULES if s in have]
 
 
 class NSPath(NamedTuple):
     """What ROOT's stacked step hands to ``root_direction`` for one shape."""
 
     schedule: Any
-    select: Any  # a GramSelector, or None
     method: OrthoMethod
     dtype: torch.dtype  # the iteration dtype
     gram: bool | None
@@ -440,63 +438,44 @@ def optimizer_path(name: str, dtype: str, rows: int, cols: int) -> NSPath:
     """The orthogonalization of a ROOT with ``ns_coefficients=name`` and ``ns_dtype=dtype``
     (other options at their defaults) for a ``rows x cols`` matrix, obtained as its step
     obtains it: a ROOT built for that matrix, the group's options as the update sees them
-    (``root_options``) and the group's ``(rows, cols) -> (schedule, selector)`` lookup
-    (``coefficients_for``). ``adanewton-plain`` is AdaNewton's schedule with
-    ``select=None``. A published schedule the optimizer refuses for this dtype (CANS in
-    bfloat16 fails the certificate) is run as published, ``certified=False``."""
+    (``root_options``) and the group's ``(rows, cols) -> schedule`` lookup
+    (``coefficients_for``). A published schedule the optimizer refuses for this dtype (CANS
+    in bfloat16 fails the certificate) is run as published, ``certified=False``."""
     from rootopt import ROOT
     from rootopt.coeffs import CoefficientError
     from rootopt.coeffs.presets import NAMED_SETS
     from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim._options import _lr, root_options
 
-    spec = "adanewton" if name == "adanewton-plain" else name
     cpu = torch.device("cpu")
     try:
-        opt = ROOT([torch.zeros(rows, cols)], ns_coefficients=spec, ns_dtype=dtype, ns_steps=K)
+        opt = ROOT([torch.zeros(rows, cols)], ns_coefficients=name, ns_dtype=dtype, ns_steps=K)
     except CoefficientError as exc:
-        if spec not in NAMED_SETS:
+        if name not in NAMED_SETS:
             raise
         return NSPath(
-            NAMED_SETS[spec].schedule(K), None, "newton_schulz", _TORCH_DTYPES[dtype], None,
-            False, f"refused: {exc}",
+            NAMED_SETS[name].schedule(K), "newton_schulz", _TORCH_DTYPES[dtype], None, False,
+            f"refused: {exc}",
         )  # fmt: skip
     group = opt.param_groups[0]
     o = root_options(group, cpu, _lr(group))
-    schedule, select = coefficients_for(opt._coeffs, group, cpu)(rows, cols)
+    schedule = coefficients_for(opt._coeffs, group, cpu)(rows, cols)
     (res,) = opt.coefficient_resolutions()
-    if name == "adanewton-plain":
-        select = None
-    return NSPath(schedule, select, o.method, o.ns_dtype, o.gram, True, res.describe())
+    return NSPath(schedule, o.method, o.ns_dtype, o.gram, True, res.describe())
 
 
-def directions(B: Tensor, name: str, dtype: str, spiky: list[bool] | None = None) -> Tensor:
+def directions(B: Tensor, name: str, dtype: str) -> Tensor:
     """Schedule ``name``'s K-step Newton–Schulz result for the stack ``B`` (``(n, rows,
     cols)``, already clipped), iterated in ``dtype`` by the optimizer's own call
-    (``root_direction`` with the schedule, selector and options of
-    :func:`optimizer_path`; no second clip), in float32 (the values of a bfloat16
-    iteration stay bfloat16 numbers, as the step adds them to the parameters).
-
-    ``spiky``: when given (and the path has a selector), the selector's decision for each
-    matrix is appended, read off the coefficients it returned (the spiky schedule's steps
-    2..K), which pass to the iteration unchanged."""
+    (``root_direction`` with the schedule and options of :func:`optimizer_path`; no second
+    clip), in float32 (the values of a bfloat16 iteration stay bfloat16 numbers, as the
+    step adds them to the parameters)."""
     from rootopt.optim.functional import root_direction
 
     path = optimizer_path(name, dtype, B.size(-2), B.size(-1))
-    select = path.select
-    if select is not None and spiky is not None:
-        inner = select
-
-        def select(A: Tensor) -> Tensor:
-            C: Tensor = inner(A)
-            tail = torch.tensor(inner.spiky[1:], dtype=C.dtype, device=C.device)
-            spiky.extend(bool(v) for v in (C[1:] == tail[:, None, :]).all(dim=2).all(dim=0))
-            return C
-
     U = root_direction(
         B,
         path.schedule,
-        select=select,
         quantile=None,  # B is the clipped matrix the step orthogonalized
         method=path.method,
         dtype=path.dtype,
@@ -506,8 +485,9 @@ def directions(B: Tensor, name: str, dtype: str, spiky: list[bool] | None = None
 
 
 def gram_statistic(B: Tensor) -> float:
-    """``m·s``, ``s = ||X₀X₀ᵀ||_F² = Σσ⁴/(Σσ²)²``, in float64: the statistic of the
-    selector's bfloat16 rule (spiky above its τ; docs/adanewton.md)."""
+    """``m·s``, ``m = min(rows, cols)``, ``s = ||X₀X₀ᵀ||_F² = Σσ⁴/(Σσ²)²``, in float64: how
+    concentrated the spectrum is, ``m`` over an effective rank (1 for a flat spectrum of
+    full rank, ``m`` for rank one), reported per matrix to describe the data."""
     S2 = torch.linalg.svdvals(B.double()).square()
     return float(min(B.shape) * S2.square().sum() / S2.sum().square())
 
@@ -539,12 +519,10 @@ def evaluate(
             B: Tensor = st["B"]
             errs: dict[str, dict[str, list[float]]] = {}
             refs = [polar_reference(b) for b in B]
-            picks: dict[str, list[bool]] = {}
             for dtype in DTYPES:
                 errs[dtype] = {}
-                picks[dtype] = []
                 for name in names:
-                    X = directions(B, name, dtype, picks[dtype] if name == "adanewton" else None)
+                    X = directions(B, name, dtype)
                     if name == "adanewton" and dtype == "float32":
                         stacks += 1
                         same += int(torch.equal(X, st["U"]))
@@ -552,8 +530,6 @@ def evaluate(
                     errs[dtype][name] = [
                         relative_error(x, P) for x, (P, _) in zip(X, refs, strict=True)
                     ]
-            if any(len(p) != B.size(0) for p in picks.values()):
-                raise RuntimeError("AdaNewton's selector was not called once per matrix")
             for i, pname in enumerate(st["names"]):
                 rows_out.append(
                     dict(
@@ -564,7 +540,6 @@ def evaluate(
                         cols=st["cols"],
                         rank=refs[i][1],
                         ms=gram_statistic(B[i]),
-                        spiky={d: picks[d][i] for d in DTYPES},
                         err={d: {n: errs[d][n][i] for n in names} for d in DTYPES},
                     )
                 )
@@ -634,7 +609,6 @@ def summarize(
                     shape=shape,
                     layers=layers,
                     n=len(ms),
-                    spiky=sum(m["spiky"][dtype] for m in ms),
                     ms_median=_median([m["ms"] for m in ms]),
                     stats=stats,
                     best_median=best_med,
@@ -657,14 +631,17 @@ def _g(x: float) -> str:
 
 
 def render_markdown(summary: dict[str, Any]) -> str:
-    """The report's tables (one per dtype), as written into docs/adanewton.md."""
+    """The report's tables (one per dtype), as written into docs/adanewton.md: a column per
+    schedule of ``summary["schedules"]``. A summary measured with the removed per-matrix
+    selector (docs/adanewton_heldout.json) also has its "spiky" counts, shown as recorded."""
     names = [n for n in summary["schedules"] if n != "official"]
     out = []
     for dtype in DTYPES:
         rows = [g for g in summary["groups"] if g["dtype"] == dtype]
         if not rows:
             continue
-        head = ["task", "shape", "layers", "n", "spiky"] + [LABELS[n] for n in names]
+        spiky = ["spiky"] if all("spiky" in g for g in rows) else []
+        head = ["task", "shape", "layers", "n", *spiky] + [LABELS[n] for n in names]
         head += ["ratio (median)", "ratio (worst)", f"≤ {TARGET}× per matrix"]
         out.append(f"**{dtype} iterations** (median / worst relative polar error):\n")
         out.append("| " + " | ".join(head) + " |")
@@ -675,7 +652,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
                 g["shape"].replace("x", "×"),
                 ", ".join(g["layers"]),
                 str(g["n"]),
-                str(g["spiky"]),
+                *(str(g[k]) for k in spiky),
             ]
             for n in names:
                 s = g["stats"][n]
