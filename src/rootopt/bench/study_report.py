@@ -242,7 +242,7 @@ def headline(s: dict[str, Any]) -> str:
         "| task, steps | " + " | ".join(label for _, label in cols) + " |",
         "|---|" + "---|" * len(cols),
     ]
-    for cell, c in s["cells"].items():
+    for c in s["cells"].values():
         rows = [c["arms"].get(n) for n, _ in cols]
         if any(r is None or not r.get("test_loss_ci") for r in rows):
             continue
