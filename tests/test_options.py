@@ -30,12 +30,12 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_ns_dtype_auto_is_float32_today_and_flips_in_one_place(
+def test_ns_dtype_auto_is_the_studys_choice_per_device_and_flips_in_one_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert ROOT([nn.Parameter(torch.ones(2, 2))]).defaults["ns_dtype"] == "auto"
-    for device in ("cpu", "cuda", "meta"):
-        assert _options.ns_dtype_name("auto", torch.device(device)) == "float32"
+    for device, want in (("cpu", "float32"), ("cuda", "bfloat16"), ("meta", "float32")):
+        assert _options.ns_dtype_name("auto", torch.device(device)) == want
     assert _options.ns_dtype_name("bfloat16", torch.device("cuda")) == "bfloat16"
     auto, fp32, bf16 = _run(), _run(ns_dtype="float32"), _run(ns_dtype="bfloat16")
     assert _same(auto, fp32) and not _same(auto, bf16)

@@ -69,7 +69,7 @@ class ROOT(Optimizer):
             ``"official"`` (the paper's table + Muon fallback), ``"polar_express"``, ``"you"``, ``"cans"``,
             ``"cubic"``, ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
         ns_dtype: iteration dtype; ``"auto"`` per device (``_options.AUTO_NS_DTYPE``:
-            float32 everywhere today; TF32 is torch's own setting), or a dtype name.
+            float32 on the CPU, bfloat16 on CUDA; TF32 is torch's own setting), or a dtype name.
         ortho_method: ``"newton_schulz"``, ``"svd"`` (exact UVᵀ) or ``"qr"``.
         outlier_quantile: quantile q of the soft threshold; ``None`` disables it.
         lr_scale: ``"moonlight"``, ``"muon"`` or ``"none"``.
