@@ -31,8 +31,8 @@ SHAPES: dict[str, tuple[int, ...]] = {
     "gain": (16,),
 }
 
-# name -> (ROOT options, parameter dtype). Default coefficients (AdaNewton) everywhere:
-# the default path is what is compared.
+# name -> (ROOT options, parameter dtype). Default coefficients everywhere (the default path
+# is what is compared), and AdaNewton's per-shape schedules once.
 OPTION_SETS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
     "default": ({}, torch.float32),
     "float64": ({}, torch.float64),
@@ -40,6 +40,7 @@ OPTION_SETS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
     "nesterov_off": ({"nesterov": False}, torch.float32),
     "robust": ({"robust_scaling": True, "robust_window": 10}, torch.float32),
     "bf16_iteration": ({"ns_dtype": "bfloat16"}, torch.float32),
+    "adanewton": ({"ns_coefficients": "adanewton"}, torch.float32),
 }
 
 

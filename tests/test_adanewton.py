@@ -180,7 +180,7 @@ def test_bf16_is_part_of_the_key_and_certified_for_bf16():
     assert not certify(CANS.schedule(5), dtype="bfloat16").stable
     # the optimizer passes its iteration dtype
     p = torch.nn.Parameter(torch.randn(128, 352))
-    opt = ROOT([p], ns_dtype="bfloat16")
+    opt = ROOT([p], ns_dtype="bfloat16", ns_coefficients="adanewton")
     (res,) = opt.coefficient_resolutions()
     assert res.key == (128, 352, 5, "bfloat16") and res.schedule == bf16.schedule
 
@@ -206,11 +206,13 @@ def _many_shape_model() -> list[torch.nn.Parameter]:
 
 
 def test_construction_resolves_100_shapes_quickly():
-    ROOT([torch.nn.Parameter(torch.zeros(3, 3))])  # torch's one-time optimizer imports
+    ROOT(
+        [torch.nn.Parameter(torch.zeros(3, 3))], ns_coefficients="adanewton"
+    )  # torch's one-time optimizer imports
     an.clear_memory_caches()
     params = _many_shape_model()
     t0 = time.perf_counter()
-    opt = ROOT(params)
+    opt = ROOT(params, ns_coefficients="adanewton")
     dt = time.perf_counter() - t0
     assert len(opt.coefficient_resolutions()) == 100
     # well under a second alone; generous for a loaded 2-core CI machine
@@ -219,7 +221,7 @@ def test_construction_resolves_100_shapes_quickly():
 
 def test_step_never_fits_reads_or_writes(monkeypatch, tmp_path):
     p = [torch.nn.Parameter(torch.randn(37, 101)), torch.nn.Parameter(torch.randn(12, 40, 9))]
-    opt = ROOT(p)
+    opt = ROOT(p, ns_coefficients="adanewton")
     resolved = list(opt.coefficient_resolutions())
     for q in p:
         q.grad = torch.randn_like(q)
@@ -255,7 +257,7 @@ def test_import_and_default_construction_do_not_import_tools_or_scipy():
     code = (
         "import sys, torch, rootopt\n"
         "p = torch.nn.Parameter(torch.randn(37, 101)); p.grad = torch.randn(37, 101)\n"
-        "o = rootopt.ROOT([p]); o.step()\n"
+        "o = rootopt.ROOT([p], ns_coefficients='adanewton'); o.step()\n"
         "print(any(m.startswith('rootopt.tools') for m in sys.modules), 'scipy' in sys.modules)"
     )
     out = subprocess.run(
@@ -344,7 +346,7 @@ def test_corrupt_table_is_one_error_at_construction(text, reason, tmp_path, monk
     monkeypatch.setenv(an.TABLE_ENV, str(bad))
     p = torch.nn.Parameter(torch.randn(40, 90))
     with pytest.raises(CoefficientError, match=reason) as ei:
-        ROOT([("mlp.up", p)])
+        ROOT([("mlp.up", p)], ns_coefficients="adanewton")
     msg = str(ei.value)
     assert "mlp.up" in msg and "40x90" in msg and "table.json" in msg
     assert "\n" not in msg
@@ -369,7 +371,7 @@ def test_unstable_table_entry_is_an_error_not_a_silent_use(tmp_path, monkeypatch
     path.write_text(json.dumps(table))
     monkeypatch.setenv(an.TABLE_ENV, str(path))
     with pytest.raises(CoefficientError, match=r"40x90 K=5 float32 fails the certificate"):
-        ROOT([torch.nn.Parameter(torch.randn(90, 40))])
+        ROOT([torch.nn.Parameter(torch.randn(90, 40))], ns_coefficients="adanewton")
 
 
 # ------------------------------------------------------- one schedule per shape, the alias
@@ -381,7 +383,7 @@ def test_optimizer_hands_every_matrix_of_a_shape_its_table_schedule():
     from rootopt.optim._coefficients import coefficients_for
 
     p = torch.nn.Parameter(torch.randn(37, 101))
-    opt = ROOT([p])
+    opt = ROOT([p], ns_coefficients="adanewton")
     coefficients = coefficients_for(opt._coeffs, opt.param_groups[0], p.device)
     schedule = coefficients(37, 101)
     assert schedule == coefficients(101, 37) == an.lookup(37, 101, 5).schedule
@@ -470,16 +472,18 @@ def test_ns_fit_opt_in_fits_once_then_reads_cache(stub_fit, caplog):
 
     caplog.set_level(logging.INFO, logger="rootopt.coeffs")
     p = torch.nn.Parameter(torch.randn(37, 101))
-    opt = ROOT([p], ns_fit=True)
+    opt = ROOT([p], ns_fit=True, ns_coefficients="adanewton")
     (res,) = opt.coefficient_resolutions()
     assert res.source == "fitted" and stub_fit == [(37, 101)]
     path = fitcache.cache_path(37, 101, 5, "float32")
     assert path.exists()
     an.clear_memory_caches()
-    opt2 = ROOT([torch.nn.Parameter(torch.randn(101, 37))], ns_fit=True)
+    opt2 = ROOT(
+        [torch.nn.Parameter(torch.randn(101, 37))], ns_fit=True, ns_coefficients="adanewton"
+    )
     assert opt2.coefficient_resolutions()[0].source == "cache" and stub_fit == [(37, 101)]
     # a tabled shape is never fitted
-    ROOT([torch.nn.Parameter(torch.randn(768, 3072))], ns_fit=True)
+    ROOT([torch.nn.Parameter(torch.randn(768, 3072))], ns_fit=True, ns_coefficients="adanewton")
     assert stub_fit == [(37, 101)]
     # no temp files left behind by the atomic write (only the entry and its lock)
     assert sorted(q.name for q in path.parent.iterdir()) == sorted([path.name, path.name + ".lock"])

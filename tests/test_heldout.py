@@ -164,7 +164,14 @@ def test_adanewton_path_equals_the_optimizer_step(ns_dtype):
     params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(params, grads, strict=True):
         p.grad = g.clone()
-    opt = ROOT(params, lr=1.0, weight_decay=0.0, lr_scale="none", ns_dtype=ns_dtype)
+    opt = ROOT(
+        params,
+        lr=1.0,
+        weight_decay=0.0,
+        lr_scale="none",
+        ns_dtype=ns_dtype,
+        ns_coefficients="adanewton",
+    )
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     with ho.ns_inputs(calls):
         opt.step()

@@ -39,7 +39,8 @@ Result = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]
 # ROOT's defaults, written out: the reference does not read them from the class.
 DEFAULTS: dict[str, Any] = dict(
     momentum=0.95, nesterov=True, weight_decay=0.1, outlier_quantile=0.9, ns_steps=5,
-    ns_dtype="float32", robust_scaling=False, robust_window=100, robust_lambda=0.1,
+    ns_coefficients="muon", ns_dtype="float32", robust_scaling=False, robust_window=100,
+    robust_lambda=0.1,
 )  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -56,7 +57,7 @@ def reference(name: str) -> Result:
     cache = CoefficientCache()
 
     def coefficients(rows: int, cols: int) -> Any:
-        return cache.schedule("adanewton", rows, cols, o["ns_steps"], o["ns_dtype"])
+        return cache.schedule(o["ns_coefficients"], rows, cols, o["ns_steps"], o["ns_dtype"])
 
     adamw = [n for n, p in params.items() if p.ndim < 2]
     # torch's AdamW on float32 (or float64) copies, rounded back once per step: the
