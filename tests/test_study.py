@@ -312,7 +312,7 @@ def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> Non
     out = tmp_path / "study"
     (out / "runs").mkdir(parents=True)
     (out / "timing").mkdir()
-    base = {"command": "rootopt bench study", "machine": "m", "compute": True}
+    base = {"command": f"rootopt bench study --out {out}", "machine": "m", "compute": True}
     a = {**base, "commit": "aaa", "session": "a", "start": 1000.0, "end": None}
     b = {**base, "commit": "bbb", "session": "b", "start": 5000.0, "end": None}
     log = out / "study-log.jsonl"
@@ -328,6 +328,7 @@ def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> Non
     assert [s["end"] for s in sessions] == [None, 6000.0]
     meta = provenance(sessions, out)
     assert meta["commits"] == ["aaa", "bbb"]
+    assert meta["commands"] == ["rootopt bench study --out OUT"]
     assert meta["sessions stopped before their end"] == 1
     # a: 1000 → 2500 (its last run), b: 5000 → 6000
     assert meta["wall_s"] == 1500 + 1000

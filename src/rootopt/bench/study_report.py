@@ -64,7 +64,10 @@ def provenance(sessions: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
     last = (ran or list(sessions) or [{}])[-1]
     return {
         "commits": commits,
-        "commands": list(dict.fromkeys(s.get("command") for s in ran)),
+        # the output directory is the reader's own: shown as OUT, not as this machine's path
+        "commands": list(
+            dict.fromkeys(str(s.get("command")).replace(str(out), "OUT") for s in ran)
+        ),
         "machine": last.get("machine"),
         "python": last.get("python"),
         "torch": last.get("torch"),
