@@ -54,6 +54,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     "test_dist_deploy.py": frozenset({"test_launch_sh_trains_from_another_directory"}),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),
+    "test_plan.py": frozenset({"test_cli_table_json_and_plot"}),
     "test_quantile.py": frozenset({"test_beyond_torch_quantile_limit"}),
     "test_train.py": frozenset(
         {
