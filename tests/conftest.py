@@ -15,6 +15,7 @@ import torch
 E2E_MODULES = frozenset(
     {
         "test_bench.py",  # the benchmark pipeline's --quick suite
+        "test_dist_edge.py",  # gloo edge cases under torchrun
         "test_dist_train.py",  # rootopt.train under torchrun
         "test_faults.py",  # real runs killed, starved of disk and data, resumed
         "test_rl.py",  # a module fixture trains the PPO policy most tests use

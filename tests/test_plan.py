@@ -205,6 +205,9 @@ def test_collective_byte_formulas() -> None:
         )
     assert sent.sum() == recv.sum()
     assert collective_bytes("broadcast", "gloo", 3, 0, numel=5, src=0) == (40, 0)
+    sent, recv = collective_bytes_ranks("broadcast", "gloo", 8, numel=1, src=2, element_size=1)
+    assert sent.tolist() == [0, 0, 3, 2, 1, 1, 0, 0]  # root, then its subtrees of 4, 2, 1
+    assert recv.sum() == 7
     assert collective_bytes("all_reduce", "gloo", 1, 0, numel=5) == (0, 0)
     with pytest.raises(ValueError, match="unknown collective"):
         collective_bytes("gossip", "gloo", 2, 0)

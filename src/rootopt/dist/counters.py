@@ -75,7 +75,7 @@ def collective_bytes_ranks(
     * all-to-all: direct, sent = what a rank sends to the others, received = what it
       receives from them (exact split sizes);
     * broadcast / reduce of N: NCCL pipelined ring, N each way except at the root (which
-      only sends, or only receives); gloo's broadcast sends from the root to each rank.
+      only sends, or only receives); gloo's broadcast is a binomial tree (measured).
     """
     e = element_size
     W = world
@@ -111,8 +111,15 @@ def collective_bytes_ranks(
     if op in ("broadcast", "reduce"):
         n = float(numel * e)
         if op == "broadcast" and backend == "gloo":
+            # a binomial tree from the root: relative rank v forwards to v + 2^k for
+            # every 2^k > v (the root to ceil(log2 W) ranks)
             sent = np.zeros(W)
-            sent[src] = (W - 1) * n
+            for v in range(W):
+                k = 1
+                while k < W:
+                    if k > v and v + k < W:
+                        sent[(src + v) % W] += n
+                    k *= 2
             received = np.full(W, n)
             received[src] = 0.0
             return sent, received

@@ -346,8 +346,10 @@ class Estimate:
 
     Bytes come in two kinds: ``sync_*`` is gradient (and, for ``owner``, parameter)
     synchronisation that replaces what DDP/FSDP2 AdamW moves; ``opt_*`` is moved by the
-    optimizer step on top of it. ``exposed_*`` is what is not hidden behind backward
-    (inter-node link) and ``node_*`` what runs on the intra-node link.
+    optimizer step on top of it. ``step_*`` is what the step issues itself from Python
+    (what :class:`~rootopt.dist.counters.CollectiveCounter` counts: ``opt_*`` plus the
+    ``owner`` reduce-scatter/all-gather). ``exposed`` is what is not hidden behind
+    backward (inter-node link) and ``node`` what runs on the intra-node link.
     """
 
     design: str
@@ -359,6 +361,8 @@ class Estimate:
     sync_received: Vec
     opt_sent: Vec
     opt_received: Vec
+    step_sent: Vec  # issued by the optimizer's step itself (what a counter sees)
+    step_received: Vec
     exposed: Vec  # max(sent, received) per rank, not hidden behind backward
     node: Vec  # bytes per rank on the intra-node link (gram groups)
     collectives: dict[str, int]  # per step, on every rank (gradient sync included)
@@ -470,6 +474,8 @@ def estimate(
         sync_received=zeros(),
         opt_sent=zeros(),
         opt_received=zeros(),
+        step_sent=zeros(),
+        step_received=zeros(),
         exposed=zeros(),
         node=zeros(),
         collectives={},
@@ -523,6 +529,8 @@ def _issue(
     """One collective issued by the optimizer on every rank."""
     if est.world == 1:
         return
+    est.step_sent += sent
+    est.step_received += received
     if sync:
         est.sync_sent += sent
         est.sync_received += received
