@@ -84,14 +84,14 @@ def check_wire(res: list[dict[str, Any]], world: int) -> None:
 
 
 def test_two_ranks_one_and_three_rows(tmp_path: Path) -> None:
-    run_ok("edge.py", 2, str(tmp_path), "1,3", "gather", "wire")
+    run_ok("edge.py", 2, str(tmp_path), "1,3", "gather,owner", "wire")
     res = results(tmp_path, "edge", 2)
     check(res, [1, 3], 2)
     check_wire(res, 2)
 
 
 def test_four_ranks_five_two_and_fifteen_rows(tmp_path: Path) -> None:
-    run_ok("edge.py", 4, str(tmp_path), "5,2,15", "gather", "wire")
+    run_ok("edge.py", 4, str(tmp_path), "5,2,15", "gather,owner", "wire")
     res = results(tmp_path, "edge", 4)
     check(res, [5, 2, 15], 4)
     check_wire(res, 4)
@@ -99,7 +99,7 @@ def test_four_ranks_five_two_and_fifteen_rows(tmp_path: Path) -> None:
 
 def test_eight_ranks_eighteen_rows(tmp_path: Path) -> None:
     """(18, 8): chunks of 3 rows, the last two ranks hold none (dion PR 74's hang)."""
-    run_ok("edge.py", 8, str(tmp_path), "18", "gather")
+    run_ok("edge.py", 8, str(tmp_path), "18", "gather,owner")
     check(results(tmp_path, "edge", 8), [18], 8)
 
 
