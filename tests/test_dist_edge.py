@@ -1,6 +1,7 @@
 """Edge cases of distributed ROOT on gloo (real processes under torchrun, each launch under a
 timeout): uneven and empty shards for (rows, ranks) = (1, 2), (3, 2), (5, 4), (2, 4),
-(15, 4), (18, 8); a rank without a gradient; no hidden ``full_tensor()`` in the sharded
+(15, 4), (18, 8), for FSDP2 and both DDP-mode designs (``gather`` and ``owner``); a rank
+without a gradient; no hidden ``full_tensor()`` in the sharded
 path; the bytes of every step counted, predicted by the cost model and checked against
 the bytes the processes wrote to their sockets; a checkpoint saved at W = 4 and loaded
 at W = 3 equal to the uninterrupted run.
