@@ -159,6 +159,7 @@ def test_state_is_created_eagerly_and_lr0_is_a_noop() -> None:
         ({"bucket_bytes": 0}, "bucket_bytes"),
         ({"bucket_bytes": 1.5}, "bucket_bytes"),
         ({"average_grads": "yes"}, "average_grads"),
+        ({"ddp_design": "ring"}, "Invalid ddp_design: 'ring' \\(choose gather or owner\\)"),
     ],
 )
 def test_bad_options(kwargs: dict[str, Any], match: str) -> None:

@@ -87,9 +87,7 @@ def run(rows: list[int], layout: str, design: str, drop: bool) -> dict[str, Any]
     if layout == "fsdp":
         model = wrap_model(model, "fsdp")
     else:
-        kw = {"average_grads": True}
-        if design != "gather":
-            kw["ddp_design"] = design
+        kw = {"average_grads": True, "ddp_design": design}
     opt = DistributedROOT(groups(model), **HYPER, **kw)
     res: dict[str, Any] = {"layout": layout, "design": design}
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]

@@ -54,9 +54,7 @@ def measure(shapes: int, design: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Model(shapes)
-    kw: dict[str, Any] = {"average_grads": True}
-    if design != "gather":
-        kw["ddp_design"] = design
+    kw: dict[str, Any] = {"average_grads": True, "ddp_design": design}
     opt = DistributedROOT(groups(model), **HYPER, **kw)
     x = torch.randn(BATCH, 48, generator=torch.Generator().manual_seed(1))
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]

@@ -103,7 +103,7 @@ def main() -> None:
     moved = max(float((ref_params[n] - init[n]).abs().max()) for n in init)
     res: dict[str, Any] = {"world": world, "moved": moved}
 
-    model, opt = train("ddp", STEPS)
+    model, opt = train("ddp", STEPS, ddp_design="gather")
     ddp_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     res["ddp_param_diff"] = max_diff(model, ref_params)
     res["ddp_state_diff"] = state_diff(opt, model, ref_state)
@@ -111,7 +111,7 @@ def main() -> None:
     res["ns_cost"] = opt.stats.ns_cost
     res["bytes_received"] = opt.stats.bytes_received
     # the same with tiny buckets (one matrix per collective round) and our own all-reduce
-    model, opt = train("plain", STEPS, average_grads=True, bucket_bytes=256)
+    model, opt = train("plain", STEPS, average_grads=True, bucket_bytes=256, ddp_design="gather")
     res["avg_param_diff"] = max_diff(model, ref_params)
     res["avg_rounds"] = opt.stats.collectives.get("all_gather", 0)
     # the owner design: gradients reduce-scattered to owners, parameters all-gathered; one

@@ -4,12 +4,12 @@ Two layouts, chosen per parameter:
 
 * **replicated** (plain tensors), in one of two designs (``ddp_design``):
 
-  - ``gather`` (the default): DDP or the optimizer's own gradient all-reduce gives every
+  - ``gather`` (the first design, kept for comparison): DDP or the optimizer's own gradient all-reduce gives every
     rank the same averaged gradient, so every rank keeps the same momentum. An owner
     thresholds + orthogonalizes its matrices (the whole matrix: exact quantile from the
     true size) and the updates are gathered bucket by bucket with one
     ``all_gather_single`` per bucket. Every rank then applies every update.
-  - ``owner``: the parameters are laid out once, at construction, in flat buckets ordered
+  - ``owner`` (the default): the parameters are laid out once, at construction, in flat buckets ordered
     by owner (:func:`rootopt.dist.plan.owner_layout`: ROOT matrices balanced by
     Newton–Schulz cost, AdamW parameters by size). Per bucket one reduce-scatter gives
     each owner the summed gradients of its own parameters (with ``average_grads``; under
@@ -159,10 +159,11 @@ class DistributedROOT(ROOT):
             parameters here (``owner``: reduce-scatter them to their owners); leave False
             when the model is wrapped in DDP (which already averages them).
         ddp_design: how plain (replicated) parameters are updated across ranks:
-            ``"gather"`` (all-reduced gradients, owners' updates all-gathered) or
-            ``"owner"`` (gradients reduce-scattered to owners, new parameters
-            all-gathered; pair it with ``average_grads=True`` and no DDP wrapper to get
-            DDP AdamW's bytes). docs/distributed.md compares them.
+            ``"owner"`` (default: gradients reduce-scattered to owners, new parameters
+            all-gathered, momentum on owners only; with ``average_grads=True`` and no DDP
+            wrapper it moves DDP AdamW's bytes) or ``"gather"`` (all-reduced gradients,
+            owners' updates all-gathered, state on every rank). docs/distributed.md
+            compares them.
 
     ``self.stats`` (:class:`StepStats`) describes this rank's last step.
     """
@@ -174,7 +175,7 @@ class DistributedROOT(ROOT):
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         average_grads: bool = False,
-        ddp_design: str = "gather",
+        ddp_design: str = "owner",
         **kwargs: Any,
     ) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
