@@ -5,6 +5,7 @@ in tests/test_dist_edge.py and benchmarks/bench_dist.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -60,17 +61,23 @@ def test_owner_layout_covers_every_item_once_in_owner_segments() -> None:
         for bucket in (1, 600, 1 << 20):
             lay = P.owner_layout(items, world, bucket)
             seen = [i for b in lay.buckets for i in b.items]
-            assert sorted(seen) == list(range(len(items)))
+            assert sorted(seen) == list(range(len(lay.items)))
+            # every parameter's elements exactly once: whole, or AdamW pieces back to back
+            for it in items:
+                parts = sorted((x.start, x.numel) for x in lay.items if x.index == it.index)
+                assert parts[0][0] == 0 and sum(n for _, n in parts) == it.numel
+                assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(parts))
+                assert len(parts) == 1 or not it.root
             for b in lay.buckets:
                 assert len(b.segments) == world
-                assert b.numel == sum(items[i].numel for i in b.items)
+                assert b.numel == sum(lay.items[i].numel for i in b.items)
                 # items lie back to back, rank 0's segment first, then rank 1's, ...
                 off = 0
                 for i, o, start in zip(b.items, b.owners, b.offsets):
                     assert start == off
                     assert b.segment_start(o) <= start < b.segment_start(o) + b.segments[o]
                     assert lay.owner[i] == o
-                    off += items[i].numel
+                    off += lay.items[i].numel
                 assert list(b.owners) == sorted(b.owners)
                 if bucket == 1:
                     assert len(b.items) == 1  # at least one item, never more past the limit
@@ -94,6 +101,18 @@ def test_owner_layout_balances_cost_then_elements() -> None:
     assert lay.owner[0] == 0
     assert lay.owner[1:] == (1, 1, 1)
     assert lay.buckets[0].segments == (10000, 10000)
+    # an AdamW parameter larger than what the ranks lack is split into pieces that even out
+    # the elements (one big embedding, few matrices)
+    items = _items([(100, 100)] * 3, [40000, 10])
+    lay = P.owner_layout(items, 4, 1 << 30)
+    emb = [(x.start, x.numel, o) for x, o in zip(lay.items, lay.owner) if x.index == 3]
+    assert len(emb) == 4 and len({o for *_, o in emb}) == 4
+    share = -(-(30000 + 40010) // 4)
+    assert max(lay.buckets[0].segments) == share
+    assert share - min(lay.buckets[0].segments) <= 2
+    # below MIN_PIECE nothing is split
+    small = P.owner_layout(_items([(10, 10)] * 3, [1000]), 4, 1 << 30)
+    assert len(small.items) == 4
 
 
 def test_owner_design_moves_adamw_bytes_and_a_constant_number_of_collectives() -> None:

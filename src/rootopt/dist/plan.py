@@ -18,6 +18,7 @@ Designs (``DESIGNS``):
 * ``owner`` — reduce-scatter of the gradients in owner-aligned buckets (each owner receives
   the summed gradients of its own matrices), owner threshold + Newton–Schulz, all-gather of
   the new parameters: DDP AdamW's bytes (ZeRO-1/2 style; Moonlight, arXiv 2502.16982 §2.3).
+  :class:`rootopt.dist.DistributedROOT`'s default DDP-mode design.
 * ``fsdp`` — FSDP2-sharded parameters: FSDP2's own reduce-scatter / all-gathers, and two
   all-to-alls per round that move each matrix's shards to its owner and the update back.
 * ``gram`` — the ``fsdp`` design where a matrix larger than a rank's share (P/W elements)
@@ -56,6 +57,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_BUCKET_BYTES = 32 * MiB  # rootopt.optim.root.DEFAULT_BUCKET_BYTES
 DDP_BUCKET_BYTES = 25 * MiB  # torch DistributedDataParallel(bucket_cap_mb=25)
+# The smallest piece an AdamW parameter is split into in the owner layout (elements): below
+# it the bytes saved do not pay for another copy per step.
+MIN_PIECE = 4096
 # The exact quantile of a matrix that stays split (``gram``): radix select on the 32-bit
 # keys, 8 bits per pass, each pass an all-reduce of a 256-bin int64 histogram.
 QUANTILE_PASSES = 4
@@ -155,9 +159,10 @@ def ns_flops(p: ParamSpec, ns_steps: int, split: int = 1) -> float:
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LayoutItem:
-    """One parameter in the owner layout. ``index``: position in the optimizer's order
-    (groups, then parameters); ``key``: what must match inside one flat buffer (dtype and
-    device)."""
+    """One parameter in the owner layout, or one piece of an AdamW parameter that is split
+    over several owners (elements ``start .. start + numel`` of the flattened parameter).
+    ``index``: position in the optimizer's order (groups, then parameters); ``key``: what
+    must match inside one flat buffer (dtype and device)."""
 
     index: int
     name: str
@@ -166,6 +171,7 @@ class LayoutItem:
     root: bool
     key: str = "float32"
     element_size: int = 4
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,7 @@ class OwnerLayout:
         h = hashlib.sha256()
         h.update(json.dumps([self.world, self.bucket_bytes]).encode())
         for it in self.items:
-            h.update(json.dumps([it.index, it.name, it.numel, it.root, it.key]).encode())
+            h.update(json.dumps([it.index, it.name, it.start, it.numel, it.root, it.key]).encode())
         for b in self.buckets:
             h.update(json.dumps([b.key, b.items, b.owners, b.offsets, b.segments]).encode())
         return h.hexdigest()
@@ -220,8 +226,12 @@ def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> 
 
     Owners first, over the whole step: ROOT matrices by Newton–Schulz cost, the most
     expensive first onto the least loaded rank (LPT, :func:`assign_owners`: within 4/3 of
-    the best balance); then AdamW parameters by size onto the rank holding the fewest
-    elements. Buckets next: per dtype key, the items in reverse optimizer order (about
+    the best balance); then AdamW parameters, largest first, onto the rank holding the
+    fewest elements, split into pieces where a parameter would take that rank past its even
+    share (total / W elements; AdamW is elementwise, so any piece can be updated alone):
+    every rank then moves about the same bytes (the bytes of a rank follow the elements it
+    owns). A piece smaller than ``MIN_PIECE`` elements is not split off, and a rank holds
+    at most one piece of a parameter. Buckets next: per dtype key, the items in reverse optimizer order (about
     the order backward produces the gradients) cut into runs of at most ``bucket_bytes``
     (at least one item each); in a bucket, rank r's segment holds the items r owns, in
     that order. Deterministic (ties go to the lower rank / earlier item), so every rank
@@ -237,12 +247,31 @@ def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> 
     elem_load = [0] * world
     for i in root:
         elem_load[owner[i]] += items[i].numel
+    share = -(-sum(it.numel for it in items) // world)
     rest = [i for i, it in enumerate(items) if not it.root and it.numel > 0]
+    pieces = [(it, owner[i]) for i, it in enumerate(items) if it.root or it.numel == 0]
     for i in sorted(rest, key=lambda i: (-items[i].numel, items[i].index)):
-        o = min(range(world), key=elem_load.__getitem__)  # the first of the least loaded
-        owner[i] = o
-        elem_load[o] += items[i].numel
-    order = sorted(range(len(items)), key=lambda i: -items[i].index)
+        it, remaining, start = items[i], items[i].numel, 0
+        holders: list[int] = []
+        while remaining > 0:
+            free = [q for q in range(world) if q not in holders]
+            if not free:  # every rank holds a piece: the last one takes the rest
+                last, o = pieces[-1]
+                pieces[-1] = (replace(last, numel=last.numel + remaining), o)
+                elem_load[o] += remaining
+                break
+            o = min(free, key=lambda q: (elem_load[q], q))  # the first of the least loaded
+            room = share - elem_load[o]
+            take = remaining if remaining <= room or room < MIN_PIECE else room
+            pieces.append((replace(it, numel=take, start=start), o))
+            holders.append(o)
+            elem_load[o] += take
+            start += take
+            remaining -= take
+    pieces.sort(key=lambda x: (x[0].index, x[0].start))
+    items = [it for it, _ in pieces]
+    owner = [o for _, o in pieces]
+    order = sorted(range(len(items)), key=lambda i: (-items[i].index, items[i].start))
     keys: list[str] = []
     for i in order:
         if items[i].key not in keys:
@@ -648,9 +677,9 @@ def _owner(
     buf = sum((row for _, row in peaks[:2]), np.zeros(W)) if W > 1 else np.zeros(W)
     state = np.zeros(W)
     ws = np.zeros(W)
-    for it, ow in zip(items, layout.owner):
+    for it, ow in zip(layout.items, layout.owner):
         p = specs[it.index]
-        state[ow] += _state_bytes(p, o)
+        state[ow] += _state_bytes(p, o) * it.numel / p.numel
         if p.algorithm == "root":
             est.flops[ow] += ns_flops(p, o.ns_steps)
             est.elements[ow] += p.numel

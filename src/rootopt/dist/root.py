@@ -11,7 +11,7 @@ Two layouts, chosen per parameter:
     ``all_gather_single`` per bucket. Every rank then applies every update.
   - ``owner`` (the default): the parameters are laid out once, at construction, in flat buckets ordered
     by owner (:func:`rootopt.dist.plan.owner_layout`: ROOT matrices balanced by
-    Newton–Schulz cost, AdamW parameters by size). Per bucket one reduce-scatter gives
+    Newton–Schulz cost, AdamW parameters, split into pieces where needed, by size). Per bucket one reduce-scatter gives
     each owner the summed gradients of its own parameters (with ``average_grads``; under
     DDP, whose gradients are already averaged, it is skipped), the owner updates them —
     momentum, whole-matrix threshold and Newton–Schulz for ROOT, AdamW ZeRO-1 style for
@@ -730,11 +730,18 @@ class DistributedROOT(ROOT):
         if layout is None:
             return
         flat = self._flat()
+        mine: dict[int, LayoutItem] = {}
         for it, o in zip(layout.items, layout.owner):
-            if o != rank:
-                st = self.state[flat[it.index][2]]
-                for key in _state_keys(self.param_groups[flat[it.index][0]], flat[it.index][2]):
+            if o == rank:
+                mine[it.index] = it
+        for index in dict.fromkeys(it.index for it in layout.items):
+            gi, _, p = flat[index]
+            st, piece = self.state[p], mine.get(index)
+            for key in _state_keys(self.param_groups[gi], p):
+                if piece is None:
                     st.pop(key, None)
+                elif piece.numel != p.numel() and st[key].numel() == p.numel():
+                    st[key] = st[key].reshape(-1)[piece.start : piece.start + piece.numel].clone()
 
     def _backend(self) -> str:
         return str(dist.get_backend(self.process_group))
@@ -816,6 +823,12 @@ class DistributedROOT(ROOT):
             for pi, p, name, g in entries:
                 if not _is_dtensor(p):
                     grads[index_of[(gi, pi)]] = (name, g)
+        # every rank counts the step of every updated parameter; an owner (of the parameter
+        # or of one piece of it: at most one per rank) does it in the update itself
+        owns = {it.index for it, o in zip(layout.items, layout.owner) if o == rank}
+        others = [self.state[flat[i][2]]["step"] for i in grads if i not in owns]
+        if others:
+            torch._foreach_add_(others, 1)
         for b in layout.buckets:
             self._owner_bucket(layout, b, flat, grads, rank, world_size)
 
@@ -839,29 +852,31 @@ class DistributedROOT(ROOT):
             buf = torch.zeros(b.numel, dtype=dtype, device=dev)
             for it, off in zip(items, b.offsets):
                 if it.index in grads:
-                    buf[off : off + it.numel].copy_(grads[it.index][1].reshape(-1))
+                    g = grads[it.index][1].reshape(-1)[it.start : it.start + it.numel]
+                    buf[off : off + it.numel].copy_(g)
             summed = self._reduce_scatter_flat(buf, b.segments, rank, world_size)
             del buf
             summed.div_(world_size)
             for j in mine:
                 if items[j].index in grads:
                     off = b.offsets[j] - start
-                    owned[j] = summed[off : off + items[j].numel].view_as(params[j])
+                    owned[j] = summed[off : off + items[j].numel]
         else:  # already averaged (DDP): the owner's own copy is the summed gradient / W
-            owned = {j: grads[items[j].index][1] for j in mine if items[j].index in grads}
-        # every rank counts the step of every updated parameter; the owner does it in
-        # ROOT's own functions below
-        others = [
-            self.state[params[j]]["step"]
-            for j in range(len(items))
-            if b.owners[j] != rank and items[j].index in grads
-        ]
-        if others:
-            torch._foreach_add_(others, 1)
+            owned = {
+                j: grads[items[j].index][1].reshape(-1)[items[j].start :][: items[j].numel]
+                for j in mine
+                if items[j].index in grads
+            }
         by_group: dict[int, list[tuple[int, Tensor, str, Tensor]]] = {}
+        pieces: list[tuple[int, LayoutItem, Tensor]] = []
         for j, g in owned.items():
             gi, pi, p = flat[items[j].index]
-            by_group.setdefault(gi, []).append((pi, p, grads[items[j].index][0], g))
+            if items[j].numel != p.numel():  # one piece of a split AdamW parameter
+                pieces.append((gi, items[j], g))
+                continue
+            by_group.setdefault(gi, []).append((pi, p, grads[items[j].index][0], g.view_as(p)))
+        for gi, it, g in pieces:
+            self._adamw_piece(self.param_groups[gi], flat[it.index][2], it, g)
         tasks: list[_Task] = []
         vs: list[Tensor] = []
         for gi, entries in by_group.items():
@@ -883,12 +898,23 @@ class DistributedROOT(ROOT):
             self._apply_local(tasks, self._orthogonalize(tasks, vs))
         send = torch.empty(seg, dtype=dtype, device=dev)
         for j in mine:
-            off = b.offsets[j] - start
-            send[off : off + items[j].numel].copy_(params[j].reshape(-1))
+            off, it = b.offsets[j] - start, items[j]
+            send[off : off + it.numel].copy_(params[j].reshape(-1)[it.start : it.start + it.numel])
         new = self._gather_flat(send, b.segments, rank, world_size, "all_gather owners' parameters")
         for j, (it, off) in enumerate(zip(items, b.offsets)):
             if b.owners[j] != rank:
-                params[j].copy_(new[off : off + it.numel].view_as(params[j]))
+                params[j].view(-1)[it.start : it.start + it.numel].copy_(new[off : off + it.numel])
+
+    def _adamw_piece(self, group: dict[str, Any], p: Tensor, it: LayoutItem, g: Tensor) -> None:
+        """AdamW on one piece of a split parameter: its owner keeps the moments of the
+        piece only (``state[p]["exp_avg"]`` has the piece's elements)."""
+        st = self.state[p]
+        st["step"] += 1
+        adamw_(
+            [p.view(-1)[it.start : it.start + it.numel]], [g], [st["exp_avg"]],
+            [st["exp_avg_sq"]], [st["step"]], lr=float(group["lr"]), betas=group["adamw_betas"],
+            eps=group["adamw_eps"], weight_decay=group["weight_decay"],
+        )  # fmt: skip
 
     def _gather_state(self) -> dict[int, dict[str, Tensor]]:
         """The owner-only state of every parameter this rank does not own, gathered bucket
@@ -940,11 +966,17 @@ class DistributedROOT(ROOT):
         full = self._gather_flat(send, segments, rank, world_size, "all_gather owners' state")
         off = 0
         for j, o in enumerate(b.owners):  # segments are in rank order, as are owners
+            it, p = items[j], params[j]
             for key in keys[j]:
-                if o != rank:
-                    t = full[off : off + items[j].numel].view(params[j].shape).clone()
-                    out.setdefault(items[j].index, {})[key] = t
-                off += items[j].numel
+                part = full[off : off + it.numel]
+                off += it.numel
+                if it.numel != p.numel():  # a piece: assembled into the whole, own one too
+                    st = out.setdefault(it.index, {})
+                    if key not in st:
+                        st[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                    st[key].view(-1)[it.start : it.start + it.numel].copy_(part)
+                elif o != rank:
+                    out.setdefault(it.index, {})[key] = part.view(p.shape).clone()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict; in the owner design with the state of every parameter
