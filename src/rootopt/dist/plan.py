@@ -231,10 +231,10 @@ def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> 
     share (total / W elements; AdamW is elementwise, so any piece can be updated alone):
     every rank then moves about the same bytes (the bytes of a rank follow the elements it
     owns). A piece smaller than ``MIN_PIECE`` elements is not split off, and a rank holds
-    at most one piece of a parameter. Buckets next: per dtype key, the items in reverse optimizer order (about
-    the order backward produces the gradients) cut into runs of at most ``bucket_bytes``
-    (at least one item each); in a bucket, rank r's segment holds the items r owns, in
-    that order. Deterministic (ties go to the lower rank / earlier item), so every rank
+    at most one piece of a parameter. Buckets next: per dtype key, the items in reverse
+    optimizer order (about the order backward produces the gradients) cut into runs of at
+    most ``bucket_bytes`` (at least one item each); in a bucket, rank r's segment holds the
+    items r owns, in that order. Deterministic (ties go to the lower rank / earlier item), so every rank
     computes the same layout from the same items."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")

@@ -4,24 +4,25 @@ Two layouts, chosen per parameter:
 
 * **replicated** (plain tensors), in one of two designs (``ddp_design``):
 
-  - ``gather`` (the first design, kept for comparison): DDP or the optimizer's own gradient all-reduce gives every
-    rank the same averaged gradient, so every rank keeps the same momentum. An owner
-    thresholds + orthogonalizes its matrices (the whole matrix: exact quantile from the
-    true size) and the updates are gathered bucket by bucket with one
-    ``all_gather_single`` per bucket. Every rank then applies every update.
-  - ``owner`` (the default): the parameters are laid out once, at construction, in flat buckets ordered
-    by owner (:func:`rootopt.dist.plan.owner_layout`: ROOT matrices balanced by
-    Newton–Schulz cost, AdamW parameters, split into pieces where needed, by size). Per bucket one reduce-scatter gives
-    each owner the summed gradients of its own parameters (with ``average_grads``; under
-    DDP, whose gradients are already averaged, it is skipped), the owner updates them —
-    momentum, whole-matrix threshold and Newton–Schulz for ROOT, AdamW ZeRO-1 style for
-    the rest — and one all-gather of the new parameters brings every rank up to date:
-    DDP AdamW's bytes (Moonlight, arXiv 2502.16982 §2.3), a constant number of
-    collectives per step, and momentum / AdamW moments only on their owner.
-    ``state_dict()`` gathers them (a collective: call it on every rank), so checkpoints
-    hold the full state and load at any world size and in either design. Every rank
-    hashes its layout at construction and compares it with the others' (one line on a
-    mismatch instead of mismatched collectives).
+  - ``gather`` (the first design, kept for comparison): DDP or the optimizer's own
+    gradient all-reduce gives every rank the same averaged gradient, so every rank keeps
+    the same momentum. An owner thresholds + orthogonalizes its matrices (the whole
+    matrix: exact quantile from the true size) and the updates are gathered bucket by
+    bucket with one ``all_gather_single`` per bucket. Every rank then applies every
+    update.
+  - ``owner`` (the default): the parameters are laid out once, at construction, in flat
+    buckets ordered by owner (:func:`rootopt.dist.plan.owner_layout`: ROOT matrices
+    balanced by Newton–Schulz cost, AdamW parameters, split into pieces where needed, by
+    size). Per bucket one reduce-scatter gives each owner the summed gradients of its own
+    parameters (with ``average_grads``; under DDP, whose gradients are already averaged,
+    it is skipped), the owner updates them — momentum, whole-matrix threshold and
+    Newton–Schulz for ROOT, AdamW ZeRO-1 style for the rest — and one all-gather of the
+    new parameters brings every rank up to date: DDP AdamW's bytes (Moonlight, arXiv
+    2502.16982 §2.3), a constant number of collectives per step, and momentum / AdamW
+    moments only on their owner. ``state_dict()`` gathers them (a collective: call it on
+    every rank), so checkpoints hold the full state and load at any world size and in
+    either design. Every rank hashes its layout at construction and compares it with the
+    others' (one line on a mismatch instead of mismatched collectives).
 * **sharded** (``DTensor`` with ``Shard(0)`` on a 1-D mesh; FSDP2's ``fully_shard``):
   momentum and AdamW state stay sharded like the parameter. Per bucket, one
   ``all_to_all_single`` moves each matrix's shards to its owner (exact split sizes; empty
@@ -32,11 +33,11 @@ Two layouts, chosen per parameter:
 Owners balance Newton–Schulz cost, not matrix count (:mod:`rootopt.dist.owners`). State is
 created eagerly for every parameter, is identical (replicated) or identically placed
 (sharded) on every rank and never depends on ownership (``owner``: its state dict does
-not), so checkpoints load at any world size. At world size 1 with plain tensors :meth:`DistributedROOT.step` *is*
-:meth:`rootopt.ROOT.step`. The numerics follow :mod:`rootopt.optim.functional` (paper,
-arXiv 2511.20626): momentum, the owners' stacked threshold + orthogonalization, robust
-scaling, decay and step and the AdamW part are the functions :class:`rootopt.ROOT` calls;
-this class only assigns owners and moves tensors. ``tests/test_paths.py`` compares it with
+not), so checkpoints load at any world size. At world size 1 with plain tensors
+:meth:`DistributedROOT.step` *is* :meth:`rootopt.ROOT.step`. The numerics follow
+:mod:`rootopt.optim.functional` (paper, arXiv 2511.20626): momentum, the owners' stacked
+threshold + orthogonalization, robust scaling, decay and step and the AdamW part are the
+functions :class:`rootopt.ROOT` calls; this class only assigns owners and moves tensors. ``tests/test_paths.py`` compares it with
 the per-matrix reference at world sizes 1 and 2, replicated and sharded.
 """
 
@@ -903,7 +904,11 @@ class DistributedROOT(ROOT):
         new = self._gather_flat(send, b.segments, rank, world_size, "all_gather owners' parameters")
         for j, (it, off) in enumerate(zip(items, b.offsets)):
             if b.owners[j] != rank:
-                params[j].view(-1)[it.start : it.start + it.numel].copy_(new[off : off + it.numel])
+                part = new[off : off + it.numel]
+                if it.numel == params[j].numel():  # whole (any memory layout)
+                    params[j].copy_(part.view(params[j].shape))
+                else:  # an AdamW piece of a contiguous parameter
+                    params[j].view(-1)[it.start : it.start + it.numel].copy_(part)
 
     def _adamw_piece(self, group: dict[str, Any], p: Tensor, it: LayoutItem, g: Tensor) -> None:
         """AdamW on one piece of a split parameter: its owner keeps the moments of the
