@@ -72,6 +72,16 @@ def test_owner_moves_adamw_bytes_in_a_constant_number_of_collectives(
                 assert own["bytes_sent"] <= own["wrote"] <= own["bytes_sent"] + extra
     # 1 shape or 6: the same collectives, in number and kind
     assert len(calls) == 1, calls
+    for r in res:  # NCCL's branches for equal segments, run on gloo: the same numbers
+        nccl = r["nccl_branches"]
+        assert nccl["segments"] == r["owner_6"]["segments"]
+        assert len(set(nccl["segments"][0])) == 1
+        assert nccl["by_op"] == {
+            "all_reduce": 1,
+            "reduce_scatter_tensor": 1,
+            "all_gather_into_tensor": 1,
+        }
+        assert nccl["param_diff"] < TOL and nccl["state_diff"] < STATE_TOL
     # the last rank's layout differs: every rank stops with one line, nobody hangs
     for rank, r in enumerate(res):
         msg = r["mismatch"]

@@ -140,6 +140,15 @@ def main() -> None:
             payload[f"{design}_{shapes}"] = measure(shapes, design)
     for design in ("gather", "owner"):
         payload[f"{design}_table"] = measure(1, design, table=True)
+    # the branches NCCL takes for equal segments (reduce_scatter_tensor,
+    # all_gather_into_tensor), run on gloo, which has both for equal parts; its missing
+    # uneven all_gather is why gloo takes all-to-alls otherwise
+    real = DistributedROOT._backend
+    DistributedROOT._backend = lambda self: "nccl"  # type: ignore[method-assign]
+    try:
+        payload["nccl_branches"] = measure(6, "owner")
+    finally:
+        DistributedROOT._backend = real  # type: ignore[method-assign]
     payload["mismatch"] = mismatch()
     # the group is still usable after the refusal (nobody is left inside a collective)
     t = torch.ones(1)
