@@ -1,21 +1,28 @@
-"""Distributed ROOT: per-rank step time, Newton–Schulz time and work, bytes moved per
-step and peak memory, at several world sizes (CPU processes with gloo, or GPUs with NCCL).
+"""Distributed ROOT: per-rank step time, Newton–Schulz time and work, bytes moved and
+collectives issued per step, and peak memory, at several world sizes (CPU processes with
+gloo, or GPUs with NCCL).
 
 Designs compared, each in its own torchrun launch (so peak memory is per design):
-  * ``root``      DistributedROOT, replicated (DDP) layout: owners by NS cost, updates
-                  gathered with all_gather_single.
+  * ``owner``     DistributedROOT's default DDP-mode design (``ddp_design="owner"``,
+                  ``average_grads=True``, no DDP wrapper): per bucket one reduce-scatter
+                  of the gradients to their owners, the owners' update, one all-gather of
+                  the new parameters.
+  * ``gather``    the first DDP-mode design (``ddp_design="gather"``,
+                  ``average_grads=True``): gradients all-reduced, owners' updates
+                  all-gathered (each rank's part padded to the largest).
+  * ``adamw``     DDP AdamW: the gradients all-reduced in 25 MiB float32 buckets (what
+                  DDP's reducer does) and torch.optim.AdamW (foreach).
   * ``fsdp``      DistributedROOT on FSDP2-sharded parameters: shards to owners and
-                  updates back with all_to_all_single.
+                  updates back with all_to_all_single (FSDP2's own gradient reduce-scatter
+                  is not part of the step).
   * ``broadcast`` rank 0 thresholds + orthogonalizes every matrix and broadcasts the
-                  updates; the other ranks wait (the design this replaces).
-  * ``adamw``     plain DDP AdamW (torch.optim.AdamW, foreach).
-Gradient synchronisation (DDP's all-reduce, FSDP2's reduce-scatter) is the same for every
-design and is not part of the step; its bytes are reported analytically (ring all-reduce:
-2·(W−1)/W·P·4 per rank). Bytes of a design are the payload this rank sends / receives in
-the optimizer step.
+                  updates; the other ranks wait (no gradient synchronisation in the step).
+The bytes and collectives are what the step issues, counted by
+``rootopt.dist.counters.CollectiveCounter`` (gradient synchronisation included for owner,
+gather and adamw), with the cost model's prediction (``rootopt.dist.plan``) beside them.
 
-Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs root fsdp broadcast adamw]
-       [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
+Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner gather adamw fsdp
+       broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_step import transformer_matrices  # noqa: E402
 
-DESIGNS = ("root", "fsdp", "broadcast", "adamw")
+DESIGNS = ("owner", "gather", "adamw", "fsdp", "broadcast")
+DDP_BUCKET_BYTES = 25 << 20  # torch DistributedDataParallel(bucket_cap_mb=25)
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,6 +71,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from rootopt.dist import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
+    from rootopt.dist import plan as P
+    from rootopt.dist.counters import CollectiveCounter
     from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim.functional import root_direction
 
@@ -77,6 +87,11 @@ def worker(args: argparse.Namespace) -> None:
     p_root = sum(p.numel() for g in _groups(model)[:1] for p in g["params"])
     p_all = sum(p.numel() for p in params.values())
     stats: dict[str, Any] = {}
+    groups = _groups(model)
+    specs = [
+        P.ParamSpec(f"p{i}", tuple(p.shape), g["algorithm"])
+        for i, (g, p) in enumerate((g, p) for g in groups for p in g["params"])
+    ]
 
     def set_grads() -> None:
         for n, p in params.items():
@@ -87,8 +102,11 @@ def worker(args: argparse.Namespace) -> None:
                 p.grad = g.clone()
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    if args.design in ("root", "fsdp"):
-        opt: torch.optim.Optimizer = DistributedROOT(_groups(model), lr=1e-3)
+    if args.design in ("owner", "gather", "fsdp"):
+        kw: dict[str, Any] = {}
+        if args.design != "fsdp":
+            kw = {"average_grads": True, "ddp_design": args.design}
+        opt: torch.optim.Optimizer = DistributedROOT(groups, lr=1e-3, **kw)
 
         def step() -> None:
             opt.step()
@@ -103,13 +121,29 @@ def worker(args: argparse.Namespace) -> None:
 
     elif args.design == "adamw":
         opt = torch.optim.AdamW(params.values(), lr=1e-3, betas=(0.9, 0.95), foreach=True)
+        grads_in_order = list(reversed(list(params.values())))  # about backward's order
 
         def step() -> None:
+            if info.world_size > 1:  # DDP's reducer: bucketed all-reduce, then ÷ W
+                bucket: list[torch.Tensor] = []
+                for i, p in enumerate(grads_in_order):
+                    bucket.append(p.grad)
+                    size = sum(g.numel() for g in bucket) * 4
+                    if size >= DDP_BUCKET_BYTES or i == len(grads_in_order) - 1:
+                        flat = torch.cat([g.reshape(-1) for g in bucket])
+                        dist.all_reduce(flat)
+                        flat.div_(info.world_size)
+                        off = 0
+                        for g in bucket:
+                            g.copy_(flat[off : off + g.numel()].view_as(g))
+                            off += g.numel()
+                        bucket = []
             opt.step()
             stats.update(ns_s=0.0, ns_matrices=0, ns_cost=0.0, sent=0, received=0)
 
     else:  # broadcast: rank 0 orthogonalizes everything, then one broadcast
-        opt = DistributedROOT(_groups(model), lr=1e-3)  # for momentum, AdamW and schedules
+        # for momentum, AdamW and schedules (gather: every rank holds every state)
+        opt = DistributedROOT(groups, lr=1e-3, ddp_design="gather")
         root_group = opt.param_groups[0]
         mats = root_group["params"]
         buf = torch.empty(sum(p.numel() for p in mats), device=dev)
@@ -153,11 +187,24 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
         sync()
         t0 = time.perf_counter()
-        step()
+        with CollectiveCounter() as counts:
+            step()
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             ns_times.append(stats["ns_s"])
+    W = info.world_size
+    if args.design in ("owner", "gather", "fsdp"):
+        opts = P.Options(backend=args.backend, average_grads=args.design != "fsdp")
+        est = P.estimate(specs, W, args.design, opts)  # type: ignore[arg-type]
+        model_sent, model_received = est.step_sent[info.rank], est.step_received[info.rank]
+        model_colls = est.exposed_collectives
+    elif args.design == "adamw":
+        model_sent = model_received = 2 * (W - 1) / W * p_all * 4  # ring all-reduce
+        model_colls = -(-p_all * 4 // DDP_BUCKET_BYTES) if W > 1 else 0
+    else:
+        model_sent = model_received = float("nan")
+        model_colls = -1
     rec = {
         "design": args.design,
         "world": info.world_size,
@@ -166,9 +213,14 @@ def worker(args: argparse.Namespace) -> None:
         "ns_ms": 1e3 * statistics.median(ns_times),
         "ns_matrices": stats["ns_matrices"],
         "ns_cost": stats["ns_cost"],
-        "bytes_sent": stats["sent"],
-        "bytes_received": stats["received"],
-        "grad_allreduce_bytes": int(2 * (info.world_size - 1) / info.world_size * p_all * 4),
+        "bytes_sent": counts.bytes_sent,
+        "bytes_received": counts.bytes_received,
+        "collectives": counts.collectives,
+        "by_op": counts.by_op(),
+        "model_sent": float(model_sent),
+        "model_received": float(model_received),
+        "model_collectives": int(model_colls),
+        "adamw_bytes": 2 * (W - 1) / W * p_all * 4,  # DDP AdamW's ring all-reduce
         "root_params": p_root,
         "all_params": p_all,
         "peak_rss_mib": _peak_rss_mib(),
@@ -228,7 +280,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--json", default="")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--design", default="root", help=argparse.SUPPRESS)
+    ap.add_argument("--design", default="owner", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -240,7 +292,8 @@ def main() -> int:
             rows.extend(launch(args, design, world))
     head = (
         f"{'design':<10}{'W':>3}{'rank':>5}{'step ms':>10}{'NS ms':>9}{'NS mats':>8}"
-        f"{'NS work':>9}{'sent MiB':>10}{'recv MiB':>10}{'grad AR MiB':>12}{'peak RSS MiB':>13}"
+        f"{'NS work':>9}{'sent MiB':>10}{'recv MiB':>10}{'model MiB':>10}{'xAdamW':>7}"
+        f"{'colls':>6}{'model':>6}{'peak RSS MiB':>13}"
     )
     print(
         f"d_model={args.d_model} layers={args.layers} vocab={args.vocab} backend={args.backend} "
@@ -253,10 +306,13 @@ def main() -> int:
             x["ns_cost"] for x in rows if x["design"] == r["design"] and x["world"] == r["world"]
         )
         share = r["ns_cost"] / total_cost if total_cost else float("nan")
+        most = max(r["bytes_sent"], r["bytes_received"])
+        vs_adamw = most / r["adamw_bytes"] if r["adamw_bytes"] else float("nan")
         print(
             f"{r['design']:<10}{r['world']:>3}{r['rank']:>5}{r['step_ms']:>10.1f}{r['ns_ms']:>9.1f}"
             f"{r['ns_matrices']:>8}{share:>9.2f}{r['bytes_sent'] / mib:>10.2f}"
-            f"{r['bytes_received'] / mib:>10.2f}{r['grad_allreduce_bytes'] / mib:>12.2f}"
+            f"{r['bytes_received'] / mib:>10.2f}{r['model_sent'] / mib:>10.2f}"
+            f"{vs_adamw:>7.3f}{r['collectives']:>6}{r['model_collectives']:>6}"
             f"{r['peak_rss_mib']:>13.0f}"
         )
     if args.json:

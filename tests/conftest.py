@@ -15,6 +15,7 @@ import torch
 E2E_MODULES = frozenset(
     {
         "test_bench.py",  # the benchmark pipeline's --quick suite
+        "test_dist_edge.py",  # gloo edge cases under torchrun
         "test_dist_train.py",  # rootopt.train under torchrun
         "test_faults.py",  # real runs killed, starved of disk and data, resumed
         "test_parity.py",  # 100-step default runs under torchrun at world sizes 1, 2, 3
@@ -55,6 +56,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     "test_dist_deploy.py": frozenset({"test_launch_sh_trains_from_another_directory"}),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),
+    "test_plan.py": frozenset({"test_cli_table_json_and_plot"}),
     "test_quantile.py": frozenset({"test_beyond_torch_quantile_limit"}),
     "test_train.py": frozenset(
         {

@@ -159,6 +159,7 @@ def test_state_is_created_eagerly_and_lr0_is_a_noop() -> None:
         ({"bucket_bytes": 0}, "bucket_bytes"),
         ({"bucket_bytes": 1.5}, "bucket_bytes"),
         ({"average_grads": "yes"}, "average_grads"),
+        ({"ddp_design": "ring"}, "Invalid ddp_design: 'ring' \\(choose gather or owner\\)"),
     ],
 )
 def test_bad_options(kwargs: dict[str, Any], match: str) -> None:
@@ -179,11 +180,20 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         for key in (
             "ddp_param_diff",
             "avg_param_diff",
+            "owner_param_diff",
+            "owner_buckets_param_diff",
+            "owner_ddp_param_diff",
             "fsdp_param_diff",
             "fsdp_rounds_param_diff",
         ):
             assert r[key] < TOL, (key, r[key])
-        for key in ("ddp_state_diff", "fsdp_state_diff"):
+        for key in (
+            "ddp_state_diff",
+            "fsdp_state_diff",
+            "owner_state_diff",
+            "owner_buckets_state_diff",
+            "owner_ddp_state_diff",
+        ):
             assert r[key] < STATE_TOL, (key, r[key])
         assert r["fsdp_state_sharded"] is True
         assert r["eager_state"] is True
@@ -212,6 +222,21 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         assert g == pytest.approx(e, rel=1e-5)
     # tiny buckets: one all_gather round per matrix shape group
     assert all(r["avg_rounds"] == 4 for r in res)
+    # the owner design: every matrix orthogonalized once, momentum and AdamW moments held
+    # by exactly one rank each (every parameter with elements: 6 ROOT, 2 AdamW)
+    named = sorted(n for n, _ in common.make_model().named_parameters())
+    for key in ("owner", "owner_buckets"):
+        assert sum(r[f"{key}_ns_matrices"] for r in res) == 6
+        held = sorted(n for r in res for n in r[f"{key}_held"])
+        assert held == named, (key, held)
+        if world > 1:
+            assert all(len(r[f"{key}_held"]) < len(named) for r in res)
+    # a constant number of collectives per step: the flag all-reduce, then a
+    # reduce-scatter and an all-gather per bucket (one bucket; more with tiny buckets)
+    for r in res:
+        assert r["owner_buckets"] == 1 and r["owner_collectives"] == 3
+        assert r["owner_buckets_buckets"] >= 5  # 8 parameters, the small ones share
+        assert r["owner_buckets_collectives"] == 1 + 2 * r["owner_buckets_buckets"]
 
 
 def test_three_ranks_uneven_match_single_process(tmp_path: Path) -> None:

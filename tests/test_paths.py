@@ -5,7 +5,8 @@ written plainly, one matrix at a time), driven here with state kept as torch opt
 it; the AdamW part is checked against ``torch.optim.AdamW``. Paths: the class's reference
 loop (``batched=False``, bit for bit), the batched path (the default), small buckets (stacks
 split and chunked), the whole step compiled (``compile_step=True``), ``DistributedROOT`` at
-world size 1 (no process group), and at world size 2 replicated and sharded (``DTensor``
+world size 1 (no process group), and at world size 2 replicated (``dist2``: the owner
+design, the default; ``gather2``: the first DDP-mode design) and sharded (``DTensor``
 parameters, as FSDP2 holds them; gloo, launched once by torchrun). Every path runs every
 option set of ``tests/path_cases.py`` — default coefficients (AdaNewton), float64 and
 bfloat16 parameters, Nesterov off, robust scaling, a bfloat16
@@ -162,14 +163,18 @@ def by_path(path: str, name: str, request: pytest.FixtureRequest) -> Result:
     if path == "dist1":
         return by_class(name, DistributedROOT)
     out = request.getfixturevalue("world2")
-    saved = torch.load(out / f"{'replicated' if path == 'dist2' else 'sharded'}-{name}.pt")
+    mode = {"dist2": "replicated", "gather2": "gather", "sharded": "sharded"}[path]
+    saved = torch.load(out / f"{mode}-{name}.pt")
     assert saved["world"] == 2
     return saved["params"], saved["state"]
 
 
 def _cases() -> list[Any]:
     cases = []
-    paths = ("reference", "batched", "buckets", "compiled", "inductor", "dist1", "dist2", "sharded")
+    paths = (
+        "reference", "batched", "buckets", "compiled", "inductor", "dist1", "dist2", "gather2",
+        "sharded",
+    )  # fmt: skip
     for path in paths:
         for name, (options, _) in OPTION_SETS.items():
             if path == "sharded" and options.get("robust_scaling"):

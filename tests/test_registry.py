@@ -103,6 +103,19 @@ def test_ablation_fixed_options_win_over_config() -> None:
     assert opt.param_groups[0]["momentum"] == 0.8 and opt.param_groups[0]["nesterov"]
 
 
+def test_ddp_design_reaches_distributed_root_and_is_validated() -> None:
+    """``distributed.ddp_design`` picks DistributedROOT's DDP-mode design (world size > 1;
+    built here without a process group, where it is the plain step); a wrong value is one
+    config line."""
+    from rootopt.dist import DistributedROOT
+
+    for override, design in (([], "owner"), (["distributed.ddp_design=gather"], "gather")):
+        opt, _ = build_optimizer(load_config(None, override), Mixed(), world_size=2)
+        assert isinstance(opt, DistributedROOT) and opt.ddp_design == design
+    with pytest.raises(ConfigError, match="distributed.ddp_design: expected one of owner, gather"):
+        load_config(None, ["distributed.ddp_design=ring"])
+
+
 def test_muon_routes_like_root_and_schedules_reach_children() -> None:
     model = Mixed()
     opt, report = make_optimizer("muon", model, lr=1e-2)

@@ -67,7 +67,12 @@ def test_default_directory_is_the_same_for_the_same_command(tmp_path: Path) -> N
     assert identity_key(cfg, str(tmp_path / "other")) != key
     assert identity_key(cfg, None) != key
     # ... one that only steers a session does not: `checkpoint.resume=restart` acts on this run
-    for session in ("checkpoint.resume=restart", "run.max_time=60", "distributed.timeout_s=5"):
+    for session in (
+        "checkpoint.resume=restart",
+        "run.max_time=60",
+        "distributed.timeout_s=5",
+        "distributed.ddp_design=gather",  # the same update: the same run
+    ):
         assert identity_key(load_config(None, [*FAST, session]), str(tmp_path)) == key, session
     assert default_run_dir(cfg, None, None).parts[:1] == ("runs",)
     assert default_run_dir(cfg, None, None).name.startswith("default-")

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "bench": "benchmark ROOT against the optimizer family (convergence, lr, robustness, overhead)",
     "rl": "train / evaluate a learned ROOT controller (RecurrentPPO; extra [rl])",
     "anneal": "quantized block updates solved as a QUBO (dimod samplers; extra [anneal])",
+    "plan": "cost model of distributed ROOT: bytes, collectives, Newton–Schulz, memory per rank",
 }
 
 # Import names of the packages in the `train` and `bench` extras (pyproject.toml).

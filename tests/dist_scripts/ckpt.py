@@ -1,5 +1,8 @@
 """Cross-world-size checkpoint step: load the newest checkpoint (if any), check it against
-the single-process reference, train, save. Usage: ckpt.py OUT CKPT_DIR LAYOUT STEPS."""
+the single-process reference, train, save. Usage: ckpt.py OUT CKPT_DIR LAYOUT STEPS.
+
+LAYOUT: ``none``, ``ddp``, ``fsdp`` (wrap_model's modes) or ``owner`` (no wrapper; the
+optimizer reduce-scatters the gradients to their owners, ``ddp_design="owner"``)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common import HYPER, global_batch, groups, make_model, write
-from parity import full, reference
+from parity import full, full_state, reference
 
 from rootopt.dist import DistributedROOT, finish, init_distributed, unwrap_model, wrap_model
 from rootopt.dist import checkpoint as dck
@@ -21,9 +24,10 @@ def compare(model: torch.nn.Module, opt: DistributedROOT, step: int) -> dict[str
     pd = max(float((full(named[n]).detach() - ref_params[n]).abs().max()) for n in ref_params)
     sd = 0.0
     steps_equal = True
+    state = full_state(opt, unwrap_model(model))  # the owner design's, gathered
     for n, st in ref_state.items():
         for k, v in st.items():
-            got = opt.state[named[n]][k]
+            got = state[n][k]
             if isinstance(v, torch.Tensor):
                 sd = max(sd, float((full(got) - v).abs().max()))
             else:
@@ -34,8 +38,10 @@ def compare(model: torch.nn.Module, opt: DistributedROOT, step: int) -> dict[str
 def run(out_dir: str, ck_dir: str, layout: str, steps: int) -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = wrap_model(make_model(), layout, find_unused_parameters=True)  # type: ignore[arg-type]
-    opt = DistributedROOT(groups(unwrap_model(model)), **HYPER)
+    mode = "none" if layout == "owner" else layout
+    model = wrap_model(make_model(), mode, find_unused_parameters=True)  # type: ignore[arg-type]
+    kw: dict[str, Any] = {"average_grads": True, "ddp_design": "owner"} if layout == "owner" else {}
+    opt = DistributedROOT(groups(unwrap_model(model)), **HYPER, **kw)
     res: dict[str, Any] = {"world": world, "layout": layout}
     start = 0
     path = dck.latest(ck_dir)

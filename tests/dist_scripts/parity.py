@@ -66,12 +66,22 @@ def max_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> float:
     return max(float((full(named[n]).detach().cpu() - ref[n]).abs().max()) for n in ref)
 
 
+def full_state(opt: DistributedROOT, model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Every parameter's state by name, from ``state_dict()`` (which gathers the owner
+    design's state from the owners; a collective on every rank)."""
+    sd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(params[i])]: st for i, st in sd["state"].items()}
+
+
 def state_diff(opt: DistributedROOT, model: torch.nn.Module, ref: dict[str, Any]) -> float:
     worst = 0.0
-    for n, p in model.named_parameters():
-        st = opt.state[p]
+    state = full_state(opt, model)
+    for n, _ in model.named_parameters():
         if n not in ref:
             continue
+        st = state[n]
         for k, v in ref[n].items():
             if isinstance(v, torch.Tensor):
                 worst = max(worst, float((full(st[k]).cpu() - v).abs().max()))
@@ -93,7 +103,7 @@ def main() -> None:
     moved = max(float((ref_params[n] - init[n]).abs().max()) for n in init)
     res: dict[str, Any] = {"world": world, "moved": moved}
 
-    model, opt = train("ddp", STEPS)
+    model, opt = train("ddp", STEPS, ddp_design="gather")
     ddp_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     res["ddp_param_diff"] = max_diff(model, ref_params)
     res["ddp_state_diff"] = state_diff(opt, model, ref_state)
@@ -101,9 +111,29 @@ def main() -> None:
     res["ns_cost"] = opt.stats.ns_cost
     res["bytes_received"] = opt.stats.bytes_received
     # the same with tiny buckets (one matrix per collective round) and our own all-reduce
-    model, opt = train("plain", STEPS, average_grads=True, bucket_bytes=256)
+    model, opt = train("plain", STEPS, average_grads=True, bucket_bytes=256, ddp_design="gather")
     res["avg_param_diff"] = max_diff(model, ref_params)
     res["avg_rounds"] = opt.stats.collectives.get("all_gather", 0)
+    # the owner design: gradients reduce-scattered to owners, parameters all-gathered; one
+    # bucket, then tiny buckets (one parameter each), then under DDP (averaged gradients)
+    for key, kw in (
+        ("owner", {"average_grads": True}),
+        ("owner_buckets", {"average_grads": True, "bucket_bytes": 256}),
+    ):
+        model, opt = train("plain", STEPS, ddp_design="owner", **kw)
+        res[f"{key}_param_diff"] = max_diff(model, ref_params)
+        res[f"{key}_state_diff"] = state_diff(opt, model, ref_state)
+        res[f"{key}_ns_matrices"] = opt.stats.ns_matrices
+        res[f"{key}_collectives"] = sum(opt.stats.collectives.values())
+        res[f"{key}_buckets"] = len(opt.owner_layout.buckets) if opt.owner_layout else 0
+        res[f"{key}_held"] = sorted(
+            n
+            for n, p in model.named_parameters()
+            if "momentum_buffer" in opt.state[p] or "exp_avg" in opt.state[p]
+        )
+    model, opt = train("ddp", STEPS, ddp_design="owner")
+    res["owner_ddp_param_diff"] = max_diff(model, ref_params)
+    res["owner_ddp_state_diff"] = state_diff(opt, model, ref_state)
 
     # FSDP2, recording every threshold the owners compute
     seen: list[tuple[tuple[int, ...], list[float]]] = []

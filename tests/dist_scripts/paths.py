@@ -27,6 +27,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(out: Path, mode: str, name: str) -> None:
+    """``mode``: ``replicated`` (the default DDP-mode design, owner), ``gather`` (the first
+    DDP-mode design) or ``sharded`` (DTensor parameters)."""
     options, dtype = OPTION_SETS[name]
     params = make_params(dtype)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if mode == "sharded" else None
@@ -35,17 +37,20 @@ def run(out: Path, mode: str, name: str) -> None:
             n: nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
             for n, p in params.items()
         }
-    opt = DistributedROOT(groups(params, options), lr=LR, **options)
+    design = {"ddp_design": "gather"} if mode == "gather" else {}
+    opt = DistributedROOT(groups(params, options), lr=LR, **options, **design)
     for grads in gradients(dtype):
         for n, p in params.items():
             g = grads[n]
             p.grad = g if mesh is None else distribute_tensor(g, mesh, [Shard(0)])
         opt.step()
+    # state_dict(): the owner design's state gathered from the owners (every rank calls it)
+    order = [p for g in opt.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in params.items()}
+    state = {names[id(order[i])]: st for i, st in opt.state_dict()["state"].items()}
     result: dict[str, Any] = {
         "params": {n: full(p.detach()).clone() for n, p in params.items()},
-        "state": {
-            n: {k: full(v).clone() for k, v in opt.state[p].items()} for n, p in params.items()
-        },
+        "state": {n: {k: full(v).clone() for k, v in state[n].items()} for n in params},
         "world": dist.get_world_size(),
     }
     if dist.get_rank() == 0:
@@ -57,6 +62,7 @@ def main() -> None:
     init_distributed(backend="gloo", timeout_s=120)
     for name in OPTION_SETS:
         run(out, "replicated", name)
+        run(out, "gather", name)
         if not OPTION_SETS[name][0].get("robust_scaling"):  # not supported when sharded
             run(out, "sharded", name)
     finish(0)

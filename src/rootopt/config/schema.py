@@ -88,6 +88,12 @@ class DistributedConfig:
     parallel: Literal["ddp", "fsdp"] = _f(
         "ddp", "data parallelism at world size > 1: ddp (replicated) or fsdp (FSDP2, sharded)"
     )
+    ddp_design: Literal["owner", "gather"] = _f(
+        "owner",
+        "how ROOT spreads its work under ddp: owner (each matrix's owner keeps its momentum "
+        "and all-gathers the new parameters) or gather (every rank keeps all state; owners' "
+        "updates all-gathered); the same numbers either way",
+    )
 
 
 @dataclass

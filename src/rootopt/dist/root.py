@@ -2,11 +2,27 @@
 
 Two layouts, chosen per parameter:
 
-* **replicated** (plain tensors; DDP or the optimizer's own gradient all-reduce): every
-  rank holds every parameter and the same averaged gradient, so every rank keeps the same
-  momentum. An owner thresholds + orthogonalizes its matrices (the whole matrix: exact
-  quantile from the true size) and the updates are gathered bucket by bucket with one
-  ``all_gather_single`` per bucket. Every rank then applies every update.
+* **replicated** (plain tensors), in one of two designs (``ddp_design``):
+
+  - ``gather`` (the first design, kept for comparison): DDP or the optimizer's own
+    gradient all-reduce gives every rank the same averaged gradient, so every rank keeps
+    the same momentum. An owner thresholds + orthogonalizes its matrices (the whole
+    matrix: exact quantile from the true size) and the updates are gathered bucket by
+    bucket with one ``all_gather_single`` per bucket. Every rank then applies every
+    update.
+  - ``owner`` (the default): the parameters are laid out once, at construction, in flat
+    buckets ordered by owner (:func:`rootopt.dist.plan.owner_layout`: ROOT matrices
+    balanced by Newton–Schulz cost, AdamW parameters, split into pieces where needed, by
+    size). Per bucket one reduce-scatter gives each owner the summed gradients of its own
+    parameters (with ``average_grads``; under DDP, whose gradients are already averaged,
+    it is skipped), the owner updates them — momentum, whole-matrix threshold and
+    Newton–Schulz for ROOT, AdamW ZeRO-1 style for the rest — and one all-gather of the
+    new parameters brings every rank up to date: DDP AdamW's bytes (Moonlight, arXiv
+    2502.16982 §2.3), a constant number of collectives per step, and momentum / AdamW
+    moments only on their owner. ``state_dict()`` gathers them (a collective: call it on
+    every rank), so checkpoints hold the full state and load at any world size and in
+    either design. Every rank hashes its layout at construction and compares it with the
+    others' (one line on a mismatch instead of mismatched collectives).
 * **sharded** (``DTensor`` with ``Shard(0)`` on a 1-D mesh; FSDP2's ``fully_shard``):
   momentum and AdamW state stay sharded like the parameter. Per bucket, one
   ``all_to_all_single`` moves each matrix's shards to its owner (exact split sizes; empty
@@ -16,19 +32,19 @@ Two layouts, chosen per parameter:
 
 Owners balance Newton–Schulz cost, not matrix count (:mod:`rootopt.dist.owners`). State is
 created eagerly for every parameter, is identical (replicated) or identically placed
-(sharded) on every rank and never depends on ownership, so checkpoints load at any world
-size. At world size 1 with plain tensors :meth:`DistributedROOT.step` *is*
-:meth:`rootopt.ROOT.step`. The numerics follow :mod:`rootopt.optim.functional` (paper,
-arXiv 2511.20626): momentum, the owners' stacked threshold + orthogonalization, robust
-scaling, decay and step and the AdamW part are the functions :class:`rootopt.ROOT` calls;
-this class only assigns owners and moves tensors. ``tests/test_paths.py`` compares it with
+(sharded) on every rank and never depends on ownership (``owner``: its state dict does
+not), so checkpoints load at any world size. At world size 1 with plain tensors
+:meth:`DistributedROOT.step` *is* :meth:`rootopt.ROOT.step`. The numerics follow
+:mod:`rootopt.optim.functional` (paper, arXiv 2511.20626): momentum, the owners' stacked
+threshold + orthogonalization, robust scaling, decay and step and the AdamW part are the
+functions :class:`rootopt.ROOT` calls; this class only assigns owners and moves tensors. ``tests/test_paths.py`` compares it with
 the per-matrix reference at world sizes 1 and 2, replicated and sharded.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,6 +54,7 @@ from torch import Tensor
 
 from rootopt.dist.group import PendingCollective, collective, start_collective, world
 from rootopt.dist.owners import assign_owners, chunk_rows, ns_cost
+from rootopt.dist.plan import Bucket, LayoutItem, OwnerLayout, owner_layout
 from rootopt.optim._coefficients import coefficients_for, group_matrices
 from rootopt.optim._options import root_options
 from rootopt.optim.adamw import adamw_
@@ -57,7 +74,10 @@ from rootopt.optim.root import (
     ROOT,
     NonFiniteGradientError,
     algorithm_of,
+    state_dtype,
 )
+
+DDP_DESIGNS = ("gather", "owner")
 
 
 def _dtensor_types() -> tuple[type, type] | None:
@@ -137,8 +157,14 @@ class DistributedROOT(ROOT):
         bucket_bytes: most bytes of whole float32 matrices handled per collective round;
             bounds the extra memory of a step (default 32 MiB).
         average_grads: all-reduce and average the gradients of plain (non-DTensor)
-            parameters here; leave False when the model is wrapped in DDP (which already
-            averages them).
+            parameters here (``owner``: reduce-scatter them to their owners); leave False
+            when the model is wrapped in DDP (which already averages them).
+        ddp_design: how plain (replicated) parameters are updated across ranks:
+            ``"owner"`` (default: gradients reduce-scattered to owners, new parameters
+            all-gathered, momentum on owners only; with ``average_grads=True`` and no DDP
+            wrapper it moves DDP AdamW's bytes) or ``"gather"`` (all-reduced gradients,
+            owners' updates all-gathered, state on every rank). docs/distributed.md
+            compares them.
 
     ``self.stats`` (:class:`StepStats`) describes this rank's last step.
     """
@@ -150,17 +176,28 @@ class DistributedROOT(ROOT):
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         average_grads: bool = False,
+        ddp_design: str = "owner",
         **kwargs: Any,
     ) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (must be an integer >= 1)")
         if not isinstance(average_grads, bool):
             raise ValueError(f"Invalid average_grads: {average_grads!r} (must be True or False)")
+        if ddp_design not in DDP_DESIGNS:
+            raise ValueError(
+                f"Invalid ddp_design: {ddp_design!r} (choose {' or '.join(DDP_DESIGNS)})"
+            )
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
         self.average_grads = average_grads
+        self.ddp_design = ddp_design
         self.stats = StepStats()
+        self._layout: OwnerLayout | None = None
+        self._ready = False
         super().__init__(params, **kwargs)
+        self._ready = True
+        if ddp_design == "owner":
+            self._plan_owners()
 
     # ----------------------------------------------------------------------------------
     # eager state: every parameter has its full state before the first step, so that
@@ -177,6 +214,8 @@ class DistributedROOT(ROOT):
                         "turn it off or use DDP"
                     )
                 self._init_state(group, p)  # ROOT's own: the same dtypes and keys
+        if self._ready and self.ddp_design == "owner":
+            self._plan_owners()  # ownership may move: gather the state, plan, keep own
 
     # ----------------------------------------------------------------------------------
     # step
@@ -204,6 +243,9 @@ class DistributedROOT(ROOT):
             with torch.enable_grad():
                 loss = closure()
         per_group = self._collect_dist(info.rank, info.world_size)
+        if self._owner_on(info.world_size):
+            self._step_owner(per_group, info.rank, info.world_size)
+            per_group = [[e for e in entries if _is_dtensor(e[1])] for entries in per_group]
         replicated: list[_Task] = []
         sharded: list[_Task] = []
         for gi, (group, entries) in enumerate(zip(self.param_groups, per_group)):
@@ -290,7 +332,7 @@ class DistributedROOT(ROOT):
             )
         self.skipped = bad_names
         active = [e for e, h, b in zip(entries, has, bad) if h and not b]
-        if self.average_grads and world_size > 1:
+        if self.average_grads and world_size > 1 and not self._owner_on(world_size):
             self._average_grads([p for _, _, p, _ in active if not _is_dtensor(p)], world_size)
         for gi, pi, p, name in active:
             g = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
@@ -587,6 +629,391 @@ class DistributedROOT(ROOT):
                 Us.append(recv2[off : off + n])
                 off += n
         self._apply_local(done, Us)
+
+    # ----------------------------------------------------------------------------------
+    # the owner design: reduce-scatter → owner update → all-gather of parameters
+    # ----------------------------------------------------------------------------------
+    @property
+    def owner_layout(self) -> OwnerLayout | None:
+        """The owner design's buckets and owners (None in the gather design or at world
+        size 1)."""
+        return self._layout
+
+    def _owner_on(self, world_size: int) -> bool:
+        """The owner design applies to plain parameters when there is more than one rank."""
+        return self.ddp_design == "owner" and world_size > 1
+
+    def _flat(self) -> list[tuple[int, int, Tensor]]:
+        """``(group index, index in group, parameter)`` in the optimizer's order: the
+        position is the parameter's index in :meth:`state_dict`."""
+        return [
+            (gi, pi, p)
+            for gi, g in enumerate(self.param_groups)
+            for pi, p in enumerate(g["params"])
+        ]
+
+    def _owner_items(self) -> list[LayoutItem]:
+        """The plain parameters with elements, as the layout sees them: ROOT matrices with
+        their Newton–Schulz cost (a fused weight's blocks summed), AdamW parameters with
+        none; ``key``: dtype and device (one flat buffer holds one of each)."""
+        items = []
+        for index, (gi, pi, p) in enumerate(self._flat()):
+            if _is_dtensor(p) or p.numel() == 0:
+                continue
+            group = self.param_groups[gi]
+            root = algorithm_of(group, p) == "root"
+            cost = 0.0
+            if root:
+                o = root_options(group, p.device, float(group["lr"]))
+                splits = group.get("ns_split")
+                mats = matrices(
+                    matrix_view(p.shape, group["nd_view"]), o, splits[pi] if splits else None
+                )
+                cost = sum(ns_cost(m.batch, m.rows, m.cols, group["ns_steps"]) for m in mats)
+            key = f"{str(p.dtype).removeprefix('torch.')}@{p.device.type}"
+            items.append(
+                LayoutItem(
+                    index, self._name(gi, group, pi), p.numel(), cost, root, key, p.element_size()
+                )
+            )
+        return items
+
+    def _plan_owners(self) -> None:
+        """Lay the plain parameters out in owner buckets, check that every rank has the
+        same layout, and keep momentum / AdamW moments only where they are owned. A layout
+        that changes (a new parameter group) first gathers the state it had spread."""
+        info = world(self.process_group)
+        if not self._owner_on(info.world_size):
+            return
+        items = self._owner_items()
+        if not items:
+            self._layout = None
+            return
+        if self._layout is not None:
+            full = self._gather_state()
+            flat = self._flat()
+            for index, st in full.items():
+                self.state[flat[index][2]].update(st)
+        layout = owner_layout(items, info.world_size, self.bucket_bytes)
+        self._check_plan(layout, info.rank, info.world_size)
+        self._layout = layout
+        self._prune_state(info.rank)
+
+    def _check_plan(self, layout: OwnerLayout, rank: int, world_size: int) -> None:
+        """All-gather every rank's layout digest; on any difference every rank stops with
+        one line (different layouts would issue collectives of different sizes: a hang or
+        garbage)."""
+        digest = layout.digest()
+        raw = bytes.fromhex(digest)
+        dev = self._flat()[layout.items[0].index][2].device
+        words = torch.tensor(
+            [int.from_bytes(raw[i : i + 8], "big", signed=True) for i in range(0, 32, 8)],
+            dtype=torch.int64,
+            device=dev,
+        )
+        out = torch.empty(4 * world_size, dtype=torch.int64, device=dev)
+        collective(
+            "all_gather owner plan digests", dist.all_gather_into_tensor, out, words,
+            group=self.process_group,
+        )  # fmt: skip
+        rows = out.view(world_size, 4).tolist()
+        differ = [r for r in range(world_size) if rows[r] != rows[rank]]
+        if differ:
+            raise ValueError(
+                f"rank {rank}/{world_size}: the owner plan (digest {digest[:12]}) differs from "
+                f"that of rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))}; "
+                "build DistributedROOT with the same parameters (names, shapes, dtypes), "
+                "groups and bucket_bytes on every rank"
+            )
+
+    def _prune_state(self, rank: int) -> None:
+        layout = self._layout
+        if layout is None:
+            return
+        flat = self._flat()
+        mine: dict[int, LayoutItem] = {}
+        for it, o in zip(layout.items, layout.owner):
+            if o == rank:
+                mine[it.index] = it
+        for index in dict.fromkeys(it.index for it in layout.items):
+            gi, _, p = flat[index]
+            st, piece = self.state[p], mine.get(index)
+            for key in _state_keys(self.param_groups[gi], p):
+                if piece is None:
+                    st.pop(key, None)
+                elif piece.numel != p.numel() and st[key].numel() == p.numel():
+                    st[key] = st[key].reshape(-1)[piece.start : piece.start + piece.numel].clone()
+
+    def _backend(self) -> str:
+        return str(dist.get_backend(self.process_group))
+
+    def _gather_flat(
+        self, send: Tensor, segments: Sequence[int], rank: int, world_size: int, name: str
+    ) -> Tensor:
+        """Every rank's segment, concatenated in rank order: ``all_gather_into_tensor`` when
+        the segments are equal; otherwise NCCL's uneven ``all_gather`` or, on gloo (which
+        has none), an ``all_to_all_single`` that sends the segment to every rank."""
+        total = sum(segments)
+        out = torch.empty(total, dtype=send.dtype, device=send.device)
+        e = send.element_size()
+        seg = segments[rank]
+        if len(set(segments)) == 1:
+            collective(name, dist.all_gather_into_tensor, out, send, group=self.process_group)
+            self.stats.count("all_gather", e * seg * (world_size - 1), e * seg * (world_size - 1))
+        elif self._backend() == "gloo":
+            collective(
+                name, dist.all_to_all_single, out, send.repeat(world_size), list(segments),
+                [seg] * world_size, group=self.process_group,
+            )  # fmt: skip
+            self.stats.count("all_to_all", e * seg * (world_size - 1), e * (total - seg))
+        else:
+            collective(
+                name, dist.all_gather, list(out.split_with_sizes(list(segments))), send,
+                group=self.process_group,
+            )  # fmt: skip
+            self.stats.count("all_gather", e * seg * (world_size - 1), e * (total - seg))
+        return out
+
+    def _reduce_scatter_flat(
+        self, flat: Tensor, segments: Sequence[int], rank: int, world_size: int
+    ) -> Tensor:
+        """This rank's segment of the sum of every rank's ``flat``: ``reduce_scatter_tensor``
+        when the segments are equal, the uneven ``reduce_scatter`` otherwise (NCCL); on gloo,
+        whose reduce-scatter all-reduces the whole input (docs/distributed.md, "Cost
+        model"), an ``all_to_all_single`` of the segments and a local sum."""
+        seg = segments[rank]
+        e = flat.element_size()
+        name = "reduce_scatter gradients to owners"
+        if self._backend() == "gloo":
+            recv = torch.empty(world_size * seg, dtype=flat.dtype, device=flat.device)
+            collective(
+                name, dist.all_to_all_single, recv, flat, [seg] * world_size, list(segments),
+                group=self.process_group,
+            )  # fmt: skip
+            self.stats.count("all_to_all", e * (flat.numel() - seg), e * seg * (world_size - 1))
+            return recv.view(world_size, seg).sum(0)
+        out = torch.empty(seg, dtype=flat.dtype, device=flat.device)
+        if len(set(segments)) == 1:
+            collective(name, dist.reduce_scatter_tensor, out, flat, group=self.process_group)
+        else:
+            collective(
+                name, dist.reduce_scatter, out, list(flat.split_with_sizes(list(segments))),
+                group=self.process_group,
+            )  # fmt: skip
+        self.stats.count("reduce_scatter", e * (flat.numel() - seg), e * (flat.numel() - seg))
+        return out
+
+    def _step_owner(
+        self,
+        per_group: list[list[tuple[int, Tensor, str, Tensor]]],
+        rank: int,
+        world_size: int,
+    ) -> None:
+        """The owner design for every plain parameter: per bucket, one reduce-scatter of the
+        gradients (``average_grads``), the owner's update of its parameters with ROOT's own
+        functions, one all-gather of the new parameters."""
+        if self._layout is None or self._layout.world != world_size:
+            self._plan_owners()
+        layout = self._layout
+        if layout is None:
+            return
+        flat = self._flat()
+        index_of = {(gi, pi): i for i, (gi, pi, _) in enumerate(flat)}
+        grads: dict[int, tuple[str, Tensor]] = {}
+        for gi, entries in enumerate(per_group):
+            for pi, p, name, g in entries:
+                if not _is_dtensor(p):
+                    grads[index_of[(gi, pi)]] = (name, g)
+        # every rank counts the step of every updated parameter; an owner (of the parameter
+        # or of one piece of it: at most one per rank) does it in the update itself
+        owns = {it.index for it, o in zip(layout.items, layout.owner) if o == rank}
+        others = [self.state[flat[i][2]]["step"] for i in grads if i not in owns]
+        if others:
+            torch._foreach_add_(others, 1)
+        for b in layout.buckets:
+            self._owner_bucket(layout, b, flat, grads, rank, world_size)
+
+    def _owner_bucket(
+        self,
+        layout: OwnerLayout,
+        b: Bucket,
+        flat: list[tuple[int, int, Tensor]],
+        grads: dict[int, tuple[str, Tensor]],
+        rank: int,
+        world_size: int,
+    ) -> None:
+        items = [layout.items[i] for i in b.items]
+        params = [flat[it.index][2] for it in items]
+        start = b.segment_start(rank)
+        seg = b.segments[rank]
+        dtype, dev = params[0].dtype, params[0].device
+        mine = [j for j, o in enumerate(b.owners) if o == rank]
+        owned: dict[int, Tensor] = {}  # item position in the bucket -> its summed gradient
+        if self.average_grads:
+            buf = torch.zeros(b.numel, dtype=dtype, device=dev)
+            for it, off in zip(items, b.offsets):
+                if it.index in grads:
+                    g = grads[it.index][1].reshape(-1)[it.start : it.start + it.numel]
+                    buf[off : off + it.numel].copy_(g)
+            summed = self._reduce_scatter_flat(buf, b.segments, rank, world_size)
+            del buf
+            summed.div_(world_size)
+            for j in mine:
+                if items[j].index in grads:
+                    off = b.offsets[j] - start
+                    owned[j] = summed[off : off + items[j].numel]
+        else:  # already averaged (DDP): the owner's own copy is the summed gradient / W
+            owned = {
+                j: grads[items[j].index][1].reshape(-1)[items[j].start :][: items[j].numel]
+                for j in mine
+                if items[j].index in grads
+            }
+        by_group: dict[int, list[tuple[int, Tensor, str, Tensor]]] = {}
+        pieces: list[tuple[int, LayoutItem, Tensor]] = []
+        for j, g in owned.items():
+            gi, pi, p = flat[items[j].index]
+            if items[j].numel != p.numel():  # one piece of a split AdamW parameter
+                pieces.append((gi, items[j], g))
+                continue
+            by_group.setdefault(gi, []).append((pi, p, grads[items[j].index][0], g.view_as(p)))
+        for gi, it, g in pieces:
+            self._adamw_piece(self.param_groups[gi], flat[it.index][2], it, g)
+        tasks: list[_Task] = []
+        vs: list[Tensor] = []
+        for gi, entries in by_group.items():
+            group = self.param_groups[gi]
+            adamw = [e for e in entries if algorithm_of(group, e[1]) == "adamw"]
+            root = [e for e in entries if algorithm_of(group, e[1]) == "root"]
+            if adamw:
+                self._adamw_local(group, adamw)
+            if root:
+                vs += self._momentum_local(group, root)
+                o = root_options(group, dev, float(group["lr"]))
+                splits = group.get("ns_split")
+                for pi, p, name, _ in root:
+                    view = matrix_view(p.shape, group["nd_view"])
+                    mats = matrices(view, o, splits[pi] if splits else None)
+                    cost = sum(ns_cost(m.batch, m.rows, m.cols, group["ns_steps"]) for m in mats)
+                    tasks.append(_Task(group, gi, pi, p, name, view, mats, p, cost))
+        if tasks:
+            self._apply_local(tasks, self._orthogonalize(tasks, vs))
+        send = torch.empty(seg, dtype=dtype, device=dev)
+        for j in mine:
+            off, it = b.offsets[j] - start, items[j]
+            send[off : off + it.numel].copy_(params[j].reshape(-1)[it.start : it.start + it.numel])
+        new = self._gather_flat(send, b.segments, rank, world_size, "all_gather owners' parameters")
+        for j, (it, off) in enumerate(zip(items, b.offsets)):
+            if b.owners[j] != rank:
+                part = new[off : off + it.numel]
+                if it.numel == params[j].numel():  # whole (any memory layout)
+                    params[j].copy_(part.view(params[j].shape))
+                else:  # an AdamW piece of a contiguous parameter
+                    params[j].view(-1)[it.start : it.start + it.numel].copy_(part)
+
+    def _adamw_piece(self, group: dict[str, Any], p: Tensor, it: LayoutItem, g: Tensor) -> None:
+        """AdamW on one piece of a split parameter: its owner keeps the moments of the
+        piece only (``state[p]["exp_avg"]`` has the piece's elements)."""
+        st = self.state[p]
+        st["step"] += 1
+        adamw_(
+            [p.view(-1)[it.start : it.start + it.numel]], [g], [st["exp_avg"]],
+            [st["exp_avg_sq"]], [st["step"]], lr=float(group["lr"]), betas=group["adamw_betas"],
+            eps=group["adamw_eps"], weight_decay=group["weight_decay"],
+        )  # fmt: skip
+
+    def _gather_state(self) -> dict[int, dict[str, Tensor]]:
+        """The owner-only state of every parameter this rank does not own, gathered bucket
+        by bucket (one all-gather each); keyed by position in the optimizer's order. Not
+        counted in :attr:`stats` (not a step)."""
+        layout = self._layout
+        info = world(self.process_group)
+        if layout is None or not self._owner_on(info.world_size):
+            return {}
+        rank, world_size = info.rank, info.world_size
+        flat = self._flat()
+        out: dict[int, dict[str, Tensor]] = {}
+        step_stats, self.stats = self.stats, StepStats()  # not a step: keep its stats
+        try:
+            for b in layout.buckets:
+                self._gather_bucket_state(layout, b, flat, rank, world_size, out)
+        finally:
+            self.stats = step_stats
+        return out
+
+    def _gather_bucket_state(
+        self,
+        layout: OwnerLayout,
+        b: Bucket,
+        flat: list[tuple[int, int, Tensor]],
+        rank: int,
+        world_size: int,
+        out: dict[int, dict[str, Tensor]],
+    ) -> None:
+        items = [layout.items[i] for i in b.items]
+        params = [flat[it.index][2] for it in items]
+        keys = [
+            _state_keys(self.param_groups[flat[it.index][0]], p) for it, p in zip(items, params)
+        ]
+        sizes = [it.numel * len(k) for it, k in zip(items, keys)]
+        segments = [0] * world_size
+        for o, n in zip(b.owners, sizes):
+            segments[o] += n
+        dtype = state_dtype(params[0])
+        send = torch.empty(segments[rank], dtype=dtype, device=params[0].device)
+        off = 0
+        for j, o in enumerate(b.owners):
+            if o == rank:
+                for key in keys[j]:
+                    send[off : off + items[j].numel].copy_(
+                        self.state[params[j]][key].reshape(-1)
+                    )
+                    off += items[j].numel
+        full = self._gather_flat(send, segments, rank, world_size, "all_gather owners' state")
+        off = 0
+        for j, o in enumerate(b.owners):  # segments are in rank order, as are owners
+            it, p = items[j], params[j]
+            for key in keys[j]:
+                part = full[off : off + it.numel]
+                off += it.numel
+                if it.numel != p.numel():  # a piece: assembled into the whole, own one too
+                    st = out.setdefault(it.index, {})
+                    if key not in st:
+                        st[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                    st[key].view(-1)[it.start : it.start + it.numel].copy_(part)
+                elif o != rank:
+                    out.setdefault(it.index, {})[key] = part.view(p.shape).clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict; in the owner design with the state of every parameter
+        gathered from its owner (a collective: call it on every rank), so that it is the
+        same on every rank and loads at any world size."""
+        sd = super().state_dict()
+        full = self._gather_state()
+        if full:
+            sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+            for index, st in full.items():
+                sd["state"].setdefault(index, {}).update(st)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """ROOT's load; in the owner design each rank then keeps the state it owns."""
+        super().load_state_dict(state_dict)
+        if self._owner_on(world(self.process_group).world_size):
+            if self._layout is None:
+                self._plan_owners()
+            else:
+                self._prune_state(world(self.process_group).rank)
+
+
+def _state_keys(group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
+    """What ROOT keeps per parameter besides its step count (:meth:`ROOT._init_state`)."""
+    if algorithm_of(group, p) == "adamw":
+        return ("exp_avg", "exp_avg_sq")
+    return (
+        ("momentum_buffer", "robust_mean", "robust_sq")
+        if group["robust_scaling"]
+        else ("momentum_buffer",)
+    )
 
 
 def _all_gather_fn(out: Tensor, inp: Tensor, *, async_op: bool, group: Any) -> Any:

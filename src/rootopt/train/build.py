@@ -200,6 +200,8 @@ def _distributed_root(
         adamw_betas=betas,
         adamw_eps=o.epsilon,
     )
+    if cfg.distributed.parallel == "ddp":
+        opts["ddp_design"] = cfg.distributed.ddp_design
     opt = DistributedROOT(
         groups,
         lr=o.base_lr,

@@ -38,6 +38,7 @@ SESSION_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "max_time"),
     ("distributed", "timeout_s"),
     ("distributed", "rendezvous_timeout_s"),
+    ("distributed", "ddp_design"),  # the same update either way; checkpoints load in both
     ("monitoring", "progress_bar"),
     ("monitoring", "prometheus"),
 )

@@ -1,0 +1,1033 @@
+"""What distributed ROOT costs at a world size: a model of bytes, collectives, Newton–Schulz
+work, memory and time per rank, for several designs (docs/distributed.md, "Cost model").
+
+Given the parameters (shape and whether ROOT or AdamW updates them), a world size W and a
+design, :func:`estimate` returns per rank: the bytes sent and received in one step, the
+collectives issued, the Newton–Schulz FLOPs (their maximum over ranks is the critical
+path), the load imbalance and the peak optimizer memory. :func:`step_time` turns that
+into seconds for a :class:`Hardware` and compares it with the forward/backward time of a
+:class:`Workload`.
+
+Designs (``DESIGNS``):
+
+* ``replicated`` — DDP AdamW's gradient all-reduce, then every rank thresholds and
+  orthogonalizes every matrix (no optimizer communication; all the work on every rank).
+* ``gather`` — the first DDP design of :class:`rootopt.dist.DistributedROOT`: gradients
+  all-reduced (by DDP, or by the optimizer with ``average_grads``), one owner per matrix,
+  then one all-gather of the float32 updates per round of ``bucket_bytes``.
+* ``owner`` — reduce-scatter of the gradients in owner-aligned buckets (each owner receives
+  the summed gradients of its own matrices), owner threshold + Newton–Schulz, all-gather of
+  the new parameters: DDP AdamW's bytes (ZeRO-1/2 style; Moonlight, arXiv 2502.16982 §2.3).
+  :class:`rootopt.dist.DistributedROOT`'s default DDP-mode design.
+* ``fsdp`` — FSDP2-sharded parameters: FSDP2's own reduce-scatter / all-gathers, and two
+  all-to-alls per round that move each matrix's shards to its owner and the update back.
+* ``gram`` — the ``fsdp`` design where a matrix larger than a rank's share (P/W elements)
+  goes to k ranks of one node instead of one owner, each holding 1/k of its long side;
+  they run Newton–Schulz together, all-reducing the s×s Gram matrix ``X Xᵀ`` once per
+  iteration, and find the exact quantile with a 4-pass radix histogram. Not implemented:
+  a model of what it would cost when the largest matrices set the critical path.
+
+Byte formulas are those of :func:`rootopt.dist.counters.collective_bytes` (ring algorithms
+on NCCL; gloo's own algorithms on gloo), so a measured run with a
+:class:`~rootopt.dist.counters.CollectiveCounter` checks the model exactly. The owner
+layout of the ``owner`` design is built by :func:`owner_layout`, the same function the
+optimizer uses. Everything here is pure Python on shapes: no tensors are allocated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from rootopt.dist.counters import collective_bytes_ranks
+from rootopt.dist.owners import assign_owners, ns_cost
+from rootopt.optim.functional import matrix_view
+
+Design = Literal["replicated", "gather", "owner", "fsdp", "gram"]
+DESIGNS: tuple[Design, ...] = ("replicated", "gather", "owner", "fsdp", "gram")
+Vec = NDArray[np.float64]
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_BUCKET_BYTES = 32 * MiB  # rootopt.optim.root.DEFAULT_BUCKET_BYTES
+DDP_BUCKET_BYTES = 25 * MiB  # torch DistributedDataParallel(bucket_cap_mb=25)
+# The smallest piece an AdamW parameter is split into in the owner layout (elements): below
+# it the bytes saved do not pay for another copy per step.
+MIN_PIECE = 4096
+# The exact quantile of a matrix that stays split (``gram``): radix select on the 32-bit
+# keys, 8 bits per pass, each pass an all-reduce of a 256-bin int64 histogram.
+QUANTILE_PASSES = 4
+QUANTILE_BINS = 256
+
+
+# ---------------------------------------------------------------------------------------
+# parameters
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its name, shape and whether ROOT (``root``) or AdamW updates it."""
+
+    name: str
+    shape: tuple[int, ...]
+    algorithm: Literal["root", "adamw"] = "root"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama-3 decoder's sizes (Llama 3 paper, arXiv 2407.21783, Table 3; vocabulary
+    size from the released configs)."""
+
+    name: str
+    layers: int
+    d_model: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int = 128256
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+LLAMA3: dict[str, LlamaShape] = {
+    "llama3-8b": LlamaShape("llama3-8b", 32, 4096, 14336, 32, 8),
+    "llama3-70b": LlamaShape("llama3-70b", 80, 8192, 28672, 64, 8),
+    "llama3-405b": LlamaShape("llama3-405b", 126, 16384, 53248, 128, 8),
+}
+
+
+def llama3_params(model: str | LlamaShape) -> list[ParamSpec]:
+    """The parameters of a Llama-3 model in module order: per layer the attention
+    projections q, k, v, o and the SwiGLU gate, up and down projections (ROOT), two RMSNorm
+    weights (AdamW); the token embedding, the final norm and the untied output head
+    (AdamW, the usual split for Muon-family optimizers: hidden matrices only)."""
+    shape = LLAMA3[model] if isinstance(model, str) else model
+    d, kv = shape.d_model, shape.kv_heads * shape.head_dim
+    out = [ParamSpec("tok_embeddings.weight", (shape.vocab, d), "adamw")]
+    for i in range(shape.layers):
+        pre = f"layers.{i}."
+        out += [
+            ParamSpec(pre + "attention.wq.weight", (d, d)),
+            ParamSpec(pre + "attention.wk.weight", (kv, d)),
+            ParamSpec(pre + "attention.wv.weight", (kv, d)),
+            ParamSpec(pre + "attention.wo.weight", (d, d)),
+            ParamSpec(pre + "feed_forward.w1.weight", (shape.ffn, d)),
+            ParamSpec(pre + "feed_forward.w3.weight", (shape.ffn, d)),
+            ParamSpec(pre + "feed_forward.w2.weight", (d, shape.ffn)),
+            ParamSpec(pre + "attention_norm.weight", (d,), "adamw"),
+            ParamSpec(pre + "ffn_norm.weight", (d,), "adamw"),
+        ]
+    out += [
+        ParamSpec("norm.weight", (d,), "adamw"),
+        ParamSpec("output.weight", (shape.vocab, d), "adamw"),
+    ]
+    return out
+
+
+def _view(p: ParamSpec, nd_view: str = "auto") -> tuple[int, int, int]:
+    v = matrix_view(p.shape, nd_view)  # type: ignore[arg-type]
+    return v.batch, v.rows, v.cols
+
+
+def ns_flops(p: ParamSpec, ns_steps: int, split: int = 1) -> float:
+    """Newton–Schulz FLOPs of one parameter on one rank: ``T·(4s²l + 2s³)`` per matrix for
+    an ``l × s`` matrix (``X Xᵀ``, ``A·A``, ``B·X``; two FLOPs per multiply-add, i.e.
+    ``2·ns_cost``), with the long side split over ``split`` ranks (``gram``): the two
+    products with ``X`` divide, ``A·A`` does not."""
+    if p.algorithm != "root" or p.numel == 0:
+        return 0.0
+    b, r, c = _view(p)
+    s, l = min(r, c), max(r, c)
+    if split == 1:
+        return 2.0 * ns_cost(b, r, c, ns_steps)
+    return float(b) * ns_steps * (4.0 * s * s * (l / split) + 2.0 * s**3)
+
+
+# ---------------------------------------------------------------------------------------
+# the owner layout (shared with DistributedROOT's owner design)
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayoutItem:
+    """One parameter in the owner layout, or one piece of an AdamW parameter that is split
+    over several owners (elements ``start .. start + numel`` of the flattened parameter).
+    ``index``: position in the optimizer's order (groups, then parameters); ``key``: what
+    must match inside one flat buffer (dtype and device)."""
+
+    index: int
+    name: str
+    numel: int
+    cost: float  # Newton–Schulz multiply-adds (0 for AdamW parameters)
+    root: bool
+    key: str = "float32"
+    element_size: int = 4
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer: rank r's segment holds the items it owns, back to back.
+    ``items`` are layout positions in buffer order; ``offsets`` their start in the buffer."""
+
+    key: str
+    items: tuple[int, ...]
+    owners: tuple[int, ...]
+    offsets: tuple[int, ...]
+    segments: tuple[int, ...]  # elements per rank
+    numel: int = 0  # all segments
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", sum(self.segments))
+
+    def segment_start(self, rank: int) -> int:
+        return sum(self.segments[:rank])
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.segments)) == 1
+
+
+@dataclass(frozen=True)
+class OwnerLayout:
+    world: int
+    bucket_bytes: int
+    items: tuple[LayoutItem, ...]
+    buckets: tuple[Bucket, ...]
+    owner: tuple[int, ...]  # per item (layout position)
+
+    def digest(self) -> str:
+        """A hash of everything a rank's collectives depend on: world size, bucket
+        limit, every item (index, name, size, dtype key) and its bucket, owner and
+        offset. Ranks that compute different layouts would issue mismatched collectives."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.world, self.bucket_bytes]).encode())
+        for it in self.items:
+            h.update(json.dumps([it.index, it.name, it.start, it.numel, it.root, it.key]).encode())
+        for b in self.buckets:
+            h.update(json.dumps([b.key, b.items, b.owners, b.offsets, b.segments]).encode())
+        return h.hexdigest()
+
+    def owned(self, rank: int) -> list[int]:
+        return [i for i, o in enumerate(self.owner) if o == rank]
+
+
+def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> OwnerLayout:
+    """Owner-aligned buckets for ``items`` at world size ``world``.
+
+    Owners first, over the whole step: ROOT matrices by Newton–Schulz cost, the most
+    expensive first onto the least loaded rank (LPT, :func:`assign_owners`: within 4/3 of
+    the best balance); then AdamW parameters, largest first, onto the rank holding the
+    fewest elements, split into pieces where a parameter would take that rank past its even
+    share (total / W elements; AdamW is elementwise, so any piece can be updated alone):
+    every rank then moves about the same bytes (the bytes of a rank follow the elements it
+    owns). A piece smaller than ``MIN_PIECE`` elements is not split off, and a rank holds
+    at most one piece of a parameter. Buckets next: per dtype key, the items in reverse
+    optimizer order (about the order backward produces the gradients) cut into runs of at
+    most ``bucket_bytes`` (at least one item each); in a bucket, rank r's segment holds the
+    items r owns, in that order. Deterministic (ties go to the lower rank / earlier item), so every rank
+    computes the same layout from the same items."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    owner = [0] * len(items)
+    root = [i for i, it in enumerate(items) if it.root and it.numel > 0]
+    for i, o in zip(root, assign_owners([items[i].cost for i in root], world)):
+        owner[i] = o
+    elem_load = [0] * world
+    for i in root:
+        elem_load[owner[i]] += items[i].numel
+    share = -(-sum(it.numel for it in items) // world)
+    rest = [i for i, it in enumerate(items) if not it.root and it.numel > 0]
+    pieces = [(it, owner[i]) for i, it in enumerate(items) if it.root or it.numel == 0]
+    for i in sorted(rest, key=lambda i: (-items[i].numel, items[i].index)):
+        it, remaining, start = items[i], items[i].numel, 0
+        holders: list[int] = []
+        while remaining > 0:
+            free = [q for q in range(world) if q not in holders]
+            if not free:  # every rank holds a piece: the last one takes the rest
+                last, o = pieces[-1]
+                pieces[-1] = (replace(last, numel=last.numel + remaining), o)
+                elem_load[o] += remaining
+                break
+            o = min(free, key=lambda q: (elem_load[q], q))  # the first of the least loaded
+            room = share - elem_load[o]
+            take = remaining if remaining <= room or room < MIN_PIECE else room
+            pieces.append((replace(it, numel=take, start=start), o))
+            holders.append(o)
+            elem_load[o] += take
+            start += take
+            remaining -= take
+    pieces.sort(key=lambda x: (x[0].index, x[0].start))
+    items = [it for it, _ in pieces]
+    owner = [o for _, o in pieces]
+    order = sorted(range(len(items)), key=lambda i: (-items[i].index, items[i].start))
+    keys: list[str] = []
+    for i in order:
+        if items[i].key not in keys:
+            keys.append(items[i].key)
+    buckets: list[Bucket] = []
+    for key in keys:
+        mine = [i for i in order if items[i].key == key and items[i].numel > 0]
+        sizes = [items[i].numel * items[i].element_size for i in mine]
+        for run in cut_rounds(sizes, bucket_bytes):
+            chunk = [mine[j] for j in run]
+            by_rank: dict[int, list[int]] = {}
+            for i in chunk:
+                by_rank.setdefault(owner[i], []).append(i)
+            seq = [i for r in sorted(by_rank) for i in by_rank[r]]
+            segments = [0] * world
+            for i in chunk:
+                segments[owner[i]] += items[i].numel
+            offsets: list[int] = []
+            off = 0
+            for i in seq:
+                offsets.append(off)
+                off += items[i].numel
+            buckets.append(
+                Bucket(
+                    key, tuple(seq), tuple(owner[i] for i in seq), tuple(offsets), tuple(segments)
+                )
+            )
+    return OwnerLayout(world, bucket_bytes, tuple(items), tuple(buckets), tuple(owner))
+
+
+def items_from_specs(
+    params: Sequence[ParamSpec], ns_steps: int = 5, element_size: int = 4
+) -> list[LayoutItem]:
+    out = []
+    for i, p in enumerate(params):
+        cost = ns_cost(*_view(p), ns_steps) if p.algorithm == "root" else 0.0
+        out.append(
+            LayoutItem(i, p.name, p.numel, cost, p.algorithm == "root", "grad", element_size)
+        )
+    return out
+
+
+def cut_rounds(sizes_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive runs of at most ``bucket_bytes`` (at least one entry each), as
+    indices into ``sizes_bytes`` (the rounds of the ``gather``/``fsdp`` designs and the
+    buckets of the optimizer's own gradient all-reduce)."""
+    rounds: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, nbytes in enumerate(sizes_bytes):
+        if cur and size + nbytes > bucket_bytes:
+            rounds.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += nbytes
+    if cur:
+        rounds.append(cur)
+    return rounds
+
+
+def round_order(shapes: Sequence[tuple[int, int]]) -> list[int]:
+    """The order in which the ``gather``/``fsdp`` designs visit ROOT matrices: by view
+    shape (rows, cols), then position, so that same-shape matrices share a round."""
+    return sorted(range(len(shapes)), key=lambda i: (shapes[i][0], shapes[i][1], i))
+
+
+# ---------------------------------------------------------------------------------------
+# estimate
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """What the implementation is configured with.
+
+    ``grad_bytes``: element size of the gradients exchanged (4: float32, 2: bfloat16);
+    ``param_bytes``: of the parameters all-gathered by ``owner``; ``state_bytes``: of
+    momentum / AdamW moments; ``ns_bytes``: of the Newton–Schulz work matrices.
+    ``average_grads``: the optimizer synchronises the gradients (``gather`` all-reduces
+    them itself in float32; ``owner`` reduce-scatters them) instead of DDP.
+    ``sync_in_backward``: the ``owner`` reduce-scatter starts from gradient hooks during
+    backward, hidden like DDP's all-reduce, instead of at the start of the step.
+    ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
+    """
+
+    ns_steps: int = 5
+    grad_bytes: int = 4
+    param_bytes: int = 4
+    state_bytes: int = 4
+    ns_bytes: int = 4
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ddp_bucket_bytes: int = DDP_BUCKET_BYTES
+    backend: str = "nccl"
+    average_grads: bool = True
+    sync_in_backward: bool = False
+    fsdp_reshard_after_forward: bool = True
+    gpus_per_node: int = 8
+
+
+@dataclass
+class Estimate:
+    """Per-rank quantities of one step of one design (lists are indexed by rank).
+
+    Bytes come in two kinds: ``sync_*`` is gradient (and, for ``owner``, parameter)
+    synchronisation that replaces what DDP/FSDP2 AdamW moves; ``opt_*`` is moved by the
+    optimizer step on top of it. ``step_*`` is what the step issues itself from Python
+    (what :class:`~rootopt.dist.counters.CollectiveCounter` counts: ``opt_*`` plus the
+    ``owner`` reduce-scatter/all-gather). ``exposed`` is what is not hidden behind
+    backward (inter-node link) and ``node`` what runs on the intra-node link.
+    """
+
+    design: str
+    world: int
+    options: Options
+    params: int  # all parameter elements
+    root_params: int  # ROOT matrix elements
+    sync_sent: Vec
+    sync_received: Vec
+    opt_sent: Vec
+    opt_received: Vec
+    step_sent: Vec  # issued by the optimizer's step itself (what a counter sees)
+    step_received: Vec
+    exposed: Vec  # max(sent, received) per rank, not hidden behind backward
+    node: Vec  # bytes per rank on the intra-node link (gram groups)
+    collectives: dict[str, int]  # per step, on every rank (gradient sync included)
+    sync_collectives: int  # of which: DDP's / FSDP2's own (hidden behind compute)
+    exposed_collectives: int  # issued by the optimizer step
+    flops: Vec  # Newton–Schulz FLOPs per rank
+    largest_flops: float  # of the most expensive single matrix, unsplit
+    elements: Vec  # ROOT elements thresholded + orthogonalized per rank
+    memory: Vec  # peak optimizer bytes per rank (state + transient buffers)
+    adamw_bytes: float  # per rank and step: AdamW under the same wrapper (DDP or FSDP2)
+    buckets: int = 0  # rounds (gather, fsdp) or buckets (owner)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sent(self) -> Vec:
+        return self.sync_sent + self.opt_sent
+
+    @property
+    def received(self) -> Vec:
+        return self.sync_received + self.opt_received
+
+    @property
+    def bytes_per_rank(self) -> float:
+        """The most bytes any rank sends or receives in one step."""
+        return float(max(self.sent.max(), self.received.max()))
+
+    @property
+    def vs_adamw(self) -> float:
+        return self.bytes_per_rank / self.adamw_bytes if self.adamw_bytes else math.nan
+
+    @property
+    def total_collectives(self) -> int:
+        return sum(self.collectives.values())
+
+    @property
+    def total_flops(self) -> float:
+        return float(self.flops[0] if self.design == "replicated" else self.flops.sum())
+
+    @property
+    def critical_flops(self) -> float:
+        return float(self.flops.max())
+
+    @property
+    def lower_bound_flops(self) -> float:
+        """No owner schedule does better than max(total / W, the largest single matrix)
+        (``gram`` splits the largest matrices, so only total / W binds it)."""
+        biggest = 0.0 if self.design == "gram" else self.largest_flops
+        return max(self.total_flops / self.world, biggest)
+
+    @property
+    def imbalance(self) -> float:
+        """Critical path over the mean work per rank: 1 is perfect balance."""
+        mean = self.total_flops / self.world
+        return self.critical_flops / mean if mean else math.nan
+
+    @property
+    def peak_memory(self) -> float:
+        return float(self.memory.max())
+
+
+def _ns_workspace(b: int, rows: int, cols: int, nbytes: int) -> float:
+    """Newton–Schulz work matrices of a stack of ``b`` matrices: X and the result (b·l·s),
+    A and the polynomial in A (b·s²)."""
+    s, l = min(rows, cols), max(rows, cols)
+    return float(nbytes) * (2 * b * l * s + 2 * b * s * s)
+
+
+def _units(params: Sequence[ParamSpec]) -> int:
+    """FSDP2 units when each transformer block is wrapped (names ``...layers.<i>....``)
+    plus the root module."""
+    blocks = set()
+    for p in params:
+        parts = p.name.split(".")
+        for j, part in enumerate(parts[:-1]):
+            if part in ("layers", "blocks", "h") and parts[j + 1].isdigit():
+                blocks.add(".".join(parts[: j + 2]))
+                break
+    return len(blocks) + 1
+
+
+def estimate(
+    params: Sequence[ParamSpec],
+    world: int,
+    design: Design,
+    options: Options | None = None,
+) -> Estimate:
+    """Bytes, collectives, Newton–Schulz FLOPs and memory per rank for one step of
+    ``design`` at world size ``world`` (see the module docstring)."""
+    o = options or Options()
+    if design not in DESIGNS:
+        raise ValueError(f"unknown design {design!r}; choose one of {', '.join(DESIGNS)}")
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    W = world
+    specs = [p for p in params if p.numel > 0]
+    roots = [p for p in specs if p.algorithm == "root"]
+    P_all = sum(p.numel for p in specs)
+
+    def zeros() -> Vec:
+        return np.zeros(W)
+
+    est = Estimate(
+        design=design,
+        world=W,
+        options=o,
+        params=P_all,
+        root_params=sum(p.numel for p in roots),
+        sync_sent=zeros(),
+        sync_received=zeros(),
+        opt_sent=zeros(),
+        opt_received=zeros(),
+        step_sent=zeros(),
+        step_received=zeros(),
+        exposed=zeros(),
+        node=zeros(),
+        collectives={},
+        sync_collectives=0,
+        exposed_collectives=0,
+        flops=zeros(),
+        largest_flops=max((ns_flops(p, o.ns_steps) for p in roots), default=0.0),
+        elements=zeros(),
+        memory=zeros(),
+        adamw_bytes=0.0,
+    )
+    ddp = 2 * (W - 1) / W * P_all * o.grad_bytes
+    ddp_colls = max(1, math.ceil(P_all * o.grad_bytes / o.ddp_bucket_bytes)) if W > 1 else 0
+    gathers = 2 if o.fsdp_reshard_after_forward else 1
+    fsdp = (1 + gathers) * (W - 1) / W * P_all * o.grad_bytes
+    est.adamw_bytes = fsdp if design in ("fsdp", "gram") else ddp
+    if design == "replicated":
+        _sync(est, "all_reduce", ddp, ddp_colls)
+        est.flops += sum(ns_flops(p, o.ns_steps) for p in roots)
+        est.elements += est.root_params
+        state = sum(_state_bytes(p, o) for p in specs)
+        ws = max((_ns_workspace(*_view(p), o.ns_bytes) for p in roots), default=0.0)
+        est.memory += state + ws
+    elif design == "gather":
+        _gather(est, specs, o, ddp, ddp_colls)
+    elif design == "owner":
+        _owner(est, specs, o, ddp, ddp_colls)
+    else:
+        _sync(est, "fsdp_sync", fsdp, (1 + gathers) * _units(specs) if W > 1 else 0)
+        _fsdp(est, specs, o, design == "gram")
+    return est
+
+
+def _state_bytes(p: ParamSpec, o: Options) -> float:
+    return float(o.state_bytes * p.numel * (1 if p.algorithm == "root" else 2))
+
+
+def _sync(est: Estimate, kind: str, nbytes: float, colls: int) -> None:
+    """Synchronisation done by DDP/FSDP2 (C++ hooks, overlapped with compute)."""
+    if est.world == 1:
+        return
+    est.sync_sent += nbytes
+    est.sync_received += nbytes
+    est.collectives[kind] = est.collectives.get(kind, 0) + colls
+    est.sync_collectives += colls
+
+
+def _issue(
+    est: Estimate, kind: str, sent: Vec, received: Vec, *, sync: bool = False, exposed: bool = True
+) -> None:
+    """One collective issued by the optimizer on every rank."""
+    if est.world == 1:
+        return
+    est.step_sent += sent
+    est.step_received += received
+    if sync:
+        est.sync_sent += sent
+        est.sync_received += received
+    else:
+        est.opt_sent += sent
+        est.opt_received += received
+    if exposed:
+        est.exposed += np.maximum(sent, received)
+    est.collectives[kind] = est.collectives.get(kind, 0) + 1
+    est.exposed_collectives += 1
+
+
+def _flags(est: Estimate, n_params: int, backend: str) -> None:
+    """The all-reduce (MAX) of two int32 flags per parameter (has a gradient; non-finite)."""
+    s, r = collective_bytes_ranks("all_reduce", backend, est.world, numel=2 * n_params)
+    _issue(est, "all_reduce", s, r, exposed=False)
+
+
+def _chunks(rows: int, world: int) -> Vec:
+    """:func:`chunk_rows` as an array."""
+    c = -(-rows // world) if rows else 0
+    return np.clip(rows - np.arange(world) * c, 0, c).astype(np.float64)
+
+
+def _gather(
+    est: Estimate, specs: Sequence[ParamSpec], o: Options, ddp: float, ddp_colls: int
+) -> None:
+    W = est.world
+    roots = [p for p in specs if p.algorithm == "root"]
+    _flags(est, len(specs), o.backend)
+    if o.average_grads:
+        # the optimizer's own bucketed float32 all-reduce of every gradient (in the
+        # optimizer's order: ROOT matrices and AdamW parameters as they come)
+        est.adamw_bytes = 2 * (W - 1) / W * est.params * 4
+        for rnd in cut_rounds([4 * p.numel for p in specs], o.bucket_bytes):
+            n = sum(specs[i].numel for i in rnd)
+            s, r = collective_bytes_ranks("all_reduce", o.backend, W, numel=n)
+            _issue(est, "all_reduce", s, r)
+    else:
+        _sync(est, "all_reduce", ddp, ddp_colls)
+    views = [_view(p) for p in roots]
+    order = round_order([(v[1], v[2]) for v in views])
+    rounds = cut_rounds([4 * roots[i].numel for i in order], o.bucket_bytes)
+    loads = [0.0] * W
+    peak_round = 0.0
+    ws = np.zeros(W)
+    for rnd in rounds:
+        idx = [order[j] for j in rnd]
+        owners = assign_owners([ns_cost(*views[i], o.ns_steps) for i in idx], W, loads)
+        sizes = [0] * W
+        for i, ow in zip(idx, owners):
+            sizes[ow] += roots[i].numel
+            est.flops[ow] += ns_flops(roots[i], o.ns_steps)
+            est.elements[ow] += roots[i].numel
+            ws[ow] = max(ws[ow], _ns_workspace(*views[i], o.ns_bytes))
+        width = max(sizes)  # every rank's part padded to the largest
+        s, r = collective_bytes_ranks("all_gather_into_tensor", o.backend, W, numel=width)
+        _issue(est, "all_gather", s, r)
+        peak_round = max(peak_round, 4.0 * width * (W + 1))
+    est.buckets = len(rounds)
+    state = sum(_state_bytes(p, o) for p in specs)
+    grad_buf = float(min(o.bucket_bytes, 4 * est.params)) if o.average_grads else 0.0
+    est.memory += state + ws + (peak_round + grad_buf if W > 1 else 0.0)
+
+
+def _owner(
+    est: Estimate, specs: Sequence[ParamSpec], o: Options, ddp: float, ddp_colls: int
+) -> None:
+    W = est.world
+    items = items_from_specs(specs, o.ns_steps, o.grad_bytes)
+    layout = owner_layout(items, W, o.bucket_bytes)
+    est.buckets = len(layout.buckets)
+    _flags(est, len(specs), o.backend)
+    if not o.average_grads:
+        _sync(est, "all_reduce", ddp, ddp_colls)
+    copies = W if o.backend == "gloo" else 1
+    peaks: list[tuple[float, Vec]] = []
+    for b in layout.buckets:
+        seg = np.asarray(b.segments, dtype=np.float64)
+        if o.average_grads:
+            if o.backend == "gloo":
+                # all_to_all_single: rank r sends segment j to rank j, sums what it receives
+                s, r = (b.numel - seg) * o.grad_bytes, (W - 1) * seg * o.grad_bytes
+            elif b.even:
+                s, r = collective_bytes_ranks(
+                    "reduce_scatter_tensor", o.backend, W, numel=b.numel, element_size=o.grad_bytes
+                )
+            else:
+                s, r = collective_bytes_ranks(
+                    "reduce_scatter", o.backend, W, sizes=b.segments, element_size=o.grad_bytes
+                )
+            _issue(est, "reduce_scatter", s, r, sync=True, exposed=not o.sync_in_backward)
+        if b.even:
+            s, r = collective_bytes_ranks(
+                "all_gather_into_tensor",
+                o.backend,
+                W,
+                numel=b.segments[0],
+                element_size=o.param_bytes,
+            )
+        elif o.backend == "gloo":
+            # all_to_all_single: rank r sends its segment to every rank
+            s, r = (W - 1) * seg * o.param_bytes, (b.numel - seg) * o.param_bytes
+        else:
+            s, r = collective_bytes_ranks(
+                "all_gather", o.backend, W, sizes=b.segments, element_size=o.param_bytes
+            )
+        _issue(est, "all_gather", s, r, sync=o.average_grads)
+        per_rank = b.numel * (o.grad_bytes + o.param_bytes) + copies * seg * (
+            o.grad_bytes + o.param_bytes
+        )
+        peaks.append((float(per_rank.max()), per_rank))
+    # two buckets in flight: the all-gather of one while the next is orthogonalized
+    peaks.sort(key=lambda x: -x[0])
+    buf = sum((row for _, row in peaks[:2]), np.zeros(W)) if W > 1 else np.zeros(W)
+    state = np.zeros(W)
+    ws = np.zeros(W)
+    for it, ow in zip(layout.items, layout.owner):
+        p = specs[it.index]
+        state[ow] += _state_bytes(p, o) * it.numel / p.numel
+        if p.algorithm == "root":
+            est.flops[ow] += ns_flops(p, o.ns_steps)
+            est.elements[ow] += p.numel
+            ws[ow] = max(ws[ow], _ns_workspace(*_view(p), o.ns_bytes))
+    est.memory += state + ws + buf
+
+
+def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> None:
+    """Shards to owners and updates back, one pair of all-to-alls per round; with
+    ``gram``, a matrix larger than P/W goes to k ranks of one node as slabs of its long
+    side, which all-reduce the Gram matrix once per Newton–Schulz iteration."""
+    W = est.world
+    roots = [p for p in specs if p.algorithm == "root"]
+    _flags(est, len(specs), o.backend)
+    views = [_view(p) for p in roots]
+    order = round_order([(v[1], v[2]) for v in views])
+    rounds = cut_rounds([4 * roots[i].numel for i in order], o.bucket_bytes)
+    share = max(1, math.ceil(est.params / W))
+    node = max(1, min(o.gpus_per_node, W))
+    split = [
+        min(node, math.ceil(p.numel / share)) if gram and W > 1 and p.numel > share else 1
+        for p in roots
+    ]
+    shard_elems = [_chunks(p.shape[0], W) * (p.numel // max(p.shape[0], 1)) for p in roots]
+    loads = [0.0] * W
+    ws = np.zeros(W)
+    peak = np.zeros(W)
+    gram_groups = 0
+    for rnd in rounds:
+        idx = [order[j] for j in rnd]
+        # one task per matrix, or per slab of a split matrix (LPT puts the k equal slabs
+        # of one matrix on the k least loaded ranks, all different)
+        tasks = [(i, j) for i in idx for j in range(split[i])]
+        costs = [ns_flops(roots[i], o.ns_steps, split[i]) / 2 for i, _ in tasks]
+        owners = assign_owners(costs, W, loads)
+        sent = np.zeros(W)
+        received = np.zeros(W)
+        held = np.zeros(W)
+        holders: dict[int, list[int]] = {}
+        for (i, _j), ow in zip(tasks, owners):
+            p, k_ = roots[i], split[i]
+            holders.setdefault(i, []).append(ow)
+            est.flops[ow] += ns_flops(p, o.ns_steps, k_)
+            est.elements[ow] += p.numel / k_
+            b_, r_, c_ = views[i]
+            s_, l_ = min(r_, c_), max(r_, c_)
+            ws[ow] = max(ws[ow], _ns_workspace(b_, max(1, l_ // k_), s_, o.ns_bytes))
+            held[ow] += 4.0 * p.numel / k_
+            # every rank's shard: 1/k of it goes to this slab's owner
+            piece = 4.0 * shard_elems[i] / k_
+            mine = piece[ow]
+            sent += piece
+            sent[ow] -= mine
+            received[ow] += piece.sum() - mine
+        # to the owners, and the same pieces back
+        _issue(est, "all_to_all", sent, received)
+        _issue(est, "all_to_all", received, sent)
+        for i, hs in holders.items():
+            if split[i] == 1:
+                continue
+            gram_groups += 1
+            b_, r_, c_ = views[i]
+            s_ = min(r_, c_)
+            k_ = split[i]
+            per = 2 * (k_ - 1) / k_ * (b_ * s_ * s_ * 4 * o.ns_steps)
+            per += 2 * (k_ - 1) / k_ * QUANTILE_BINS * 8 * QUANTILE_PASSES
+            for h in hs:
+                est.node[h] += per
+        peak = np.maximum(peak, 3 * held)  # gathered matrices, updates, send buffer
+    est.buckets = len(rounds)
+    if gram_groups:
+        # per Newton–Schulz iteration and per histogram pass, one launch that coalesces
+        # every split matrix's all-reduce
+        n = o.ns_steps + QUANTILE_PASSES
+        est.collectives["all_reduce"] = est.collectives.get("all_reduce", 0) + n
+        est.exposed_collectives += n
+        est.notes.append(f"{gram_groups} matrices split over up to {max(split)} ranks")
+    shard = np.zeros(W)
+    for p in specs:
+        per_row = p.numel // max(p.shape[0], 1)
+        mult = 1 if p.algorithm == "root" else 2
+        shard += o.state_bytes * mult * per_row * _chunks(p.shape[0], W)
+    est.memory += shard + peak + ws
+
+
+# ---------------------------------------------------------------------------------------
+# time
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hardware:
+    """The constants a time estimate assumes. ``link``: bytes/s one rank sends (and
+    receives) between nodes in a large collective; ``node_link``: the same inside a node;
+    ``latency``: seconds per collective; ``flops``: peak matmul rate in the Newton–Schulz
+    dtype; ``ns_efficiency``: the fraction of it Newton–Schulz reaches; ``memory_bw``:
+    bytes/s for the elementwise passes (momentum, quantile, update). ``sources``: where
+    each number comes from."""
+
+    name: str
+    link: float
+    node_link: float
+    latency: float
+    flops: float
+    ns_efficiency: float
+    memory_bw: float
+    memory: float = math.inf  # device memory per rank, bytes
+    sources: tuple[str, ...] = ()
+
+
+# NVIDIA H100 SXM5 in DGX/HGX H100 nodes of 8 GPUs.
+H100 = Hardware(
+    name="H100-SXM5 (bf16), 8 per node, 400 Gb/s InfiniBand per GPU",
+    link=0.8 * 50e9,
+    node_link=0.8 * 450e9,
+    latency=50e-6,
+    flops=989e12,
+    ns_efficiency=0.6,
+    memory_bw=3.35e12,
+    memory=80e9,
+    sources=(
+        "bf16 dense tensor-core rate 989 TFLOP/s, HBM3 3.35 TB/s, 80 GB: NVIDIA H100 "
+        "Tensor Core GPU datasheet (SXM5)",
+        "between nodes: one 400 Gb/s NDR InfiniBand adapter per GPU (DGX H100: 8 ConnectX-7) "
+        "= 50 GB/s per direction; inside a node: NVLink 4, 900 GB/s = 450 GB/s per "
+        "direction (same datasheet); 80 % of either reached by large collectives (assumed)",
+        "50 µs per collective launch at 1,024 ranks (assumed)",
+        "Newton–Schulz GEMMs at 60 % of the bf16 peak (assumed)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step trains on: tokens per step, sequence length, and the MFU of the
+    model's forward/backward."""
+
+    tokens: int
+    seq_len: int
+    mfu: float
+    source: str = ""
+
+
+# 4M-token batches of 8,192-token sequences at the MFU Llama 3 reports (38–43 % bf16 MFU
+# on 8K–16K H100s: arXiv 2407.21783, Table 4).
+LLAMA3_WORKLOAD = Workload(
+    tokens=4 * 1024 * 1024,
+    seq_len=8192,
+    mfu=0.40,
+    source="4M tokens per step, 8,192-token sequences, 40 % MFU (Llama 3, arXiv 2407.21783, Table 4)",
+)
+
+
+def train_flops_per_token(
+    params: Sequence[ParamSpec], layers: int, d_model: int, seq_len: int
+) -> float:
+    """Forward + backward FLOPs per token: 6·N for the weights plus causal attention,
+    6·layers·d_model·seq_len (12·L·d·seq halved by the mask)."""
+    n = sum(p.numel for p in params)
+    return 6.0 * n + 6.0 * layers * d_model * seq_len
+
+
+# float32 passes over each ROOT element on its owner: momentum (4), Nesterov (3), quantile
+# selection (~4), clamp (2), decay and update (4)
+ELEMENTWISE_PASSES = 17
+
+
+@dataclass
+class StepTime:
+    ns: float  # critical-path Newton–Schulz seconds
+    elementwise: float  # momentum, quantile and update passes on the busiest rank
+    comm: float  # communication not hidden behind backward, serial
+    latency: float  # collectives issued by the step × latency
+    fwd_bwd: float  # forward + backward of the model
+    overlapped: float  # optimizer seconds when communication overlaps the compute
+
+    @property
+    def optimizer(self) -> float:
+        """Optimizer seconds per step with nothing overlapped (an upper bound)."""
+        return self.ns + self.elementwise + self.comm + self.latency
+
+    @property
+    def fraction(self) -> float:
+        return self.optimizer / self.fwd_bwd if self.fwd_bwd else math.nan
+
+    @property
+    def fraction_overlapped(self) -> float:
+        return self.overlapped / self.fwd_bwd if self.fwd_bwd else math.nan
+
+
+def step_time(
+    est: Estimate, hw: Hardware, work: Workload | None = None, flops_per_token: float = 0.0
+) -> StepTime:
+    """Seconds per step for ``est`` on ``hw``. What the AdamW baseline also moves behind
+    backward (DDP's all-reduce, FSDP2's reduce-scatter and gathers; ``owner``'s
+    reduce-scatter when it starts in backward) is not optimizer time."""
+    W = est.world
+    compute = est.flops / (hw.flops * hw.ns_efficiency) + est.elements * (
+        4 * ELEMENTWISE_PASSES / hw.memory_bw
+    )
+    busiest = int(compute.argmax())
+    ns = float(est.flops[busiest]) / (hw.flops * hw.ns_efficiency)
+    elementwise = float(compute[busiest]) - ns
+    comm = float((est.exposed / hw.link + est.node / hw.node_link).max())
+    latency = est.exposed_collectives * hw.latency
+    fwd_bwd = 0.0
+    if work is not None and flops_per_token:
+        fwd_bwd = flops_per_token * work.tokens / (W * hw.flops * work.mfu)
+    overlapped = max(float(compute[busiest]), comm) + latency
+    return StepTime(ns, elementwise, comm, latency, fwd_bwd, overlapped)
+
+
+def llama3_flops_per_token(model: str, seq_len: int = LLAMA3_WORKLOAD.seq_len) -> float:
+    shape = LLAMA3[model]
+    return train_flops_per_token(llama3_params(model), shape.layers, shape.d_model, seq_len)
+
+
+# The settings the large-scale table assumes: bf16 gradients, parameters and
+# Newton–Schulz (ROOT's ns_dtype="bfloat16"), float32 state, 1 GiB buckets, the gather
+# design as deployed (DDP averages), the owner reduce-scatter at the start of the step.
+SCALE_OPTIONS = Options(grad_bytes=2, param_bytes=2, ns_bytes=2, bucket_bytes=GiB)
+
+
+def scale_options(design: Design, base: Options = SCALE_OPTIONS) -> Options:
+    return replace(base, average_grads=False) if design == "gather" else base
+
+
+def table_rows(
+    models: Iterable[str],
+    worlds: Iterable[int],
+    designs: Iterable[Design],
+    options: Options = SCALE_OPTIONS,
+    hw: Hardware = H100,
+    work: Workload = LLAMA3_WORKLOAD,
+) -> list[dict[str, Any]]:
+    """One row per (model, W, design): what the CLI prints and plots."""
+    rows = []
+    worlds = list(worlds)
+    designs = list(designs)
+    for model in models:
+        params = llama3_params(model)
+        fpt = llama3_flops_per_token(model, work.seq_len)
+        for w in worlds:
+            for d in designs:
+                e = estimate(params, w, d, scale_options(d, options))
+                t = step_time(e, hw, work, fpt)
+                rows.append(
+                    {
+                        "model": model,
+                        "world": w,
+                        "design": d,
+                        "matrices": len([p for p in params if p.algorithm == "root"]),
+                        "bytes_per_rank": e.bytes_per_rank,
+                        "vs_adamw": e.vs_adamw,
+                        "collectives": e.total_collectives,
+                        "step_collectives": e.exposed_collectives,
+                        "critical_tflop": e.critical_flops / 1e12,
+                        "lower_bound_tflop": e.lower_bound_flops / 1e12,
+                        "imbalance": e.imbalance,
+                        "memory_gib": e.peak_memory / GiB,
+                        "optimizer_s": t.optimizer,
+                        "overlapped_s": t.overlapped,
+                        "fwd_bwd_s": t.fwd_bwd,
+                        "fraction": t.fraction,
+                        "fraction_overlapped": t.fraction_overlapped,
+                    }
+                )
+    return rows
+
+
+def model_state_bytes(est: Estimate) -> float:
+    """Parameters and gradients a rank holds (activations not counted): all of them in
+    the DDP designs, a 1/W shard with FSDP2."""
+    per = est.options.param_bytes + est.options.grad_bytes
+    if est.design in ("fsdp", "gram"):
+        return per * est.params / est.world
+    return float(per * est.params)
+
+
+@dataclass
+class Verdict:
+    model: str
+    world: int
+    rows: list[dict[str, Any]]  # per design: fraction, fraction_overlapped, fits, ...
+    best: str | None  # the design with the smallest optimizer time among those that fit
+    target: float
+
+    @property
+    def best_row(self) -> dict[str, Any] | None:
+        return next((r for r in self.rows if r["design"] == self.best), None)
+
+    def lines(self, hw: Hardware, work: Workload, options: Options) -> list[str]:
+        out = [f"verdict: {self.model} at W = {self.world:,}"]
+        for r in self.rows:
+            fit = "fits" if r["fits"] else "does not fit"
+            out.append(
+                f"  {r['design']:<10} optimizer {1e3 * r['optimizer_s']:8.1f} ms = "
+                f"{100 * r['fraction']:6.2f} % of forward/backward "
+                f"({100 * r['fraction_overlapped']:.2f} % overlapped); "
+                f"{r['memory_gib'] + r['model_state_gib']:.0f} GiB/rank ({fit})"
+            )
+        b = self.best_row
+        if b is None:
+            out.append("  no design fits in device memory")
+        else:
+            ok = "meets" if b["fraction"] <= self.target else "misses"
+            ok_o = "meets" if b["fraction_overlapped"] <= self.target else "misses"
+            out.append(
+                f"  best that fits: {b['design']}: {100 * b['fraction']:.2f} % with nothing "
+                f"overlapped ({ok} the {100 * self.target:.0f} % target), "
+                f"{100 * b['fraction_overlapped']:.2f} % with communication overlapped ({ok_o} it); "
+                f"critical path {b['critical_tflop']:.1f} TFLOP of Newton–Schulz "
+                f"(lower bound {b['lower_bound_tflop']:.1f}), forward/backward {b['fwd_bwd_s']:.2f} s"
+            )
+        out.append("assumptions:")
+        out.append(f"  hardware: {hw.name}")
+        out += [f"    - {src}" for src in hw.sources]
+        out.append(f"  workload: {work.source}")
+        out.append(
+            f"  settings: gradients {options.grad_bytes} B, parameters {options.param_bytes} B, "
+            f"Newton–Schulz {options.ns_bytes} B per element ({options.ns_steps} iterations), "
+            f"state {options.state_bytes} B; buckets {options.bucket_bytes / MiB:.0f} MiB; "
+            "gather as deployed (DDP all-reduce); owner's reduce-scatter "
+            + ("in backward" if options.sync_in_backward else "at the start of the step")
+        )
+        out.append(
+            "  optimizer time = critical-path Newton–Schulz + elementwise passes + exposed "
+            "communication + latency × collectives issued by the step; what AdamW under the "
+            "same wrapper also moves behind backward is not counted; activations not in memory"
+        )
+        return out
+
+
+def verdict(
+    model: str,
+    world: int,
+    designs: Iterable[Design] = DESIGNS,
+    options: Options = SCALE_OPTIONS,
+    hw: Hardware = H100,
+    work: Workload = LLAMA3_WORKLOAD,
+    target: float = 0.02,
+) -> Verdict:
+    """The optimizer's share of a step for ``model`` at ``world`` ranks, per design, and
+    the best design that fits in device memory."""
+    rows = table_rows([model], [world], designs, options, hw, work)
+    params = llama3_params(model)
+    for r in rows:
+        e = estimate(params, world, r["design"], scale_options(r["design"], options))
+        r["model_state_gib"] = model_state_bytes(e) / GiB
+        r["fits"] = (model_state_bytes(e) + e.peak_memory) <= hw.memory
+    fitting = [r for r in rows if r["fits"]]
+    best = min(fitting, key=lambda r: r["optimizer_s"])["design"] if fitting else None
+    return Verdict(model, world, rows, best, target)

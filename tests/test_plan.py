@@ -1,0 +1,312 @@
+"""The cost model of distributed ROOT (rootopt.dist.plan) and its CLI, in-process.
+
+The measured side (gloo runs whose counted and written bytes must equal the model's) is
+in tests/test_dist_edge.py and benchmarks/bench_dist.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rootopt.dist import plan as P
+from rootopt.dist.counters import collective_bytes, collective_bytes_ranks
+from rootopt.dist.owners import ns_cost
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
+
+
+def test_llama3_shapes_match_the_published_sizes() -> None:
+    # Llama 3 (arXiv 2407.21783): 8B, 70B, 405B; 7 weight matrices per layer
+    want = {
+        "llama3-8b": (8.03e9, 224),
+        "llama3-70b": (70.55e9, 560),
+        "llama3-405b": (405.85e9, 882),
+    }
+    for name, (n, mats) in want.items():
+        ps = P.llama3_params(name)
+        assert sum(p.numel for p in ps) == pytest.approx(n, rel=1e-3)
+        assert sum(1 for p in ps if p.algorithm == "root") == mats
+    ps = P.llama3_params("llama3-70b")
+    w1 = next(p for p in ps if p.name == "layers.0.feed_forward.w1.weight")
+    assert w1.shape == (28672, 8192)
+    wk = next(p for p in ps if p.name == "layers.0.attention.wk.weight")
+    assert wk.shape == (1024, 8192)  # 8 key/value heads of 128
+
+
+def test_newton_schulz_flops() -> None:
+    p = P.ParamSpec("w", (28672, 8192))
+    s, l = 8192, 28672
+    assert P.ns_flops(p, 5) == 5 * (4 * s * s * l + 2 * s**3)
+    assert P.ns_flops(p, 5) == 2 * ns_cost(1, 28672, 8192, 5)
+    # split over 4 ranks along the long side: the products with X divide, A·A does not
+    assert P.ns_flops(p, 5, 4) == 5 * (4 * s * s * (l / 4) + 2 * s**3)
+    assert P.ns_flops(P.ParamSpec("b", (10,), "adamw"), 5) == 0.0
+
+
+def _items(shapes: list[tuple[int, int]], adamw: list[int] = ()) -> list[P.LayoutItem]:  # type: ignore[assignment]
+    specs = [P.ParamSpec(f"m{i}", s) for i, s in enumerate(shapes)]
+    specs += [P.ParamSpec(f"a{i}", (n,), "adamw") for i, n in enumerate(adamw)]
+    return P.items_from_specs(specs)
+
+
+def test_owner_layout_covers_every_item_once_in_owner_segments() -> None:
+    items = _items([(10, 33), (33, 16), (2, 10), (1, 2), (64, 64), (64, 64), (5, 7)], [10, 16, 3])
+    for world in (1, 2, 3, 4, 8):
+        for bucket in (1, 600, 1 << 20):
+            lay = P.owner_layout(items, world, bucket)
+            seen = [i for b in lay.buckets for i in b.items]
+            assert sorted(seen) == list(range(len(lay.items)))
+            # every parameter's elements exactly once: whole, or AdamW pieces back to back
+            for it in items:
+                parts = sorted((x.start, x.numel) for x in lay.items if x.index == it.index)
+                assert parts[0][0] == 0 and sum(n for _, n in parts) == it.numel
+                assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(parts))
+                assert len(parts) == 1 or not it.root
+            for b in lay.buckets:
+                assert len(b.segments) == world
+                assert b.numel == sum(lay.items[i].numel for i in b.items)
+                # items lie back to back, rank 0's segment first, then rank 1's, ...
+                off = 0
+                for i, o, start in zip(b.items, b.owners, b.offsets):
+                    assert start == off
+                    assert b.segment_start(o) <= start < b.segment_start(o) + b.segments[o]
+                    assert lay.owner[i] == o
+                    off += lay.items[i].numel
+                assert list(b.owners) == sorted(b.owners)
+                if bucket == 1:
+                    assert len(b.items) == 1  # at least one item, never more past the limit
+            assert P.owner_layout(items, world, bucket).digest() == lay.digest()
+    a = P.owner_layout(items, 3, 1 << 20)
+    assert a.digest() != P.owner_layout(items, 4, 1 << 20).digest()
+    assert a.digest() != P.owner_layout(items, 3, 600).digest()
+    renamed = [*items[:-1], P.LayoutItem(items[-1].index, "other", 3, 0.0, False)]
+    assert a.digest() != P.owner_layout(renamed, 3, 1 << 20).digest()
+
+
+def test_owner_layout_balances_cost_then_elements() -> None:
+    # one big matrix and many small ones: the big one is alone on its rank
+    items = _items([(512, 512)] + [(64, 64)] * 8)
+    lay = P.owner_layout(items, 2, 1 << 30)
+    big = lay.owner[0]
+    assert all(o != big for o in lay.owner[1:])
+    # AdamW parameters fill the ranks with the fewest elements
+    items = _items([(100, 100)], [5000, 3000, 2000])
+    lay = P.owner_layout(items, 2, 1 << 30)
+    assert lay.owner[0] == 0
+    assert lay.owner[1:] == (1, 1, 1)
+    assert lay.buckets[0].segments == (10000, 10000)
+    # an AdamW parameter larger than what the ranks lack is split into pieces that even out
+    # the elements (one big embedding, few matrices)
+    items = _items([(100, 100)] * 3, [40000, 10])
+    lay = P.owner_layout(items, 4, 1 << 30)
+    emb = [(x.start, x.numel, o) for x, o in zip(lay.items, lay.owner) if x.index == 3]
+    assert len(emb) == 4 and len({o for *_, o in emb}) == 4
+    share = -(-(30000 + 40010) // 4)
+    assert max(lay.buckets[0].segments) == share
+    assert share - min(lay.buckets[0].segments) <= 2
+    # below MIN_PIECE nothing is split
+    small = P.owner_layout(_items([(10, 10)] * 3, [1000]), 4, 1 << 30)
+    assert len(small.items) == 4
+
+
+def test_owner_design_moves_adamw_bytes_and_a_constant_number_of_collectives() -> None:
+    # 48 matrices of 3 shapes at W = 4: owner = reduce-scatter + all-gather (2·f·P),
+    # today's gather design = all-reduce + all-gather of updates (3·f·P)
+    specs = [P.ParamSpec(f"m{i}", s) for i, s in enumerate([(64, 64), (64, 32), (32, 64)] * 16)]
+    n = sum(p.numel for p in specs)
+    W = 4
+    f = (W - 1) / W
+    opts = P.Options(bucket_bytes=1 << 30)
+    own = P.estimate(specs, W, "owner", opts)
+    flags = 2 * f * 2 * len(specs) * 4  # the int32 flag all-reduce
+    assert own.bytes_per_rank == pytest.approx(2 * f * n * 4 + flags, rel=0.03)
+    assert own.vs_adamw == pytest.approx(1.0, abs=0.03)
+    gat = P.estimate(specs, W, "gather", opts)
+    assert gat.bytes_per_rank == pytest.approx(3 * f * n * 4 + flags, rel=0.03)
+    assert own.collectives == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
+    # more shapes and more matrices, same bytes in one bucket: the same three collectives
+    many = [P.ParamSpec(f"x{i}", (8 + i, 16)) for i in range(200)]
+    assert P.estimate(many, W, "owner", opts).collectives == own.collectives
+    # smaller buckets: 1 flag all-reduce + (reduce-scatter, all-gather) per bucket
+    small = P.estimate(specs, W, "owner", P.Options(bucket_bytes=64 * 64 * 4 * 8))
+    assert small.buckets > 1
+    assert small.total_collectives == 1 + 2 * small.buckets
+    assert small.vs_adamw == pytest.approx(1.0, abs=0.03)
+
+
+def test_today_gather_pads_rounds_of_one_big_matrix() -> None:
+    # one matrix per round: every rank's part is padded to the matrix, W·S is gathered
+    specs = [P.ParamSpec(f"m{i}", (256, 256)) for i in range(4)]
+    W = 8
+    e = P.estimate(specs, W, "gather", P.Options(bucket_bytes=256 * 256 * 4, average_grads=False))
+    assert e.buckets == 4
+    per_round = (W - 1) * 256 * 256 * 4
+    flags = 2 * (W - 1) / W * 2 * 4 * 4
+    assert max(e.opt_sent) == pytest.approx(4 * per_round + flags)
+
+
+def test_owner_bytes_target_on_llama_shapes() -> None:
+    """Bytes per rank with owner reduce-scatter/all-gather = DDP AdamW's ± 5 % from 8 to
+    1,024 ranks (issue target), and far below today's design."""
+    for model in P.LLAMA3:
+        ps = P.llama3_params(model)
+        for W in (8, 64, 1024):
+            own = P.estimate(ps, W, "owner", P.SCALE_OPTIONS)
+            assert abs(own.vs_adamw - 1) <= 0.05, (model, W, own.vs_adamw)
+            gat = P.estimate(ps, W, "gather", P.scale_options("gather"))
+            assert gat.bytes_per_rank > 1.4 * own.bytes_per_rank
+            assert own.total_collectives == 1 + 2 * own.buckets
+
+
+def test_imbalance_target_or_critical_path_at_the_bound() -> None:
+    """Load imbalance < 1.5 whenever there are at least as many matrices as ranks, or the
+    critical path equals its lower bound (the largest matrix); never below the bound."""
+    for model in P.LLAMA3:
+        ps = P.llama3_params(model)
+        n = sum(1 for p in ps if p.algorithm == "root")
+        for W in (8, 32, 128, 512, 1024):
+            e = P.estimate(ps, W, "owner", P.SCALE_OPTIONS)
+            assert e.critical_flops >= e.lower_bound_flops * (1 - 1e-12)
+            at_bound = e.critical_flops <= e.lower_bound_flops * (1 + 1e-9)
+            if n >= W:
+                assert e.imbalance < 1.5 or at_bound, (model, W, e.imbalance)
+            else:
+                assert at_bound, (model, W)
+                assert e.critical_flops == pytest.approx(e.largest_flops)
+    # gram splits the largest matrices, so it beats the single-owner bound at 1,024
+    ps = P.llama3_params("llama3-70b")
+    g = P.estimate(ps, 1024, "gram", P.SCALE_OPTIONS)
+    assert g.critical_flops < P.estimate(ps, 1024, "fsdp", P.SCALE_OPTIONS).largest_flops
+    assert g.node.max() > 0 and g.notes
+
+
+def test_fsdp_all_to_all_bytes_are_the_shards() -> None:
+    # one 10 x 4 matrix at W = 3: shards of 4, 4, 2 rows; its owner receives the other
+    # ranks' shards and sends them back their rows
+    specs = [P.ParamSpec("w", (10, 4))]
+    e = P.estimate(specs, 3, "fsdp", P.Options())
+    owner = int(e.flops.argmax())
+    rows = [4, 4, 2]
+    others = sum(r for k, r in enumerate(rows) if k != owner) * 4 * 4
+    flags = 2 * 2 / 3 * 2 * 4
+    assert e.opt_received[owner] == pytest.approx(others + flags)
+    assert e.opt_sent[owner] == pytest.approx(others + flags)
+    for k in range(3):
+        if k != owner:
+            assert e.opt_sent[k] == e.opt_received[k] == pytest.approx(rows[k] * 4 * 4 + flags)
+    assert e.collectives == {"fsdp_sync": 3, "all_reduce": 1, "all_to_all": 2}
+
+
+def test_collective_byte_formulas() -> None:
+    W = 4
+    assert collective_bytes("all_reduce", "nccl", W, 0, numel=100) == (150 * 4, 150 * 4)
+    assert collective_bytes("all_gather_into_tensor", "gloo", W, 2, numel=10) == (120, 120)
+    assert collective_bytes("reduce_scatter_tensor", "nccl", W, 1, numel=40) == (120, 120)
+    # gloo's reduce-scatter is an all-reduce on the wire (measured: tests/test_dist_edge.py)
+    assert collective_bytes("reduce_scatter_tensor", "gloo", W, 1, numel=40) == (240, 240)
+    s, r = collective_bytes("all_gather", "nccl", W, 1, sizes=[3, 0, 5, 2])
+    assert (s, r) == (40, 40)
+    splits = [[1, 2, 3, 4], [0, 0, 0, 0], [5, 5, 5, 5], [9, 0, 0, 1]]
+    sent, recv = collective_bytes_ranks("all_to_all_single", "gloo", W, in_splits=splits)
+    for r in range(W):
+        out = [splits[j][r] for j in range(W)]
+        assert collective_bytes(
+            "all_to_all_single", "gloo", W, r, in_splits=splits[r], out_splits=out
+        ) == (
+            sent[r],
+            recv[r],
+        )
+    assert sent.sum() == recv.sum()
+    assert collective_bytes("broadcast", "gloo", 3, 0, numel=5, src=0) == (40, 0)
+    sent, recv = collective_bytes_ranks("broadcast", "gloo", 8, numel=1, src=2, element_size=1)
+    assert sent.tolist() == [0, 0, 3, 2, 1, 1, 0, 0]  # root, then its subtrees of 4, 2, 1
+    assert recv.sum() == 7
+    assert collective_bytes("all_reduce", "gloo", 1, 0, numel=5) == (0, 0)
+    with pytest.raises(ValueError, match="unknown collective"):
+        collective_bytes("gossip", "gloo", 2, 0)
+
+
+def test_step_time_and_verdict_state_their_assumptions() -> None:
+    fpt = P.llama3_flops_per_token("llama3-70b")
+    n = 70.55e9
+    assert fpt == pytest.approx(6 * n + 6 * 80 * 8192 * 8192, rel=1e-3)
+    e = P.estimate(P.llama3_params("llama3-70b"), 1024, "fsdp", P.SCALE_OPTIONS)
+    t = P.step_time(e, P.H100, P.LLAMA3_WORKLOAD, fpt)
+    fwd = fpt * 4 * 1024 * 1024 / (1024 * 989e12 * 0.40)
+    assert t.fwd_bwd == pytest.approx(fwd)
+    assert t.ns == pytest.approx(e.critical_flops / (989e12 * 0.6))
+    assert t.optimizer == pytest.approx(t.ns + t.elementwise + t.comm + t.latency)
+    assert t.overlapped <= t.optimizer
+    v = P.verdict("llama3-70b", 1024)
+    assert [r["design"] for r in v.rows] == list(P.DESIGNS)
+    # a replicated 70B model (bf16 parameters and gradients) does not fit in 80 GB
+    assert not next(r for r in v.rows if r["design"] == "owner")["fits"]
+    assert v.best in ("fsdp", "gram")
+    text = "\n".join(v.lines(P.H100, P.LLAMA3_WORKLOAD, P.SCALE_OPTIONS))
+    for needle in ("989 TFLOP/s", "400 Gb/s", "arXiv 2407.21783", "assumptions:", "target"):
+        assert needle in text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rootopt.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT_DIR,
+    )
+
+
+def test_cli_table_json_and_plot(tmp_path: Path) -> None:
+    """The console path: a table, the verdict, a JSON file and a PNG, all new files."""
+    out = tmp_path / "rows.json"
+    png = tmp_path / "plot.png"
+    args = ["--model", "llama3-8b", "--worlds", "8", "64", "--designs", "owner", "gather"]
+    proc = _cli(*args, "--json", str(out), "--plot", str(png), "--verdict", "llama3-8b@64")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["world"], r["design"]) for r in rows] == [
+        (8, "owner"),
+        (8, "gather"),
+        (64, "owner"),
+        (64, "gather"),
+    ]
+    assert all(math.isfinite(r["fraction"]) for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "verdict: llama3-8b at W = 64" in proc.stdout
+    assert "    64 owner " in proc.stdout
+
+
+def test_cli_refuses_bad_input_and_existing_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rootopt.cli import main
+
+    out = tmp_path / "rows.json"
+    out.write_text("mine")
+    for bad in (
+        ["--json", str(out)],
+        ["--plot", str(out)],
+        ["--json", str(tmp_path / "no" / "such.json")],
+        ["--worlds", "0"],
+        ["--designs", "magic"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["plan", "--model", "llama3-8b", "--worlds", "8", *bad])
+        assert exc.value.code == 2, bad
+        err = capsys.readouterr()
+        assert err.out == "" and "Traceback" not in err.err
+    for bad in (["--verdict", "gpt@8"], ["--mfu", "2"], ["--tokens", "0"]):
+        assert main(["plan", "--model", "llama3-8b", "--worlds", "8", *bad]) == 2, bad
+        err = capsys.readouterr()
+        assert err.out == "" and len(err.err.strip().splitlines()) == 1
+    assert out.read_text() == "mine"
+    assert main(["plan", "--model", "llama3-8b", "--worlds", "8", "--verdict", "none"]) == 0
+    printed = capsys.readouterr().out
+    assert "     8 owner " in printed and "verdict" not in printed
