@@ -76,6 +76,28 @@ def kill_session(proc: subprocess.Popen[Any]) -> None:
         proc.communicate(timeout=30)
 
 
+def run_session(
+    argv: list[str], *, env: dict[str, str], timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a session of its own and wait; on timeout the whole session (a
+    launcher and the workers it started) is killed and the timeout raised."""
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def wait_for(predicate: Any, timeout: float, what: str, proc: Any = None) -> None:
     """Poll ``predicate`` until true; fail loudly after ``timeout`` s or when ``proc`` ended."""
     deadline = time.monotonic() + timeout

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from _faultkit import run_session
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -82,28 +82,11 @@ def torchrun(
     n: int, run: Path, data: Path, over: list[str], *launcher: str, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
     """One torchrun launch; on timeout its whole session is killed (no orphan workers)."""
-    proc = subprocess.Popen(
-        torchrun_cmd(n, run, data, over, *launcher),
-        env=torchrun_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    done = run_session(
+        torchrun_cmd(n, run, data, over, *launcher), env=torchrun_env(), timeout=timeout
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc)
-        raise
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def kill_session(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the launcher's whole session (orphaned workers would otherwise linger)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
 
 
 def logged_losses(run: Path) -> dict[int, float]:

@@ -91,6 +91,28 @@ def results(out_dir: Path, name: str, world: int) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in files]
 
 
+def check_resharded_checkpoint(tmp_path: Path, saved_at: int, loaded_at: int, design: str) -> None:
+    """``dist_scripts/ckpt.py``: saved at ``saved_at`` ranks after 2 steps, loaded at
+    ``loaded_at`` and trained 2 more; parameters and optimizer state equal the uninterrupted
+    single-process run at the save, after the load and after the steps."""
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    out.mkdir()
+    run_ok("ckpt.py", saved_at, str(out), str(ck), design, "2")
+    run_ok("ckpt.py", loaded_at, str(out), str(ck), design, "2")
+    first = results(out, "ckpt-dcp-00000002", saved_at)
+    second = results(out, "ckpt-dcp-00000004", loaded_at)
+    for r in first:
+        assert r["after_train"]["param_diff"] < TOL
+        assert r["after_train"]["state_diff"] < STATE_TOL
+    assert [r["loaded_step"] for r in second] == [2] * loaded_at
+    for r in second:
+        assert r["extra_ok"] == 1.0
+        for phase in ("after_load", "after_train"):
+            assert r[phase]["param_diff"] < TOL, (phase, r[phase])
+            assert r[phase]["state_diff"] < STATE_TOL, (phase, r[phase])
+            assert r[phase]["steps_equal"] == 1.0
+
+
 # ---------------------------------------------------------------------------------------
 # in-process: owners, world size 1
 # ---------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch.distributed.run import get_args_parser
 
+from _faultkit import run_session
 from _train_fixtures import TINY, prepare_tiny
 from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
@@ -421,22 +422,17 @@ def test_launch_sh_trains_from_another_directory(tmp_path: Path) -> None:
     }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HOSTFILE", "CONFIG", "DRY_RUN"):
         env.pop(key, None)
-    proc = subprocess.Popen(
-        ["bash", str(LAUNCH), "--data_path", str(shards), *over],
-        cwd=elsewhere,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
     try:
-        out, err = proc.communicate(timeout=240)
+        done = run_session(
+            ["bash", str(LAUNCH), "--data_path", str(shards), *over],
+            env=env,
+            timeout=240,
+            cwd=elsewhere,
+        )
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
         pytest.fail("launch.sh did not finish within 240 s")
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, out[-2000:] + err[-3000:]
     run = elsewhere / "run"
     assert sorted(p.name for p in elsewhere.iterdir()) == ["run"]
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]

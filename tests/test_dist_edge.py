@@ -16,7 +16,7 @@ import pytest
 
 from rootopt.dist import plan as P
 from rootopt.dist.owners import chunk_rows
-from test_dist import STATE_TOL, TOL, free_port, results, run_ok  # noqa: F401
+from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, free_port, results, run_ok  # noqa: F401
 
 # What gloo writes beyond the payload: its framing, a small header per message; a ring or
 # pairwise collective sends up to 2·(W−1) messages (measured: ~160 bytes per peer and
@@ -108,18 +108,4 @@ def test_checkpoint_saved_at_four_loads_at_three(tmp_path: Path) -> None:
     """Saved at W = 4 after 2 steps, loaded at W = 3 and trained 2 more: parameters and
     optimizer state equal the uninterrupted single-process run after the load and after
     the steps."""
-    out, ck = tmp_path / "out", tmp_path / "ck"
-    out.mkdir()
-    run_ok("ckpt.py", 4, str(out), str(ck), "ddp", "2")
-    run_ok("ckpt.py", 3, str(out), str(ck), "ddp", "2")
-    first = results(out, "ckpt-dcp-00000002", 4)
-    second = results(out, "ckpt-dcp-00000004", 3)
-    for r in first:
-        assert r["after_train"]["param_diff"] < TOL
-    assert [r["loaded_step"] for r in second] == [2, 2, 2]
-    for r in second:
-        assert r["extra_ok"] == 1.0
-        for phase in ("after_load", "after_train"):
-            assert r[phase]["param_diff"] < TOL, (phase, r[phase])
-            assert r[phase]["state_diff"] < STATE_TOL, (phase, r[phase])
-            assert r[phase]["steps_equal"] == 1.0
+    check_resharded_checkpoint(tmp_path, 4, 3, "ddp")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rootopt.dist import plan as P
-from test_dist import STATE_TOL, TOL, results, run_ok
+from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, results, run_ok
 from test_dist_edge import framing
 
 
@@ -100,19 +100,4 @@ def test_owner_checkpoint_saved_at_two_loads_at_three(tmp_path: Path) -> None:
     """Momentum and AdamW moments live on their owners: saved at W = 2 (gathered by
     state_dict), loaded at W = 3 (other owners) and trained on, parameters and state
     equal the uninterrupted single-process run."""
-    out, ck = tmp_path / "out", tmp_path / "ck"
-    out.mkdir()
-    run_ok("ckpt.py", 2, str(out), str(ck), "owner", "2")
-    run_ok("ckpt.py", 3, str(out), str(ck), "owner", "2")
-    first = results(out, "ckpt-dcp-00000002", 2)
-    second = results(out, "ckpt-dcp-00000004", 3)
-    for r in first:
-        assert r["after_train"]["param_diff"] < TOL
-        assert r["after_train"]["state_diff"] < STATE_TOL
-    assert [r["loaded_step"] for r in second] == [2, 2, 2]
-    for r in second:
-        assert r["extra_ok"] == 1.0
-        for phase in ("after_load", "after_train"):
-            assert r[phase]["param_diff"] < TOL, (phase, r[phase])
-            assert r[phase]["state_diff"] < STATE_TOL, (phase, r[phase])
-            assert r[phase]["steps_equal"] == 1.0
+    check_resharded_checkpoint(tmp_path, 2, 3, "owner")

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from _faultkit import kill_session
 from _train_fixtures import (
     TINY,
-    kill_session,
     logged_losses,
     prepare_tiny,
     torchrun,

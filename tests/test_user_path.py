@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from _faultkit import console_script, env, kill_session, wait_for
+from _faultkit import console_script, env, kill_session, run_session, wait_for
 from rootopt.monitor import read_jsonl
 
 pytestmark = pytest.mark.skipif(
@@ -38,21 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(
     argv: list[str], cwd: Path, timeout: float = 420, **extra: str
 ) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=env(**extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc)
-        raise
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return run_session(argv, env=env(**extra), timeout=timeout, cwd=cwd)
 
 
 def _the_run(cwd: Path) -> Path:
