@@ -76,12 +76,12 @@ def kill_session(proc: subprocess.Popen[Any]) -> None:
         proc.communicate(timeout=30)
 
 
-def run_session(
-    argv: list[str], *, env: dict[str, str], timeout: float, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a session of its own and wait; on timeout the whole session (a
-    launcher and the workers it started) is killed and the timeout raised."""
-    proc = subprocess.Popen(
+def start_session(
+    argv: list[str], *, env: dict[str, str], cwd: Path | None = None
+) -> subprocess.Popen[str]:
+    """Start ``argv`` in a session of its own (text pipes), so that :func:`kill_session`
+    reaches a launcher and every worker it started."""
+    return subprocess.Popen(
         argv,
         cwd=cwd,
         env=env,
@@ -90,6 +90,14 @@ def run_session(
         text=True,
         start_new_session=True,
     )
+
+
+def run_session(
+    argv: list[str], *, env: dict[str, str], timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a session of its own and wait; on timeout the whole session (a
+    launcher and the workers it started) is killed and the timeout raised."""
+    proc = start_session(argv, env=env, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -29,6 +29,12 @@ TINY = [
     "monitoring.histogram_every=0",
     "checkpoint.every=10",
 ]
+# TINY without periodic evaluation: the in-process fault and refusal tests
+FAST = [*TINY, "run.eval_every=0"]
+
+
+def quiet(msg: str) -> None:
+    """A ``say`` for in-process training that prints nothing."""
 
 
 def prepare_tiny(out: Path) -> Path:

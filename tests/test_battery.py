@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from _faultkit import console_script, env, kill_session, tree_state, wait_for
+from _faultkit import console_script, env, kill_session, start_session, tree_state, wait_for
 from _train_fixtures import TINY
 from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
@@ -280,15 +280,7 @@ def test_signals_at_chosen_steps(tmp_path: Path, reference: dict[str, Any]) -> N
 
 
 def _launch(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "rootopt.train", *argv],
-        cwd=cwd,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return start_session([sys.executable, "-m", "rootopt.train", *argv], env=env(), cwd=cwd)
 
 
 def test_concurrent_launches_on_one_directory(tmp_path: Path, reference: dict[str, Any]) -> None:
@@ -605,15 +597,7 @@ def test_torchrun_line_ten_times(tmp_path: Path) -> None:
             "run.max_steps=16",
             "checkpoint.every=4",
         ]
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        proc = start_session(cmd, env=env(), cwd=cwd)
         try:
             wait_for(
                 lambda c=cwd: any(c.glob("runs/*/checkpoints/dcp-00000004")),
@@ -645,15 +629,7 @@ def test_torchrun_line_ten_times(tmp_path: Path) -> None:
         cwd = tmp_path / f"d{i}"
         cwd.mkdir()
         cmd = [torchrun, "--standalone", "--nproc_per_node=3", "-m", "rootopt.train", *over3]
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        proc = start_session(cmd, env=env(), cwd=cwd)
         at = 4 * (i + 2)  # after the 2nd, 3rd, 4th checkpoint
         try:
             wait_for(

@@ -17,22 +17,17 @@ import pytest
 import torch
 
 from _faultkit import env
-from _train_fixtures import TINY, prepare_tiny
+from _train_fixtures import FAST, prepare_tiny
+from _train_fixtures import quiet as _quiet
 from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
 from rootopt.train import Hooks, train
 from rootopt.train.main import main as train_main
 
-FAST = [*TINY, "run.eval_every=0"]
-
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_tiny(tmp_path_factory.mktemp("shards"))
-
-
-def _quiet(msg: str) -> None:
-    pass
 
 
 def _line(capsys: pytest.CaptureFixture[str]) -> str:

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from _train_fixtures import TINY, final_params, prepare_tiny
+from _train_fixtures import FAST, TINY, final_params, prepare_tiny
+from _train_fixtures import quiet as _quiet
 from rootopt import checkpoint
 from rootopt.config import load_config
 from rootopt.data import ShardError, load_manifest, prepare
@@ -32,16 +33,11 @@ from rootopt.train.main import main as train_main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TESTS = Path(__file__).resolve().parent
-FAST = [*TINY, "run.eval_every=0"]
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_tiny(tmp_path_factory.mktemp("shards"))
-
-
-def _quiet(msg: str) -> None:
-    pass
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from _faultkit import tree_state, victim
-from _train_fixtures import TINY, final_params, prepare_tiny
+from _train_fixtures import FAST, TINY, final_params, prepare_tiny
+from _train_fixtures import quiet as _quiet
 from rootopt import checkpoint
 from rootopt.config import load_config
 from rootopt.data import ShardError, load_manifest, prepare
@@ -27,16 +28,10 @@ from rootopt.monitor import read_jsonl
 from rootopt.train import Diverged, Hooks, train
 from rootopt.train.main import main as train_main
 
-FAST = [*TINY, "run.eval_every=0"]
-
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_tiny(tmp_path_factory.mktemp("shards"))
-
-
-def _quiet(msg: str) -> None:
-    pass
 
 
 def _model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -10,29 +10,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _faultkit import env, kill_session, tree_state, victim, wait_for
-from _train_fixtures import TINY, final_params, prepare_tiny
+from _faultkit import env, kill_session, start_session, tree_state, victim, wait_for
+from _train_fixtures import FAST, TINY, final_params, prepare_tiny
+from _train_fixtures import quiet as _quiet
 from rootopt.config import load_config
 from rootopt.train import train
 from rootopt.train.main import main as train_main
-
-FAST = [*TINY, "run.eval_every=0"]
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_tiny(tmp_path_factory.mktemp("shards"))
-
-
-def _quiet(msg: str) -> None:
-    pass
 
 
 def _err_line(capsys: pytest.CaptureFixture[str]) -> str:
@@ -154,15 +148,7 @@ def test_a_refused_launch_on_a_live_run_changes_nothing(
         "checkpoint.every=5",
     ]
     monkeypatch.chdir(tmp_path)
-    live = subprocess.Popen(
-        [sys.executable, "-m", "rootopt.train", *over],
-        cwd=tmp_path,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    live = start_session([sys.executable, "-m", "rootopt.train", *over], env=env(), cwd=tmp_path)
     try:
         wait_for(
             lambda: list((tmp_path / "runs").glob("*/checkpoints/ckpt-00000005.json")),

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from _faultkit import console_script, env, kill_session, run_session, wait_for
+from _faultkit import console_script, env, kill_session, run_session, start_session, wait_for
 from rootopt.monitor import read_jsonl
 
 pytestmark = pytest.mark.skipif(
@@ -88,15 +88,7 @@ def _ctrl_c_and_rerun(tmp_path: Path, extra: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     user = tmp_path / "user"
     user.mkdir()
-    proc = subprocess.Popen(
-        [rootopt, "train", *extra],
-        cwd=user,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_session([rootopt, "train", *extra], env=env(), cwd=user)
     try:
         # Ctrl-C once the first record is logged: the loop checkpoints after the current
         # step and stops; whichever step that is, the rerun must end identical.
@@ -216,15 +208,7 @@ def test_torchrun_max_restarts_after_a_killed_rank(reference: Path, tmp_path: Pa
         "rootopt.train",
         *TORCHRUN_OVER,
     ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_session(cmd, env=env(), cwd=tmp_path)
     try:
         wait_for(
             lambda: any((tmp_path / "runs").glob("*/checkpoints/dcp-00000004")),
