@@ -18,8 +18,8 @@ Designs compared, each in its own torchrun launch (so peak memory is per design)
   * ``broadcast`` rank 0 thresholds + orthogonalizes every matrix and broadcasts the
                   updates; the other ranks wait (no gradient synchronisation in the step).
 The bytes and collectives are what the step issues, counted by
-``rootopt.dist.counters.CollectiveCounter`` (gradient synchronisation included for owner,
-gather and adamw), with the cost model's prediction (``rootopt.dist.plan``) beside them.
+``rootopt.distributed.counters.CollectiveCounter`` (gradient synchronisation included for owner,
+gather and adamw), with the cost model's prediction (``rootopt.distributed.plan``) beside them.
 
 Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner gather adamw fsdp
        broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
@@ -70,9 +70,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    from rootopt.dist import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
-    from rootopt.dist import plan as P
-    from rootopt.dist.counters import CollectiveCounter
+    from rootopt.distributed import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
+    from rootopt.distributed import plan as P
+    from rootopt.distributed.counters import CollectiveCounter
     from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim.functional import root_direction
 

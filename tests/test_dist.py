@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rootopt
-from rootopt.dist import DistributedROOT, assign_owners, chunk_rows, ns_cost
+from rootopt.distributed import DistributedROOT, assign_owners, chunk_rows, ns_cost
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
@@ -295,7 +295,7 @@ def test_checkpoint_reshards_across_world_sizes(tmp_path: Path) -> None:
     parameters and optimizer state equal an uninterrupted single-process run."""
     import ckpt
 
-    from rootopt.dist import checkpoint as dck
+    from rootopt.distributed import checkpoint as dck
 
     out, ck = tmp_path / "out", tmp_path / "ck"
     out.mkdir()
@@ -358,7 +358,7 @@ def test_nccl_two_gpus_match_single_process(tmp_path: Path) -> None:
 # checkpoint publication rules (in-process, no process group)
 # ---------------------------------------------------------------------------------------
 def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
-    from rootopt.dist import checkpoint as dck
+    from rootopt.distributed import checkpoint as dck
 
     model = common.make_model()
     opt = DistributedROOT(common.groups(model), **common.HYPER)
@@ -407,9 +407,9 @@ def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
 # process-group helpers (in-process)
 # ---------------------------------------------------------------------------------------
 def test_backend_resolution_and_single_process_world(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rootopt.dist import init_distributed, resolve_backend, world
+    from rootopt.distributed import init_distributed, resolve_backend, world
 
-    monkeypatch.setattr("rootopt.dist.group._TIMEOUT_S", 1800.0)  # restored afterwards
+    monkeypatch.setattr("rootopt.distributed.group._TIMEOUT_S", 1800.0)  # restored afterwards
     assert resolve_backend("auto", "cpu") == "gloo"
     assert resolve_backend("gloo", "cpu") == "gloo"
     if not torch.cuda.is_available():
@@ -428,11 +428,11 @@ def test_backend_resolution_and_single_process_world(monkeypatch: pytest.MonkeyP
 
 
 def test_finish_keeps_the_exit_code_and_flushes_output(tmp_path: Path) -> None:
-    """``rootopt.dist.finish`` leaves through ``os._exit`` (docs/distributed.md, "Ending a
+    """``rootopt.distributed.finish`` leaves through ``os._exit`` (docs/distributed.md, "Ending a
     run"): the exit status must be the caller's and buffered stdout must not be lost."""
     script = (
         "import sys\n"
-        "from rootopt.dist import finish, init_distributed, world\n"
+        "from rootopt.distributed import finish, init_distributed, world\n"
         f"init_distributed(backend='gloo', init_method='file://{tmp_path / 'pg'}', "
         "rank=0, world_size=1, timeout_s=30)\n"
         "assert world().backend == 'gloo'\n"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from rootopt.dist import plan as P
-from rootopt.dist.owners import chunk_rows
+from rootopt.distributed import plan as P
+from rootopt.distributed.owners import chunk_rows
 from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, free_port, results, run_ok  # noqa: F401
 
 # What gloo writes beyond the payload: its framing, a small header per message; a ring or

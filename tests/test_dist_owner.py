@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rootopt.dist import plan as P
+from rootopt.distributed import plan as P
 from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, results, run_ok
 from test_dist_edge import framing
 

@@ -1,4 +1,4 @@
-"""The world-size-invariant global-batch sampler (rootopt.dist.sampler)."""
+"""The world-size-invariant global-batch sampler (rootopt.distributed.sampler)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from rootopt.dist.sampler import GlobalBatchSampler, split_bounds, worker_share
+from rootopt.distributed.sampler import GlobalBatchSampler, split_bounds, worker_share
 
 
 def parts(step: int, world: int, **kw: int) -> list[list[int]]:

@@ -105,7 +105,7 @@ def test_copy_gives_a_working_identical_optimizer(options: str, how: str) -> Non
 
 
 def test_copy_keeps_a_distributed_subclass_working() -> None:
-    from rootopt.dist.root import DistributedROOT
+    from rootopt.distributed.root import DistributedROOT
 
     m = model()
     opt = DistributedROOT(m.parameters(), lr=0.02, average_grads=True)

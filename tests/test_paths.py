@@ -31,7 +31,7 @@ from torch import nn
 from path_cases import LR, OPTION_SETS, SHAPES, gradients, groups, make_params
 from rootopt import ROOT
 from rootopt.coeffs.cache import CoefficientCache
-from rootopt.dist import DistributedROOT
+from rootopt.distributed import DistributedROOT
 from rootopt.optim.functional import RootOptions, _single_tensor_root
 
 ROOT_DIR = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The cost model of distributed ROOT (rootopt.dist.plan) and its CLI, in-process.
+"""The cost model of distributed ROOT (rootopt.distributed.plan) and its CLI, in-process.
 
 The measured side (gloo runs whose counted and written bytes must equal the model's) is
 in tests/test_dist_edge.py and benchmarks/bench_dist.py."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rootopt.dist import plan as P
-from rootopt.dist.counters import collective_bytes, collective_bytes_ranks
-from rootopt.dist.owners import ns_cost
+from rootopt.distributed import plan as P
+from rootopt.distributed.counters import collective_bytes, collective_bytes_ranks
+from rootopt.distributed.owners import ns_cost
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 

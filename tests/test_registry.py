@@ -107,7 +107,7 @@ def test_ddp_design_reaches_distributed_root_and_is_validated() -> None:
     """``distributed.ddp_design`` picks DistributedROOT's DDP-mode design (world size > 1;
     built here without a process group, where it is the plain step); a wrong value is one
     config line."""
-    from rootopt.dist import DistributedROOT
+    from rootopt.distributed import DistributedROOT
 
     for override, design in (([], "owner"), (["distributed.ddp_design=gather"], "gather")):
         opt, _ = build_optimizer(load_config(None, override), Mixed(), world_size=2)

@@ -59,7 +59,7 @@ def test_state_dict_saved_by_the_earlier_version_loads_and_continues(name: str) 
 
 
 def test_dcp_checkpoint_saved_by_the_earlier_version_loads_and_continues() -> None:
-    from rootopt.dist import checkpoint as dck
+    from rootopt.distributed import checkpoint as dck
 
     model = Mixed()
     opt = optimizers()["distributed"](model)

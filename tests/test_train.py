@@ -15,7 +15,7 @@ import torch
 
 from _train_fixtures import TINY, final_params, prepare_tiny
 from rootopt.config import load_config
-from rootopt.dist import CollectiveTimeoutError
+from rootopt.distributed import CollectiveTimeoutError
 from rootopt.monitor import read_jsonl
 from rootopt.train import Hooks, train
 from rootopt.train.main import main as train_main

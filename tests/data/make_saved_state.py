@@ -48,7 +48,7 @@ def grads(model: nn.Module, step: int) -> None:
 
 def optimizers() -> dict[str, Any]:
     import rootopt
-    from rootopt.dist import DistributedROOT
+    from rootopt.distributed import DistributedROOT
 
     def explicit(m: Mixed) -> Any:
         return rootopt.ROOT(
@@ -72,7 +72,7 @@ def optimizers() -> dict[str, Any]:
 
 def main(out: Path) -> None:
     import rootopt
-    from rootopt.dist import checkpoint as dck
+    from rootopt.distributed import checkpoint as dck
 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True

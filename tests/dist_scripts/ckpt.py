@@ -14,8 +14,8 @@ import torch.distributed as dist
 from common import HYPER, global_batch, groups, make_model, write
 from parity import full, full_state, reference
 
-from rootopt.dist import DistributedROOT, finish, init_distributed, unwrap_model, wrap_model
-from rootopt.dist import checkpoint as dck
+from rootopt.distributed import DistributedROOT, finish, init_distributed, unwrap_model, wrap_model
+from rootopt.distributed import checkpoint as dck
 
 
 def compare(model: torch.nn.Module, opt: DistributedROOT, step: int) -> dict[str, float]:

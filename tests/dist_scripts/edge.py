@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import rootopt
-from rootopt.dist import DistributedROOT, finish, init_distributed, wrap_model
-from rootopt.dist.counters import CollectiveCounter, bytes_written
+from rootopt.distributed import DistributedROOT, finish, init_distributed, wrap_model
+from rootopt.distributed.counters import CollectiveCounter, bytes_written
 
 STEPS = 3
 BATCH = 24  # divisible by 2, 3, 4 and 8: every rank's mean loss has the same weight

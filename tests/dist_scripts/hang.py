@@ -11,7 +11,7 @@ import time
 import torch
 from common import HYPER, global_batch, groups, make_model, write
 
-from rootopt.dist import CollectiveError, DistributedROOT, abort, init_distributed, world
+from rootopt.distributed import CollectiveError, DistributedROOT, abort, init_distributed, world
 
 
 def main() -> int:

@@ -19,8 +19,8 @@ from common import write
 from torch import nn
 
 import rootopt
-from rootopt.dist import DistributedROOT, finish, init_distributed
-from rootopt.dist.counters import CollectiveCounter, bytes_written
+from rootopt.distributed import DistributedROOT, finish, init_distributed
+from rootopt.distributed.counters import CollectiveCounter, bytes_written
 
 HYPER: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9)
 BATCH = 12  # divisible by 2, 3 and 4

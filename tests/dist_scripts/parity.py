@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import rootopt
 import rootopt.optim.functional as fn
-from rootopt.dist import DistributedROOT, finish, init_distributed, wrap_model
+from rootopt.distributed import DistributedROOT, finish, init_distributed, wrap_model
 
 STEPS = 4
 DEVICE = torch.device("cpu")

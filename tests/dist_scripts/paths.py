@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from path_cases import LR, OPTION_SETS, gradients, groups, make_params
-from rootopt.dist import DistributedROOT, finish, init_distributed
+from rootopt.distributed import DistributedROOT, finish, init_distributed
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Resolved coefficients per matrix shape, kept for the life of an optimizer.
 
-:class:`rootopt.ROOT` and :class:`rootopt.dist.DistributedROOT` resolve (and certify) the
+:class:`rootopt.ROOT` and :class:`rootopt.distributed.DistributedROOT` resolve (and certify) the
 schedule of every matrix shape when a parameter group is added, never in ``step()``; this is
 where the results live. A resolution is a pure function of its key, so every rank of a
 distributed job holds the same entries.

@@ -124,7 +124,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from rootopt.dist import plan as P
+    from rootopt.distributed import plan as P
 
     ap = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

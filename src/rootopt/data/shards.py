@@ -600,7 +600,7 @@ class ShardSamples(Dataset[tuple[np.ndarray, int]]):
     shard's samples in a seeded permutation (the order :class:`ShardStream` uses for one
     process), so consecutive positions come from the same shard. The training loop cuts
     consecutive positions into global batches and those across ranks
-    (:class:`rootopt.dist.sampler.GlobalBatchSampler`, docs/distributed.md "Data"): a
+    (:class:`rootopt.distributed.sampler.GlobalBatchSampler`, docs/distributed.md "Data"): a
     rank's part of a batch touches one or two shards. A shard is verified (``verify``) and
     decoded on first use; the last ``cache`` decoded shards stay in memory.
     """

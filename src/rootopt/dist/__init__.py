@@ -1,57 +1,31 @@
-"""Distributed ROOT: process groups, the sharded optimizer step, resharding checkpoints
-and a world-size-invariant sampler (docs/distributed.md).
+"""Deprecated alias of :mod:`rootopt.distributed`, kept for one release.
 
-Imports ``optim``/``ortho``/``coeffs`` only; never the training loop.
+The package was renamed because ``dist/`` is the conventional build-output folder
+(docs/distributed.md, "Package name"). ``import rootopt.dist`` and every
+``rootopt.dist.<module>`` import keep working and resolve to the very same module
+objects as ``rootopt.distributed``, so isinstance checks, pickles and checkpoints that
+name the old path still load. Importing it warns once with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
-from rootopt.dist.group import (
-    CollectiveError,
-    CollectiveTimeoutError,
-    PendingCollective,
-    RendezvousError,
-    WorldInfo,
-    abort,
-    collective,
-    describe_failure,
-    exit_now,
-    finish,
-    claim_failure,
-    init_distributed,
-    report_to_launcher,
-    resolve_backend,
-    shutdown,
-    start_collective,
-    world,
-)
-from rootopt.dist.model import unwrap_model, wrap_model
-from rootopt.dist.owners import assign_owners, chunk_rows, ns_cost
-from rootopt.dist.root import DistributedROOT, StepStats
+import importlib
+import sys
+import warnings
 
-__all__ = [
-    "CollectiveError",
-    "CollectiveTimeoutError",
-    "DistributedROOT",
-    "PendingCollective",
-    "RendezvousError",
-    "StepStats",
-    "WorldInfo",
-    "abort",
-    "assign_owners",
-    "chunk_rows",
-    "collective",
-    "describe_failure",
-    "exit_now",
-    "finish",
-    "claim_failure",
-    "init_distributed",
-    "ns_cost",
-    "report_to_launcher",
-    "resolve_backend",
-    "shutdown",
-    "start_collective",
-    "unwrap_model",
-    "world",
-    "wrap_model",
-]
+from rootopt.distributed import *  # noqa: F403  (the alias re-exports the whole package)
+from rootopt.distributed import __all__ as __all__
+
+# Every submodule of the renamed package, registered under its old name.
+_SUBMODULES = ("checkpoint", "counters", "group", "model", "owners", "plan", "root", "sampler")
+
+for _name in _SUBMODULES:
+    _module = importlib.import_module(f"rootopt.distributed.{_name}")
+    sys.modules[f"{__name__}.{_name}"] = _module
+    setattr(sys.modules[__name__], _name, _module)
+
+warnings.warn(
+    "rootopt.dist is renamed rootopt.distributed; the alias will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)

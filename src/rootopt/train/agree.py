@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import ConfigError
 from rootopt.data import CorpusError, ShardError, ShardWriteError
-from rootopt.dist import CollectiveError
+from rootopt.distributed import CollectiveError
 from rootopt.train.build import ProcessInfo, TrainingError
 
 T = TypeVar("T")
@@ -96,7 +96,7 @@ def gather(info: ProcessInfo, obj: Any, what: str) -> list[Any]:
 
     import torch.distributed as dist
 
-    from rootopt.dist import describe_failure
+    from rootopt.distributed import describe_failure
 
     out: list[Any] = [None] * info.world_size
     start = time.monotonic()
@@ -115,7 +115,7 @@ def broadcast(info: ProcessInfo, obj: Any, what: str) -> Any:
 
     import torch.distributed as dist
 
-    from rootopt.dist import describe_failure
+    from rootopt.distributed import describe_failure
 
     box = [obj]
     start = time.monotonic()

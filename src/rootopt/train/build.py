@@ -58,7 +58,7 @@ def process_info(cfg: Config) -> ProcessInfo:
     so. Without a launcher, ``distributed.world_size > 1`` with another ``init_method``
     (e.g. ``tcp://host:port``) starts the group with each process's ``distributed.rank``.
     """
-    from rootopt.dist import init_distributed
+    from rootopt.distributed import init_distributed
 
     d = cfg.distributed
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -113,7 +113,7 @@ def process_info(cfg: Config) -> ProcessInfo:
 def barrier(info: ProcessInfo, name: str) -> None:
     """Wait for every rank (no-op in one process), under the collective timeout."""
     if info.world_size > 1:
-        from rootopt.dist import collective
+        from rootopt.distributed import collective
 
         collective(name, torch.distributed.barrier)
 
@@ -135,7 +135,7 @@ def parallelize(cfg: Config, model: nn.Module, info: ProcessInfo) -> nn.Module:
     (FSDP2 ``fully_shard`` per transformer block, then the whole model). World 1: unchanged."""
     if info.world_size == 1:
         return model
-    from rootopt.dist import wrap_model
+    from rootopt.distributed import wrap_model
     from rootopt.train.model import Block
 
     mode = cfg.distributed.parallel
@@ -150,7 +150,7 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, str]:
     """The configured optimizer and a printable routing table ('' when not ROOT/Muon).
 
-    At world size > 1, ROOT (and Muon mode) is :class:`rootopt.dist.DistributedROOT`: each
+    At world size > 1, ROOT (and Muon mode) is :class:`rootopt.distributed.DistributedROOT`: each
     matrix is thresholded and orthogonalized by one owner rank (docs/distributed.md);
     ``model`` is the wrapped model (DDP already averages the gradients).
     """
@@ -183,7 +183,7 @@ def _distributed_root(
     cfg: Config, model: nn.Module, name: str, extra: dict[str, Any]
 ) -> tuple[torch.optim.Optimizer, str]:
     """DistributedROOT on the same routing as :func:`rootopt.optim.make_optimizer`."""
-    from rootopt.dist import DistributedROOT, unwrap_model
+    from rootopt.distributed import DistributedROOT, unwrap_model
     from rootopt.optim import param_groups
 
     o = cfg.optimization

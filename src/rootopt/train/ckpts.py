@@ -1,7 +1,7 @@
 """A run's checkpoints in both formats, in the order they were written.
 
 ``ckpt-<step>.pt`` (one process, :mod:`rootopt.checkpoint`) and ``dcp-<step>/`` (world
-size > 1, :mod:`rootopt.dist.checkpoint`) share one write serial, so a run that changed its
+size > 1, :mod:`rootopt.distributed.checkpoint`) share one write serial, so a run that changed its
 world size is listed, resumed and pruned as one sequence. Each checkpoint records the run
 that wrote it and whether it is *suspect* (written inside a divergence episode,
 docs/training.md "Divergence").
@@ -19,7 +19,7 @@ import torch
 
 from rootopt import checkpoint
 from rootopt.checkpoint import CheckpointError, CheckpointUnreadable
-from rootopt.dist import checkpoint as dcp
+from rootopt.distributed import checkpoint as dcp
 
 
 @dataclass(frozen=True)

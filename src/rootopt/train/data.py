@@ -18,7 +18,7 @@ from rootopt.data import (
     validate_data,
     write_plan,
 )
-from rootopt.dist.sampler import GlobalBatchSampler
+from rootopt.distributed.sampler import GlobalBatchSampler
 from rootopt.train.build import ProcessInfo
 from rootopt.train.state import Run
 

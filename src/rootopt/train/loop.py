@@ -29,7 +29,7 @@ import rootopt
 from rootopt import checkpoint
 from rootopt.config import Config, ConfigError, dump_yaml
 from rootopt.data import CorpusError, ShardError, load_manifest
-from rootopt.dist import CollectiveError, CollectiveTimeoutError
+from rootopt.distributed import CollectiveError, CollectiveTimeoutError
 from rootopt.monitor import Monitor, plot_loss, read_jsonl
 from rootopt.train import plan as planning
 from rootopt.train.agree import JobError, agreed, broadcast, gather
@@ -654,7 +654,7 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
         return "io_error", f"I/O error: {exc.strerror or exc}{where}"
-    # rootopt.dist's errors name rank, operation and timeout; the kind is the exception's
+    # rootopt.distributed's errors name rank, operation and timeout; the kind is the exception's
     # type (decided from the elapsed time there), never its text
     if isinstance(exc, CollectiveTimeoutError):
         return "timeout", _first(text)

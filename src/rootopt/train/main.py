@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _world() -> Any:
-    """:class:`rootopt.dist.WorldInfo` of the running process group (rank 0 of 1 without)."""
-    from rootopt.dist import world
+    """:class:`rootopt.distributed.WorldInfo` of the running process group (rank 0 of 1 without)."""
+    from rootopt.distributed import world
 
     return world()
 
@@ -175,7 +175,7 @@ def _main(argv: list[str] | None) -> int:
     if info.is_main:  # rank 0 reports for the run
         _report(summary)
     if info.backend is not None:  # a process group is running (any world size)
-        from rootopt.dist import finish
+        from rootopt.distributed import finish
 
         finish(_status(summary))  # every file of the run is closed; see dist.finish
     return _status(summary)
@@ -191,7 +191,7 @@ def _speaks_for(exc: BaseException, line: str) -> bool:
         return exc.speak
     if _world().world_size == 1:
         return _speaks_alone()
-    from rootopt.dist import claim_failure
+    from rootopt.distributed import claim_failure
 
     return claim_failure(f"rank {_world().rank}: {line}")
 
@@ -203,7 +203,7 @@ def _fail(code: int, lines: list[str], *, speak: bool, for_the_job: bool = True)
         for line in lines:
             _err(line, for_the_job=for_the_job)
     if lines:
-        from rootopt.dist import report_to_launcher
+        from rootopt.distributed import report_to_launcher
 
         report_to_launcher(f"rootopt train: {lines[0]}", code)
     return _leave(code)
@@ -212,9 +212,9 @@ def _fail(code: int, lines: list[str], *, speak: bool, for_the_job: bool = True)
 def _leave(code: int) -> int:
     """Exit status after a failure. With peers (world size > 1) the process group may
     have a collective in flight that cannot be shut down cleanly, so the process leaves at
-    once (``rootopt.dist.abort``'s rule); the launcher then stops or restarts the others."""
+    once (``rootopt.distributed.abort``'s rule); the launcher then stops or restarts the others."""
     if _world().world_size > 1:
-        from rootopt.dist import exit_now
+        from rootopt.distributed import exit_now
 
         exit_now(code)
     return code

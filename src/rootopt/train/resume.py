@@ -37,7 +37,7 @@ def params_finite(run: Run) -> bool:
     flags = [torch.isfinite(t).all() for t in local if t.numel()]
     ok = torch.stack(flags).all() if flags else torch.tensor(True)
     if run.world_size > 1:
-        from rootopt.dist import collective
+        from rootopt.distributed import collective
 
         bad = (~ok).to(torch.int32).reshape(1).to(run.device)
         collective("all_reduce parameters finite", torch.distributed.all_reduce, bad)
@@ -77,7 +77,7 @@ def save_checkpoint(run: Run, reason: str) -> Path:
 
     One process: ``ckpt-<step>.pt`` (:mod:`rootopt.checkpoint`). World size > 1 (a
     collective, every rank calls it): ``dcp-<step>/`` with torch.distributed.checkpoint
-    (:mod:`rootopt.dist.checkpoint`), which loads at any world size. Then rank 0 prunes
+    (:mod:`rootopt.distributed.checkpoint`), which loads at any world size. Then rank 0 prunes
     this run's checkpoints of both formats down to ``checkpoint.keep_last``.
     """
     name = f"ckpt-{run.state.step:08d}.pt"
@@ -124,7 +124,7 @@ def save_checkpoint(run: Run, reason: str) -> Path:
 def _save_dcp(run: Run, reason: str, suspect: bool) -> Path:
     """Collective DCP save, published atomically by rank 0 (a hidden temporary directory
     renamed into place after every rank wrote its part)."""
-    from rootopt.dist import checkpoint as dcp
+    from rootopt.distributed import checkpoint as dcp
 
     extra = {**_extra(run, reason), "run_id": run.run_id}
     meta = {"run_id": run.run_id, "suspect": suspect}
@@ -193,7 +193,7 @@ def resume(
     kind, name = choice
     path = Path(name)
     if kind == "dcp":
-        from rootopt.dist import checkpoint as dcp
+        from rootopt.distributed import checkpoint as dcp
 
         try:
             _, state = dcp.load(path, run.model, run.optimizer)
@@ -223,7 +223,7 @@ def resume(
 
 def _load_single(run: Run, path: Path, state: dict[str, Any]) -> None:
     """Model and optimizer from a one-process checkpoint, at any world size with DDP."""
-    from rootopt.dist import unwrap_model
+    from rootopt.distributed import unwrap_model
 
     if run.world_size > 1 and run.cfg.distributed.parallel == "fsdp":
         raise checkpoint.CheckpointError(

@@ -202,7 +202,7 @@ class Locks:
 def stale_files(run_dir: Path, ckpt_dir: Path, data_dir: Path | None) -> list[Path]:
     """Temporary files and directories that interrupted writes of this run left behind
     (removed at start, under the run's lock, by :func:`remove_stale`)."""
-    from rootopt.dist import checkpoint as dcp
+    from rootopt.distributed import checkpoint as dcp
 
     found: list[Path] = []
     if run_dir.is_dir():

@@ -19,7 +19,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from rootopt.dist import unwrap_model
+from rootopt.distributed import unwrap_model
 from rootopt.train.data import val_stream
 from rootopt.train.model import loss_fn
 from rootopt.train.schedule import global_grad_norm
@@ -129,11 +129,11 @@ _OPS = {
 def _collectives(run: Run, phase: str) -> Iterator[None]:
     """At world size > 1 the model's forward/backward run collectives (DDP, FSDP2); a
     failure there becomes one line naming rank and operation, a timeout told apart by the
-    elapsed time (:func:`rootopt.dist.describe_failure`), never by the error's text."""
+    elapsed time (:func:`rootopt.distributed.describe_failure`), never by the error's text."""
     if run.world_size == 1:
         yield
         return
-    from rootopt.dist import describe_failure
+    from rootopt.distributed import describe_failure
 
     start = time.monotonic()
     try:
@@ -160,7 +160,7 @@ def _reduce_loss(run: Run, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Mean of the ranks' (weighted) losses = the global-batch loss, and the stop votes,
     in one small all-reduce. Every rank then takes the same skip, divergence, checkpoint
     and stop decisions (docs/distributed.md, "Training under torchrun")."""
-    from rootopt.dist import collective
+    from rootopt.distributed import collective
 
     t = torch.stack(
         [
@@ -185,7 +185,7 @@ def grad_stats(params: list[torch.Tensor]) -> dict[str, float]:
     )
     both = torch.stack([maxes.max(), -mins.min()])
     if any(_is_dtensor(p) for p in params):  # FSDP2: each rank holds a shard of each gradient
-        from rootopt.dist import collective
+        from rootopt.distributed import collective
 
         collective(
             "all_reduce grad stats",

@@ -11,7 +11,7 @@ Two layouts, chosen per parameter:
     bucket with one ``all_gather_single`` per bucket. Every rank then applies every
     update.
   - ``owner`` (the default): the parameters are laid out once, at construction, in flat
-    buckets ordered by owner (:func:`rootopt.dist.plan.owner_layout`: ROOT matrices
+    buckets ordered by owner (:func:`rootopt.distributed.plan.owner_layout`: ROOT matrices
     balanced by Newton–Schulz cost, AdamW parameters, split into pieces where needed, by
     size). Per bucket one reduce-scatter gives each owner the summed gradients of its own
     parameters (with ``average_grads``; under DDP, whose gradients are already averaged,
@@ -30,7 +30,7 @@ Two layouts, chosen per parameter:
   matrix, thresholds and orthogonalizes it, and a second ``all_to_all_single`` returns
   the update as shards.
 
-Owners balance Newton–Schulz cost, not matrix count (:mod:`rootopt.dist.owners`). State is
+Owners balance Newton–Schulz cost, not matrix count (:mod:`rootopt.distributed.owners`). State is
 created eagerly for every parameter, is identical (replicated) or identically placed
 (sharded) on every rank and never depends on ownership (``owner``: its state dict does
 not), so checkpoints load at any world size. At world size 1 with plain tensors
@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rootopt.dist.group import PendingCollective, collective, start_collective, world
-from rootopt.dist.owners import assign_owners, chunk_rows, ns_cost
-from rootopt.dist.plan import Bucket, LayoutItem, OwnerLayout, owner_layout
+from rootopt.distributed.group import PendingCollective, collective, start_collective, world
+from rootopt.distributed.owners import assign_owners, chunk_rows, ns_cost
+from rootopt.distributed.plan import Bucket, LayoutItem, OwnerLayout, owner_layout
 from rootopt.optim._coefficients import coefficients_for, group_matrices
 from rootopt.optim._options import root_options
 from rootopt.optim.adamw import adamw_
@@ -964,9 +964,7 @@ class DistributedROOT(ROOT):
         for j, o in enumerate(b.owners):
             if o == rank:
                 for key in keys[j]:
-                    send[off : off + items[j].numel].copy_(
-                        self.state[params[j]][key].reshape(-1)
-                    )
+                    send[off : off + items[j].numel].copy_(self.state[params[j]][key].reshape(-1))
                     off += items[j].numel
         full = self._gather_flat(send, segments, rank, world_size, "all_gather owners' state")
         off = 0

@@ -7,7 +7,7 @@ from typing import Literal
 
 from torch import nn
 
-from rootopt.dist.group import world
+from rootopt.distributed.group import world
 
 Parallel = Literal["none", "ddp", "fsdp"]
 

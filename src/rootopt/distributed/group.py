@@ -285,9 +285,8 @@ def report_to_launcher(line: str, code: int) -> None:
             "extraInfo": {"timestamp": str(int(time.time()))},
         }
     }
-    with contextlib.suppress(OSError):
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
 
 
 def world(group: dist.ProcessGroup | None = None) -> WorldInfo:

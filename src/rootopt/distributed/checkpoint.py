@@ -7,7 +7,7 @@ dict: scheduler, scaler, data position, RNG; plain data, loadable with
 written into a hidden temporary directory next to it and renamed into place only after
 every rank has finished, so a reader sees a complete checkpoint or none. Because the
 optimizer state is per parameter, created eagerly and never depends on ownership
-(:class:`rootopt.dist.DistributedROOT`), a checkpoint saved at world size N loads at any
+(:class:`rootopt.distributed.DistributedROOT`), a checkpoint saved at world size N loads at any
 world size M. The directory must be visible to every rank (a shared filesystem when
 ranks are on several machines).
 """
@@ -29,8 +29,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from rootopt._atomic import atomic_write, fsync_dir
-from rootopt.dist.group import world
-from rootopt.dist.model import unwrap_model
+from rootopt.distributed.group import world
+from rootopt.distributed.model import unwrap_model
 
 FORMAT = "rootopt-dcp"
 FORMAT_VERSION = 1
@@ -66,7 +66,6 @@ def stale_partials(directory: str | Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if _PARTIAL.match(p.name) and p.is_dir())
-
 
 
 def _active() -> bool:
@@ -179,7 +178,9 @@ def inspect(path: str | Path) -> CheckpointInfo:
         )
         return CheckpointInfo(path, step, False, reason, corrupt=False, meta=meta)
     if meta.get("step") != step:
-        return CheckpointInfo(path, step, False, f"{MARKER} says step {meta.get('step')}", meta=meta)
+        return CheckpointInfo(
+            path, step, False, f"{MARKER} says step {meta.get('step')}", meta=meta
+        )
     if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
         return CheckpointInfo(path, step, False, "DCP metadata or extra.pt missing", meta=meta)
     return CheckpointInfo(path, step, True, meta=meta)

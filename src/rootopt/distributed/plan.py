@@ -12,13 +12,13 @@ Designs (``DESIGNS``):
 
 * ``replicated`` — DDP AdamW's gradient all-reduce, then every rank thresholds and
   orthogonalizes every matrix (no optimizer communication; all the work on every rank).
-* ``gather`` — the first DDP design of :class:`rootopt.dist.DistributedROOT`: gradients
+* ``gather`` — the first DDP design of :class:`rootopt.distributed.DistributedROOT`: gradients
   all-reduced (by DDP, or by the optimizer with ``average_grads``), one owner per matrix,
   then one all-gather of the float32 updates per round of ``bucket_bytes``.
 * ``owner`` — reduce-scatter of the gradients in owner-aligned buckets (each owner receives
   the summed gradients of its own matrices), owner threshold + Newton–Schulz, all-gather of
   the new parameters: DDP AdamW's bytes (ZeRO-1/2 style; Moonlight, arXiv 2502.16982 §2.3).
-  :class:`rootopt.dist.DistributedROOT`'s default DDP-mode design.
+  :class:`rootopt.distributed.DistributedROOT`'s default DDP-mode design.
 * ``fsdp`` — FSDP2-sharded parameters: FSDP2's own reduce-scatter / all-gathers, and two
   all-to-alls per round that move each matrix's shards to its owner and the update back.
 * ``gram`` — the ``fsdp`` design where a matrix larger than a rank's share (P/W elements)
@@ -27,9 +27,9 @@ Designs (``DESIGNS``):
   iteration, and find the exact quantile with a 4-pass radix histogram. Not implemented:
   a model of what it would cost when the largest matrices set the critical path.
 
-Byte formulas are those of :func:`rootopt.dist.counters.collective_bytes` (ring algorithms
+Byte formulas are those of :func:`rootopt.distributed.counters.collective_bytes` (ring algorithms
 on NCCL; gloo's own algorithms on gloo), so a measured run with a
-:class:`~rootopt.dist.counters.CollectiveCounter` checks the model exactly. The owner
+:class:`~rootopt.distributed.counters.CollectiveCounter` checks the model exactly. The owner
 layout of the ``owner`` design is built by :func:`owner_layout`, the same function the
 optimizer uses. Everything here is pure Python on shapes: no tensors are allocated.
 """
@@ -46,8 +46,8 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from rootopt.dist.counters import collective_bytes_ranks
-from rootopt.dist.owners import assign_owners, ns_cost
+from rootopt.distributed.counters import collective_bytes_ranks
+from rootopt.distributed.owners import assign_owners, ns_cost
 from rootopt.optim.functional import matrix_view
 
 Design = Literal["replicated", "gather", "owner", "fsdp", "gram"]
@@ -376,7 +376,7 @@ class Estimate:
     Bytes come in two kinds: ``sync_*`` is gradient (and, for ``owner``, parameter)
     synchronisation that replaces what DDP/FSDP2 AdamW moves; ``opt_*`` is moved by the
     optimizer step on top of it. ``step_*`` is what the step issues itself from Python
-    (what :class:`~rootopt.dist.counters.CollectiveCounter` counts: ``opt_*`` plus the
+    (what :class:`~rootopt.distributed.counters.CollectiveCounter` counts: ``opt_*`` plus the
     ``owner`` reduce-scatter/all-gather). ``exposed`` is what is not hidden behind
     backward (inter-node link) and ``node`` what runs on the intra-node link.
     """
