@@ -166,6 +166,9 @@ def main() -> int:
     ap.add_argument("--json", default="", help="also write the results as JSON here")
     ap.add_argument("--no-malloc-tuning", action="store_true")
     args = ap.parse_args()
+    if args.json and os.path.lexists(args.json):
+        # checked before minutes of timing, not after: the file is never overwritten
+        ap.error(f"--json {args.json}: the file exists; name a new one")
     if not args.no_malloc_tuning and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     if args.threads:
