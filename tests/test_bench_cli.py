@@ -1,4 +1,4 @@
-"""The step bench refuses an existing ``--json`` file before it times anything."""
+"""The benchmark scripts refuse an existing ``--json`` file before they measure anything, and\nthe paired spectral check pairs its runs correctly."""
 
 from __future__ import annotations
 
@@ -12,17 +12,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_step_refuses_an_existing_json_before_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "script", ["bench_step", "bench_gram", "bench_memory", "bench_quantile", "paired_spectral"]
+)
+def test_a_bench_refuses_an_existing_json_before_running(tmp_path: Path, script: str) -> None:
     out = tmp_path / "bench.json"
     out.write_text("the user's earlier results\n")
+    extra = ["--out", str(tmp_path / "runs")] if script == "paired_spectral" else []
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--json", str(out), *extra],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "the file exists" in proc.stderr and "Traceback" not in proc.stderr
-    assert proc.stdout == ""  # nothing was timed
+    assert proc.stdout == ""  # nothing was measured
     assert out.read_text() == "the user's earlier results\n"
+    assert not (tmp_path / "runs").exists()
 
 
 def _load(name: str) -> object:
