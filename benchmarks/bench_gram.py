@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from importlib import resources
 from typing import Any
 
@@ -90,6 +91,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.json and os.path.lexists(args.json):
+        # checked before the measurements, not after: the file is never overwritten
+        ap.error(f"--json {args.json}: the file exists; name a new one")
     recorded = _recorded()
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
@@ -126,7 +130,7 @@ def main() -> int:
                         flush=True,
                     )
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "x") as f:
             json.dump(rows, f, indent=2)
     return 0
 

@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.json and os.path.lexists(args.json):
+        # checked before the measurements, not after: the file is never overwritten
+        ap.error(f"--json {args.json}: the file exists; name a new one")
     rows, cols = (int(v) for v in args.shape.split("x"))
     if args.child:
         child(args.count, rows, cols, args.steps, json.loads(args.child))
@@ -69,7 +72,7 @@ def main() -> int:
             flush=True,
         )
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "x") as f:
             json.dump({"count": args.count, "shape": args.shape, "results": results}, f, indent=2)
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -84,6 +85,9 @@ def main() -> int:
     ap.add_argument("--methods", default="rootopt,kthvalue,sort,topk,bisect")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if a.json and os.path.lexists(a.json):
+        # checked before the measurements, not after: the file is never overwritten
+        ap.error(f"--json {a.json}: the file exists; name a new one")
     known = ("rootopt", "kthvalue", "sort", "topk", "bisect")
     unknown = [m for m in a.methods.split(",") if m not in known]
     if unknown:
@@ -126,7 +130,7 @@ def main() -> int:
         )
         print(f"{B}x{m}x{n}: {cells}")
     if a.json:
-        with open(a.json, "w") as fh:
+        with open(a.json, "x") as fh:
             json.dump({"device": str(device), "rows": rows}, fh, indent=1)
     return 0
 

@@ -9,10 +9,12 @@ Prints, in one run:
      gradients of a GPT-2-style decoder (``--d-model``, ``--layers``; fused QKV, 4x MLP,
      tied embedding): ROOT default (fp32 iteration), ROOT's own Muon mode (threshold off,
      Muon's tuple) in fp32, ROOT with a bf16 iteration, ROOT's Muon mode in bf16 and
-     torch.optim.Muon (bf16 iteration) + fused AdamW for the rest. Every contender owns a
+     ROOT with the plain bf16 iteration everywhere (torch.optim.Muon's algorithm plus the
+     threshold), torch.optim.Muon (bf16 iteration) + fused AdamW for the rest. Every contender owns a
      copy; rounds interleave them (order rotated) and each ratio is the median over rounds
      of the ratio within a round;
-  3. per matrix shape: Newton–Schulz GFLOP/s (plain and Gram, fp32 and bf16) against the
+  3. per matrix shape: Newton–Schulz GFLOP/s (plain and Gram, fp32 and bf16, and the
+     spectral evaluation the bf16 iteration uses on wide shapes) against the
      measured matmul peak at that shape (``X Xᵀ``, the iteration's dominant product), and
      what the exact threshold costs;
   4. the targets: ROOT <= 1.05x its own Muon mode (fp32); bf16 ROOT <= 1.0x
@@ -42,7 +44,7 @@ from torch import nn
 
 import rootopt
 from rootopt.coeffs import resolve
-from rootopt.ortho import gram_newton_schulz, newton_schulz
+from rootopt.ortho import gram_newton_schulz, newton_schulz, spectral_newton_schulz
 from rootopt.tools.opcount import optimizer_counts, standard_makers
 
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
@@ -80,9 +82,12 @@ def best_of(fn: Callable[[], Any], reps: int) -> float:
     return min(ts)
 
 
-def ns_flops(m: int, n: int, gram: bool) -> float:
-    """Flops of K quintic steps on an m x n matrix (m <= n), as the code runs them."""
-    if gram:
+def ns_flops(m: int, n: int, form: str) -> float:
+    """Flops of K quintic steps on an m x n matrix (m <= n), as the code runs them
+    (``spectral``: its three matrix products; the eigensolver is not counted)."""
+    if form == "spectral":
+        return 4 * m * m * n + 2 * m**3
+    if form == "gram":
         # A0 and Q X0 (2 m² n each), then per step A² and Z A Z and Z Q (the first step
         # has no Z Q, the last no Z A Z): (4 K - 3) m x m products of 2 m³.
         return 4 * m * m * n + (4 * NS_STEPS - 3) * 2 * m**3
@@ -109,6 +114,8 @@ def contenders(matrices_of: Callable[[nn.Module], list[nn.Parameter]]) -> dict[s
         "root": root(),
         "root_muon_mode_fp32": root(**MUON_MODE),
         "root_bf16": root(ns_dtype="bfloat16"),
+        # the plain bfloat16 iteration everywhere: torch.optim.Muon's algorithm, plus the threshold
+        "root_bf16_plain": root(ns_dtype="bfloat16", ns_gram="off"),
         "root_muon_mode_bf16": root(ns_dtype="bfloat16", **MUON_MODE),
         "torch_muon": torch_muon,
     }
@@ -129,14 +136,15 @@ def per_shape(shapes: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
             "bf16": 2 * m * m * n / best_of(lambda W=W16: W @ W.mT, reps) / 1e9,
         }
         row["matmul_gflops"] = peaks
-        for label, fn, dt, gram in [
-            ("ns_fp32", newton_schulz, torch.float32, False),
-            ("gram_fp32", gram_newton_schulz, torch.float32, True),
-            ("ns_bf16", newton_schulz, torch.bfloat16, False),
-            ("gram_bf16", gram_newton_schulz, torch.bfloat16, True),
+        for label, fn, dt, form in [
+            ("ns_fp32", newton_schulz, torch.float32, "plain"),
+            ("gram_fp32", gram_newton_schulz, torch.float32, "gram"),
+            ("ns_bf16", newton_schulz, torch.bfloat16, "plain"),
+            ("gram_bf16", gram_newton_schulz, torch.bfloat16, "gram"),
+            ("spectral_bf16", spectral_newton_schulz, torch.bfloat16, "spectral"),
         ]:
             t = best_of(lambda fn=fn, dt=dt, M=M, s=sched: fn(M, s, dtype=dt), reps)
-            gf = ns_flops(m, n, gram) / t / 1e9
+            gf = ns_flops(m, n, form) / t / 1e9
             row[label] = {"ms": t * 1e3, "gflops": gf, "of_peak": gf / peaks[label[-4:]]}
         rows.append(row)
     return rows
@@ -158,6 +166,9 @@ def main() -> int:
     ap.add_argument("--json", default="", help="also write the results as JSON here")
     ap.add_argument("--no-malloc-tuning", action="store_true")
     args = ap.parse_args()
+    if args.json and os.path.lexists(args.json):
+        # checked before minutes of timing, not after: the file is never overwritten
+        ap.error(f"--json {args.json}: the file exists; name a new one")
     if not args.no_malloc_tuning and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     if args.threads:
@@ -231,6 +242,7 @@ def main() -> int:
         "root_bf16 / root_muon_mode_bf16": ratio("root_bf16", "root_muon_mode_bf16"),
         "root_bf16 / torch_muon": ratio("root_bf16", "torch_muon"),
         "root_muon_mode_bf16 / torch_muon": ratio("root_muon_mode_bf16", "torch_muon"),
+        "root_bf16_plain / torch_muon": ratio("root_bf16_plain", "torch_muon"),
         "root (fp32) / torch_muon (bf16)": ratio("root", "torch_muon"),
     }
     results["ratios_wall"] = {
@@ -281,7 +293,7 @@ def main() -> int:
         for r in results["per_shape"]:
             cells = "  ".join(
                 f"{x} {r[x]['ms']:6.1f} ms {r[x]['gflops']:5.0f} ({r[x]['of_peak'] * 100:3.0f}%)"
-                for x in ("ns_fp32", "gram_fp32", "ns_bf16", "gram_bf16")
+                for x in ("ns_fp32", "gram_fp32", "ns_bf16", "gram_bf16", "spectral_bf16")
             )
             peak = r["matmul_gflops"]
             print(

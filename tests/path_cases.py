@@ -14,7 +14,8 @@ LR = 0.02
 SPLIT = (8, 4, 4)
 
 # name -> shape: tall, wide, square, odd, a conv kernel (flattened), a 3-D stack sharing a
-# shape with two matrices, a shape the Gram iteration takes, two fused QKV weights (one
+# shape with two matrices, a shape the Gram iteration takes, one the bfloat16 iteration
+# evaluates spectrally on the CPU (rootopt.ortho.prefer_spectral), two fused QKV weights (one
 # stored (out, in), one (in, out) like transformers' Conv1D), a bias and a gain (AdamW).
 SHAPES: dict[str, tuple[int, ...]] = {
     "tall": (40, 24),
@@ -25,6 +26,7 @@ SHAPES: dict[str, tuple[int, ...]] = {
     "stack": (3, 24, 40),
     "wide2": (24, 40),
     "gram": (64, 160),
+    "spectral": (128, 384),
     "qkv": (16, 12),
     "qkv_t": (12, 16),
     "bias": (24,),

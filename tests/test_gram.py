@@ -12,9 +12,16 @@ import torch
 
 from rootopt import orthogonalize
 from rootopt.coeffs import resolve
-from rootopt.ortho import gram_newton_schulz, newton_schulz, prefer_gram
+from rootopt.ortho import (
+    direction,
+    gram_newton_schulz,
+    newton_schulz,
+    prefer_gram,
+    prefer_spectral,
+    spectral_newton_schulz,
+)
 
-ITERATIONS = [newton_schulz, gram_newton_schulz]
+ITERATIONS = [newton_schulz, gram_newton_schulz, spectral_newton_schulz]
 
 
 def _orth(n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -59,8 +66,27 @@ def test_gram_equals_plain_in_float64(shape: tuple[int, ...], spec: str) -> None
     sched = resolve(spec, shape[-2], shape[-1], 5)
     a = newton_schulz(G, sched, dtype=torch.float64)
     b = gram_newton_schulz(G, sched, dtype=torch.float64)
-    assert a.shape == b.shape == G.shape
+    c = spectral_newton_schulz(G, sched, dtype=torch.float64)
+    assert a.shape == b.shape == c.shape == G.shape
     torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["gaussian", "heavytail", "lowrank", "momentum"])
+def test_spectral_per_matrix_coefficients_equal_plain_in_float64(family: str) -> None:
+    """A stack with a ``(K, batch, 3)`` coefficient tensor (one schedule per matrix)."""
+    G = torch.stack([_family(family, 24, 72, seed) for seed in range(3)])
+    C = torch.stack(
+        [torch.tensor(resolve(s, 24, 72, 5), dtype=torch.float64) for s in
+         ("muon", "polar_express", "muon")],
+        dim=1,
+    )  # fmt: skip
+    a = newton_schulz(G, C, dtype=torch.float64)
+    c = spectral_newton_schulz(G, C, dtype=torch.float64)
+    torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+    # a shared (K, 3) tensor on one matrix too
+    a1 = newton_schulz(G[0], C[:, 0], dtype=torch.float64)
+    torch.testing.assert_close(spectral_newton_schulz(G[0], C[:, 0], dtype=torch.float64), a1)
 
 
 @pytest.mark.parametrize("family", ["gaussian", "heavytail", "lowrank", "momentum"])
@@ -79,6 +105,46 @@ def test_gram_accuracy_matches_plain_on_every_family(family: str, dtype: torch.d
         assert e_plain < 0.3
         worst = max(worst, e_gram / e_plain)
     assert worst < (1.001 if dtype == torch.float32 else 1.1), worst
+
+
+@pytest.mark.parametrize("family", ["gaussian", "heavytail", "lowrank", "momentum"])
+def test_spectral_bfloat16_is_as_accurate_as_the_plain_bfloat16_iteration(family: str) -> None:
+    """Where ``auto`` uses it (bfloat16 iteration): its distance to the float64 iteration
+    is within 1.5x the plain bfloat16 iteration's, and its polar error within 2 %."""
+    m, n = 128, 384
+    sched = resolve("muon", m, n, 5)
+    for seed in range(3):
+        M = _family(family, m, n, seed)
+        exact = newton_schulz(M, sched, dtype=torch.float64)
+        plain = newton_schulz(M.float(), sched, dtype=torch.bfloat16)
+        spec = spectral_newton_schulz(M.float(), sched, dtype=torch.bfloat16)
+        assert spec.dtype == torch.bfloat16 and spec.shape == M.shape
+        d_spec, d_plain = (float((X.double() - exact).norm() / exact.norm()) for X in (spec, plain))
+        assert d_spec < 1.5 * d_plain, (d_spec, d_plain)
+        assert _polar_err(spec, M) < 1.02 * _polar_err(plain, M)
+
+
+def test_spectral_float32_error_is_why_it_is_not_the_float32_default() -> None:
+    """On a low-rank spectrum the float32 eigendecomposition loses digits that the plain
+    float32 iteration keeps (the reason prefer_spectral leaves float32 alone)."""
+    M = _family("lowrank", 256, 768, 0)
+    sched = resolve("muon", 256, 768, 5)
+    exact = newton_schulz(M, sched, dtype=torch.float64)
+    plain = newton_schulz(M.float(), sched, dtype=torch.float32)
+    spec = spectral_newton_schulz(M.float(), sched, dtype=torch.float32)
+    e_plain = float((plain.double() - exact).norm() / exact.norm())
+    e_spec = float((spec.double() - exact).norm() / exact.norm())
+    assert e_plain < 1e-5 and e_spec > 10 * e_plain
+
+
+def test_spectral_falls_back_to_the_plain_iteration_when_the_eigensolver_fails() -> None:
+    G = torch.randn(16, 48)
+    G[3, 5] = float("nan")
+    sched = resolve("muon", 16, 48, 5)
+    out = spectral_newton_schulz(G, sched, dtype=torch.bfloat16)
+    ref = newton_schulz(G, sched, dtype=torch.bfloat16)
+    assert out.shape == G.shape
+    assert torch.equal(out.isnan(), ref.isnan()) and bool(out.isnan().any())
 
 
 def test_bfloat16_gram_recursion_would_diverge_without_float32() -> None:
@@ -107,6 +173,29 @@ def test_prefer_gram_policy() -> None:
     assert not prefer_gram(768, 1400, torch.float32)  # below aspect 2
     assert not prefer_gram(16, 4096, torch.float32)  # too small to pay
     assert not prefer_gram(768, 3072, torch.bfloat16)  # measured: no speed gain in bf16
+
+
+def test_prefer_spectral_policy() -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert prefer_spectral(768, 3072, bf16, cpu) and prefer_spectral(2304, 768, bf16, cpu)
+    assert prefer_spectral(128, 384, bf16, cpu)  # aspect 3 from m = 128
+    assert not prefer_spectral(256, 512, bf16, cpu)  # aspect 2 pays only from m = 512
+    assert prefer_spectral(512, 1024, bf16, cpu)
+    assert not prefer_spectral(768, 768, bf16, cpu)  # square: the eigensolver costs more
+    assert not prefer_spectral(64, 4096, bf16, cpu)  # too small to pay
+    assert not prefer_spectral(768, 3072, f32, cpu)  # float32: accuracy (test above)
+    assert not prefer_spectral(768, 3072, bf16, meta)  # accelerators: the iteration
+
+
+def test_direction_auto_takes_the_spectral_form_for_bfloat16_on_the_cpu() -> None:
+    G = torch.randn(2, 128, 384)
+    sched = resolve("muon", 128, 384, 5)
+    auto = direction(G, sched, dtype=torch.bfloat16)
+    assert torch.equal(auto, spectral_newton_schulz(G, sched, dtype=torch.bfloat16))
+    assert not torch.equal(auto, newton_schulz(G, sched, dtype=torch.bfloat16))
+    assert torch.equal(direction(G, sched, dtype=torch.bfloat16, gram=False),
+                       newton_schulz(G, sched, dtype=torch.bfloat16))  # fmt: skip
 
 
 @pytest.mark.parametrize("ns", ITERATIONS)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from rootopt.coeffs import validate_spec
 from rootopt.optim.functional import RootOptions
-from rootopt.ortho import METHODS
+from rootopt.ortho import METHODS, GramMode
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -32,7 +32,9 @@ AUTO_NS_DTYPE: dict[str, str] = {"cpu": "float32", "cuda": "bfloat16"}
 # 1/32 of the device's memory, whichever is less.
 CPU_BUCKET_BYTES = 32 << 20
 ACCELERATOR_BUCKET_BYTES = 1 << 30
-GRAM_MODES = ("auto", "on", "off")
+GRAM_MODES = ("auto", "on", "off", "spectral")
+# ns_gram as rootopt.ortho.direction takes it.
+_GRAM_ARG: dict[str, GramMode] = {"auto": None, "on": True, "off": False, "spectral": "spectral"}
 Algorithm = Literal["root", "adamw"]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -145,7 +147,7 @@ def root_options(group: dict[str, Any], device: torch.device, lr: float | Tensor
         lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
         weight_decay=group["weight_decay"], quantile=group["outlier_quantile"],
         method=group["ortho_method"], ns_dtype=DTYPES[ns_dtype_name(group["ns_dtype"], device)],
-        gram=None if gram == "auto" else gram == "on", lr_scale=group["lr_scale"],
+        gram=_GRAM_ARG[gram], lr_scale=group["lr_scale"],
         transposed=bool(group.get("transposed", False)), nd_view=group["nd_view"],
         robust_window=group["robust_window"], robust_lambda=group["robust_lambda"],
         bucket_bytes=bucket_budget(group.get("bucket_bytes", "auto"), device),

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from rootopt.coeffs import Coeff
 from rootopt.optim.quantile import abs_quantile
-from rootopt.ortho import direction
+from rootopt.ortho import GramMode, direction
 
 # Added to the quantile so that an all-zero matrix has a positive threshold (official code).
 THRESHOLD_EPS = 1e-9
@@ -97,7 +97,7 @@ class RootOptions:
     quantile: float | None = 0.9
     method: OrthoMethod = "newton_schulz"
     ns_dtype: torch.dtype = torch.float32
-    gram: bool | None = None
+    gram: GramMode = None
     lr_scale: LrScale = "moonlight"
     transposed: bool = False  # weights stored (in, out): the fan-out is the second dim
     nd_view: NDView = "auto"
@@ -224,7 +224,7 @@ def root_direction(
     quantile: float | None,
     method: OrthoMethod = "newton_schulz",
     dtype: torch.dtype = torch.float32,
-    gram: bool | None = None,
+    gram: GramMode = None,
 ) -> Tensor:
     """``U`` for a matrix or a stack ``(batch, rows, cols)``: each matrix clipped at its own
     threshold ``quantile(|v|, q) + 1e-9`` (in place on ``V``; ``quantile=None``: no clip),

@@ -80,7 +80,9 @@ class ROOT(Optimizer):
         adamw_betas, adamw_eps: the internal AdamW's constants.
         batched: stack same-shape matrices (fast path) instead of the reference loop.
         ns_gram: ``"auto"``: Newton–Schulz in Gram space where measured to pay and hold
-            (:func:`rootopt.ortho.prefer_gram`); ``"on"``/``"off"`` force it.
+            (:func:`rootopt.ortho.prefer_spectral`, then :func:`rootopt.ortho.prefer_gram`);
+            ``"on"``: the Gram-space recursion; ``"spectral"``: the same map through the
+            Gram matrix's eigendecomposition; ``"off"``: the plain iteration.
         bucket_bytes: most bytes of float32 matrices stacked at once (0: no limit;
             ``"auto"``: 32 MiB on the CPU, up to 1 GiB on an accelerator).
         ns_fit: opt-in: shapes the AdaNewton table lacks are fitted and cached while the
@@ -116,7 +118,7 @@ class ROOT(Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         batched: bool = True,
-        ns_gram: Literal["auto", "on", "off"] = "auto",
+        ns_gram: Literal["auto", "on", "off", "spectral"] = "auto",
         bucket_bytes: int | Literal["auto"] = "auto",
         ns_fit: bool = False,
         telemetry: bool = False,

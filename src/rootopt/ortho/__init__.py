@@ -16,10 +16,15 @@ from rootopt.ortho.newton_schulz import (
     gram_newton_schulz,
     newton_schulz,
     prefer_gram,
+    prefer_spectral,
+    spectral_newton_schulz,
 )
 from rootopt.ortho.polar import qr_direction, svd_polar
 
 Method = Literal["newton_schulz", "svd", "qr"]
+# How Newton–Schulz runs: None (where measured to pay), False (plain), True (Gram-space
+# recursion), "spectral" (eigenbasis of the Gram matrix).
+GramMode = bool | Literal["spectral"] | None
 METHODS: tuple[str, ...] = ("newton_schulz", "svd", "qr")
 
 _DTYPE_NAMES = {
@@ -36,18 +41,26 @@ def direction(
     *,
     method: Method = "newton_schulz",
     dtype: torch.dtype = torch.float32,
-    gram: bool | None = None,
+    gram: GramMode = None,
     eps: float = NORM_EPS,
 ) -> Tensor:
     """The orthogonalization step shared by the optimizer and :func:`orthogonalize`: for
-    Newton–Schulz, the iteration with ``schedule``, plain or in Gram space (``gram=None``:
-    :func:`prefer_gram` decides by shape and dtype); else the SVD polar factor or the QR
-    direction. ``B``: ``(m, n)`` or ``(batch, m, n)``; returns
-    ``dtype``, ``B``'s shape."""
+    Newton–Schulz, the iteration with ``schedule``: plain (``gram=False``), in Gram space
+    (``True``), evaluated spectrally (``"spectral"``), or where measured to pay
+    (``None``: :func:`prefer_spectral`, then :func:`prefer_gram`, by shape, dtype and
+    device); else the SVD polar factor or the QR direction. ``B``: ``(m, n)`` or
+    ``(batch, m, n)``; returns ``dtype``, ``B``'s shape."""
     if method == "newton_schulz":
+        rows, cols = B.size(-2), B.size(-1)
         if gram is None:
-            gram = prefer_gram(B.size(-2), B.size(-1), dtype)
-        ns = gram_newton_schulz if gram else newton_schulz
+            if prefer_spectral(rows, cols, dtype, B.device):
+                gram = "spectral"
+            else:
+                gram = prefer_gram(rows, cols, dtype)
+        if gram == "spectral":
+            ns = spectral_newton_schulz
+        else:
+            ns = gram_newton_schulz if gram else newton_schulz
         return ns(B, schedule, dtype=dtype, eps=eps)
     if method == "svd":
         return svd_polar(B, dtype=dtype)
@@ -64,7 +77,7 @@ def orthogonalize(
     method: Method = "newton_schulz",
     dtype: torch.dtype = torch.float32,
     eps: float = NORM_EPS,
-    gram: bool | None = None,
+    gram: GramMode = None,
 ) -> Tensor:
     """Approximately (NS) or exactly (svd) map ``G = U S Vᵀ`` to ``U Vᵀ``.
 
@@ -73,8 +86,8 @@ def orthogonalize(
     :func:`rootopt.coeffs.resolve`), or given as a ``(K, 3)`` / ``(K, B, 3)`` tensor; the
     default is the optimizer's (``"muon"``). ``"adanewton"`` is certified for the iteration dtype as in the optimizer, so the result
     is exactly the direction :class:`rootopt.ROOT` computes for ``G`` with the threshold
-    off (``outlier_quantile=None``). ``gram``: run the iteration in Gram space (``None``: where
-    :func:`prefer_gram` says it pays and holds). ``dtype`` is the iteration dtype (float32
+    off (``outlier_quantile=None``). ``gram``: run the iteration in Gram space (``True``), spectrally
+    (``"spectral"``), plainly (``False``), or where measured to pay and hold (``None``). ``dtype`` is the iteration dtype (float32
     default, bfloat16 for speed). Returns ``dtype``.
     """
     if G.ndim not in (2, 3):
@@ -102,12 +115,15 @@ __all__ = [
     "METHODS",
     "NORM_EPS",
     "Coefficients",
+    "GramMode",
     "Method",
     "direction",
     "gram_newton_schulz",
     "newton_schulz",
     "orthogonalize",
     "prefer_gram",
+    "prefer_spectral",
     "qr_direction",
+    "spectral_newton_schulz",
     "svd_polar",
 ]

@@ -17,7 +17,17 @@ measured accuracy):
   spectrum costs precision in low-precision dtypes; :func:`prefer_gram` encodes where it
   was measured to hold.
 
-Both fold the Frobenius normalisation into the first small matrix: ``||G||_F² =
+* :func:`spectral_newton_schulz`: the same map evaluated through the eigendecomposition of
+  ``A₀``. Every step multiplies each singular value by ``p_k(σ²) = a_k + b_k σ² + c_k σ⁴``,
+  so after K steps ``X_K = V g(Λ) Vᵀ X₀`` with ``A₀ = V Λ Vᵀ`` and ``g`` the product of the
+  ``p_k`` along the scalar recursion ``σ²_{k+1} = σ²_k p_k(σ²_k)²`` (a polynomial in ``λ``,
+  bounded at 0). Cost: ``4 m² n`` flops for ``A₀`` and ``Q X₀`` plus one ``m x m``
+  symmetric eigendecomposition and one ``m x m`` product, whatever K is. ``g`` is smooth,
+  so the backward stability of the eigendecomposition carries over to ``V g(Λ) Vᵀ``
+  (docs/performance.md, "Spectral evaluation"). :func:`prefer_spectral` says where it is
+  the default.
+
+All three fold the Frobenius normalisation into the first small matrix: ``||G||_F² =
 trace(G Gᵀ)`` comes with the first Gram matrix, so no separate pass over ``G`` computes it
 and ``X₀`` is never materialised.
 
@@ -61,6 +71,31 @@ def prefer_gram(rows: int, cols: int, dtype: torch.dtype) -> bool:
     """Whether the Gram-space iteration is the default for this shape and dtype."""
     m, n = min(rows, cols), max(rows, cols)
     return dtype in GRAM_DTYPES and m >= GRAM_MIN_SIDE and n >= GRAM_MIN_ASPECT * m
+
+
+# Where the spectral form is the default (docs/performance.md, "Spectral evaluation"):
+# * on the CPU only: LAPACK's symmetric eigensolver; a GPU eigensolver synchronises with
+#   the host and is slower than the iteration there;
+# * for the bfloat16 iteration only: there its error is the plain bfloat16 iteration's
+#   (the last product's rounding dominates), while in float32 the eigendecomposition's
+#   error (~1e-3 on low-rank spectra, against ~1e-6 for the plain float32 iteration)
+#   would show;
+# * from these shapes on (measured crossovers, one thread; below them the eigensolver costs
+#   more than the K products it replaces): aspect n/m >= 3 from m = 128, >= 2 from m = 512.
+SPECTRAL_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
+SPECTRAL_MIN_SIDE = 128
+SPECTRAL_MIN_ASPECT = 3.0
+SPECTRAL_WIDE_SIDE = 512
+SPECTRAL_WIDE_MIN_ASPECT = 2.0
+
+
+def prefer_spectral(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the spectral evaluation is the default for this shape, dtype and device."""
+    m, n = min(rows, cols), max(rows, cols)
+    if device.type != "cpu" or dtype not in SPECTRAL_DTYPES or m < SPECTRAL_MIN_SIDE:
+        return False
+    aspect = SPECTRAL_WIDE_MIN_ASPECT if m >= SPECTRAL_WIDE_SIDE else SPECTRAL_MIN_ASPECT
+    return n >= aspect * m
 
 
 def _wide(G: Tensor, dtype: torch.dtype, eps: float, name: str) -> tuple[Tensor, bool, bool]:
@@ -229,6 +264,68 @@ def gram_newton_schulz(
         if k < K - 1:
             A = _mm(_mm(Z, A), Z)
     assert Q is not None
+    if folded:
+        Q = Q.mul_(inv)
+    X = _mm(Q.to(X.dtype), X)
+    if transpose:
+        X = X.mT
+    return X.contiguous()
+
+
+def _spectral_gain(lam: Tensor, C: Sequence[Coeff] | Tensor) -> Tensor:
+    """``g(λ) = σ_K / σ₀`` for every eigenvalue ``λ = σ₀²`` of the normalised Gram matrix
+    (``lam``: ``(m,)`` or ``(batch, m)``, float64): the product of the per-step factors
+    ``p_k = a_k + b_k σ_k² + c_k σ_k⁴`` along ``σ²_{k+1} = σ_k² p_k²``."""
+    s = lam.clamp_min(0.0)  # rounding can leave the smallest eigenvalues slightly negative
+    g = torch.ones_like(s)
+    K = C.size(0) if isinstance(C, Tensor) else len(C)
+    for k in range(K):
+        if isinstance(C, Tensor):
+            row = C[k].to(torch.float64)  # (3,) shared, or (batch, 3) per matrix
+            a, b, c = (row[..., i, None] if row.ndim == 2 else row[i] for i in range(3))
+            if lam.ndim == 1 and row.ndim == 2:
+                a, b, c = a[0], b[0], c[0]
+            p = a + s * (b + c * s)
+        else:
+            ak, bk, ck = C[k]
+            p = ak + s * (bk + ck * s)
+        g = g * p
+        s = s * p * p
+    return g
+
+
+def spectral_newton_schulz(
+    G: Tensor,
+    coefficients: Coefficients,
+    *,
+    dtype: torch.dtype = torch.float32,
+    eps: float = NORM_EPS,
+) -> Tensor:
+    """The same K steps as :func:`newton_schulz`, evaluated in the eigenbasis of ``A₀``.
+
+    ``X_K = V g(Λ) Vᵀ X₀`` (module docstring). ``A₀``, the eigendecomposition and ``g`` run
+    in float32 at least (float64 for float64), from ``G``'s own values; only the last
+    product ``Q X₀`` runs in ``dtype``. Equal to the plain iteration in exact arithmetic;
+    its accuracy against the exact polar factor is at least the plain iteration's in the
+    same dtype (tests/test_gram.py). If the eigensolver fails (it raises on a matrix it
+    cannot diagonalise, e.g. one with non-finite entries) the plain iteration runs instead.
+    """
+    X, transpose, folded = _wide(G, dtype, eps, "spectral_newton_schulz")
+    acc = torch.float64 if X.dtype == torch.float64 else torch.float32
+    if folded:
+        # A₀ from G's own values (no rounding to a low-precision dtype first).
+        Xa = G.to(acc)
+        Xa = Xa.mT if transpose else Xa
+    else:
+        Xa = X.to(acc)
+    A, inv = _first_gram(Xa, eps, folded)
+    C = _coefficient_rows(coefficients, A)
+    try:
+        lam, V = torch.linalg.eigh(A)
+    except torch.linalg.LinAlgError:  # type: ignore[attr-defined]
+        return newton_schulz(G, coefficients, dtype=dtype, eps=eps)
+    g = _spectral_gain(lam.to(torch.float64), C).to(acc)
+    Q = _mm(V * g.unsqueeze(-2), V.mT)
     if folded:
         Q = Q.mul_(inv)
     X = _mm(Q.to(X.dtype), X)

@@ -60,6 +60,7 @@ from rootopt.tools import new_file
 
 if TYPE_CHECKING:
     from rootopt.optim.functional import OrthoMethod
+    from rootopt.ortho import GramMode
 
 RECORD_FORMAT = "rootopt.heldout_matrices/1"
 SUMMARY_FORMAT = "rootopt.heldout_summary/1"
@@ -430,7 +431,7 @@ class NSPath(NamedTuple):
     schedule: Any
     method: OrthoMethod
     dtype: torch.dtype  # the iteration dtype
-    gram: bool | None
+    gram: GramMode
     certified: bool  # False: the optimizer refuses it; run as published
     resolved: str  # where the schedule came from (Resolution.describe())
 
