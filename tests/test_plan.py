@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,15 +130,55 @@ def test_owner_design_moves_adamw_bytes_and_a_constant_number_of_collectives() -
     assert own.vs_adamw == pytest.approx(1.0, abs=0.03)
     gat = P.estimate(specs, W, "gather", opts)
     assert gat.bytes_per_rank == pytest.approx(3 * f * n * 4 + flags, rel=0.03)
-    assert own.collectives == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
-    # more shapes and more matrices, same bytes in one bucket: the same three collectives
+    # one byte bucket cut into OVERLAP_GROUPS (2) groups: the all-gather of the first in
+    # flight while the second is orthogonalized; 2 collectives per group
+    assert P.OVERLAP_GROUPS == 2 and own.buckets == 2
+    assert own.collectives == {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 2}
+    # more shapes and more matrices, same bytes in one bucket: the same five collectives
     many = [P.ParamSpec(f"x{i}", (8 + i, 16)) for i in range(200)]
     assert P.estimate(many, W, "owner", opts).collectives == own.collectives
-    # smaller buckets: 1 flag all-reduce + (reduce-scatter, all-gather) per bucket
+    # without overlap: one bucket, three collectives, the same bytes on every rank
+    one = P.estimate(specs, W, "owner", replace(opts, overlap_groups=1))
+    assert one.collectives == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
+    assert one.step_sent.tolist() == own.step_sent.tolist()
+    assert one.step_received.tolist() == own.step_received.tolist()
+    # smaller buckets: 1 flag all-reduce + (reduce-scatter, all-gather) per bucket; with
+    # at least OVERLAP_GROUPS byte buckets nothing is cut further
     small = P.estimate(specs, W, "owner", P.Options(bucket_bytes=64 * 64 * 4 * 8))
-    assert small.buckets > 1
+    assert small.buckets > 2
+    assert small.buckets == P.estimate(specs, W, "owner", P.Options(
+        bucket_bytes=64 * 64 * 4 * 8, overlap_groups=1)).buckets  # fmt: skip
     assert small.total_collectives == 1 + 2 * small.buckets
     assert small.vs_adamw == pytest.approx(1.0, abs=0.03)
+
+
+def test_overlap_groups_split_each_rank_by_cost_and_enter_the_digest() -> None:
+    # 6 matrices of one shape and 2 AdamW vectors at W = 2: each rank owns 3 matrices;
+    # group 0 holds its AdamW items and the first ~half of its Newton–Schulz cost
+    items = _items([(32, 16)] * 6, [40, 24])
+    lay = P.owner_layout(items, 2, 1 << 30, groups=2)
+    assert len(lay.buckets) == 2 and lay.groups == 2
+    flat = P.owner_layout(items, 2, 1 << 30)
+    assert len(flat.buckets) == 1
+    assert lay.owner == flat.owner and lay.items == flat.items  # owners do not move
+    g0, g1 = ({lay.items[i].name for i in b.items} for b in lay.buckets)
+    assert {"a0", "a1"} <= g0 and not g1 & {"a0", "a1"}
+    for r in range(2):
+        mats = [lay.items[i] for i in lay.owned(r) if lay.items[i].root]
+        assert len(mats) == 3
+        n0 = sum(1 for m in mats if m.name in g0)
+        assert n0 == 1, (r, n0)  # cost midpoints 1/6, 1/2, 5/6 of the rank's total
+    # the same owners' segments, summed over the groups
+    for r in range(2):
+        assert sum(b.segments[r] for b in lay.buckets) == flat.buckets[0].segments[r]
+    # the grouping is part of what ranks agree on
+    assert lay.digest() != flat.digest()
+    assert P.owner_layout(items, 2, 1 << 30, groups=2).digest() == lay.digest()
+    # more groups than there is work: empty groups are left out, never empty buckets
+    tiny = P.owner_layout(_items([(8, 8)]), 2, 1 << 30, groups=4)
+    assert [b.numel for b in tiny.buckets] == [64]
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        P.owner_layout(items, 2, 1 << 30, groups=0)
 
 
 def test_today_gather_pads_rounds_of_one_big_matrix() -> None:

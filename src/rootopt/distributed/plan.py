@@ -60,6 +60,11 @@ DDP_BUCKET_BYTES = 25 * MiB  # torch DistributedDataParallel(bucket_cap_mb=25)
 # The smallest piece an AdamW parameter is split into in the owner layout (elements): below
 # it the bytes saved do not pay for another copy per step.
 MIN_PIECE = 4096
+# Bucket groups of the owner design when overlap is on: a step is cut into at least this
+# many buckets, so that the all-gather of one is in flight while the next one's matrices
+# are orthogonalized (docs/distributed.md, "Overlap"). A constant: collectives per step do
+# not grow with the number of shapes or matrices.
+OVERLAP_GROUPS = 2
 # The exact quantile of a matrix that stays split (``gram``): radix select on the 32-bit
 # keys, 8 bits per pass, each pass an all-reduce of a 256-bin int64 histogram.
 QUANTILE_PASSES = 4
@@ -204,13 +209,15 @@ class OwnerLayout:
     items: tuple[LayoutItem, ...]
     buckets: tuple[Bucket, ...]
     owner: tuple[int, ...]  # per item (layout position)
+    groups: int = 1  # the fewest buckets a step is cut into (OVERLAP_GROUPS with overlap)
 
     def digest(self) -> str:
         """A hash of everything a rank's collectives depend on: world size, bucket
-        limit, every item (index, name, size, dtype key) and its bucket, owner and
-        offset. Ranks that compute different layouts would issue mismatched collectives."""
+        limit, bucket groups, every item (index, name, size, dtype key) and its bucket,
+        owner and offset. Ranks that compute different layouts would issue mismatched
+        collectives."""
         h = hashlib.sha256()
-        h.update(json.dumps([self.world, self.bucket_bytes]).encode())
+        h.update(json.dumps([self.world, self.bucket_bytes, self.groups]).encode())
         for it in self.items:
             h.update(json.dumps([it.index, it.name, it.start, it.numel, it.root, it.key]).encode())
         for b in self.buckets:
@@ -221,7 +228,9 @@ class OwnerLayout:
         return [i for i, o in enumerate(self.owner) if o == rank]
 
 
-def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> OwnerLayout:
+def owner_layout(
+    items: Sequence[LayoutItem], world: int, bucket_bytes: int, groups: int = 1
+) -> OwnerLayout:
     """Owner-aligned buckets for ``items`` at world size ``world``.
 
     Owners first, over the whole step: ROOT matrices by Newton–Schulz cost, the most
@@ -234,12 +243,21 @@ def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> 
     at most one piece of a parameter. Buckets next: per dtype key, the items in reverse
     optimizer order (about the order backward produces the gradients) cut into runs of at
     most ``bucket_bytes`` (at least one item each); in a bucket, rank r's segment holds the
-    items r owns, in that order. Deterministic (ties go to the lower rank / earlier item), so every rank
-    computes the same layout from the same items."""
+    items r owns, in that order. Deterministic (ties go to the lower rank / earlier item),
+    so every rank computes the same layout from the same items.
+
+    ``groups``: when the byte limit gives fewer than ``groups`` buckets, each is cut again
+    into ``ceil(groups / buckets)`` bucket groups, per rank: its AdamW items in the first
+    group (cheap to update, so their all-gather starts early), its ROOT matrices, in bucket
+    order, into groups of about equal Newton–Schulz cost. Then the all-gather of one group
+    overlaps the Newton–Schulz of the next (``DistributedROOT(overlap=True)``); a group
+    that holds nothing on any rank is left out. Owners and bytes per rank do not change."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
     owner = [0] * len(items)
     root = [i for i, it in enumerate(items) if it.root and it.numel > 0]
     for i, o in zip(root, assign_owners([items[i].cost for i in root], world)):
@@ -276,30 +294,64 @@ def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> 
     for i in order:
         if items[i].key not in keys:
             keys.append(items[i].key)
-    buckets: list[Bucket] = []
+    runs: list[list[int]] = []
     for key in keys:
         mine = [i for i in order if items[i].key == key and items[i].numel > 0]
         sizes = [items[i].numel * items[i].element_size for i in mine]
-        for run in cut_rounds(sizes, bucket_bytes):
-            chunk = [mine[j] for j in run]
-            by_rank: dict[int, list[int]] = {}
-            for i in chunk:
-                by_rank.setdefault(owner[i], []).append(i)
-            seq = [i for r in sorted(by_rank) for i in by_rank[r]]
-            segments = [0] * world
-            for i in chunk:
-                segments[owner[i]] += items[i].numel
-            offsets: list[int] = []
-            off = 0
-            for i in seq:
-                offsets.append(off)
-                off += items[i].numel
-            buckets.append(
-                Bucket(
-                    key, tuple(seq), tuple(owner[i] for i in seq), tuple(offsets), tuple(segments)
-                )
-            )
-    return OwnerLayout(world, bucket_bytes, tuple(items), tuple(buckets), tuple(owner))
+        runs += [[mine[j] for j in run] for run in cut_rounds(sizes, bucket_bytes)]
+    k = -(-groups // max(len(runs), 1))
+    buckets: list[Bucket] = []
+    for chunk in runs:
+        part = _group_parts(items, owner, chunk, k)
+        for g in range(k):
+            sub = [i for i in chunk if part[i] == g]
+            if sub:
+                buckets.append(_bucket(items, owner, sub, world))
+    return OwnerLayout(world, bucket_bytes, tuple(items), tuple(buckets), tuple(owner), groups)
+
+
+def _group_parts(
+    items: Sequence[LayoutItem], owner: Sequence[int], chunk: Sequence[int], k: int
+) -> dict[int, int]:
+    """The bucket group (0 .. k-1) of each item of one bucket: per owner, AdamW items in
+    group 0, ROOT matrices by the midpoint of their cumulative Newton–Schulz cost."""
+    part: dict[int, int] = {}
+    total: dict[int, float] = {}
+    for i in chunk:
+        if items[i].root:
+            total[owner[i]] = total.get(owner[i], 0.0) + items[i].cost
+    cum: dict[int, float] = {}
+    for i in chunk:
+        o, c = owner[i], items[i].cost
+        if k == 1 or not items[i].root or total.get(o, 0.0) <= 0.0:
+            part[i] = 0
+            continue
+        done = cum.get(o, 0.0)
+        part[i] = min(k - 1, int(k * (done + c / 2) / total[o]))
+        cum[o] = done + c
+    return part
+
+
+def _bucket(
+    items: Sequence[LayoutItem], owner: Sequence[int], chunk: Sequence[int], world: int
+) -> Bucket:
+    """One flat buffer for ``chunk``: rank 0's items first, then rank 1's, ..."""
+    by_rank: dict[int, list[int]] = {}
+    for i in chunk:
+        by_rank.setdefault(owner[i], []).append(i)
+    seq = [i for r in sorted(by_rank) for i in by_rank[r]]
+    segments = [0] * world
+    for i in chunk:
+        segments[owner[i]] += items[i].numel
+    offsets: list[int] = []
+    off = 0
+    for i in seq:
+        offsets.append(off)
+        off += items[i].numel
+    return Bucket(
+        items[seq[0]].key, tuple(seq), tuple(owner[i] for i in seq), tuple(offsets),
+        tuple(segments),
+    )  # fmt: skip
 
 
 def items_from_specs(
@@ -353,6 +405,8 @@ class Options:
     ``sync_in_backward``: the ``owner`` reduce-scatter starts from gradient hooks during
     backward, hidden like DDP's all-reduce, instead of at the start of the step.
     ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
+    ``overlap_groups``: the fewest buckets the ``owner`` step is cut into
+    (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without).
     """
 
     ns_steps: int = 5
@@ -367,6 +421,7 @@ class Options:
     sync_in_backward: bool = False
     fsdp_reshard_after_forward: bool = True
     gpus_per_node: int = 8
+    overlap_groups: int = OVERLAP_GROUPS
 
 
 @dataclass
@@ -630,7 +685,7 @@ def _owner(
 ) -> None:
     W = est.world
     items = items_from_specs(specs, o.ns_steps, o.grad_bytes)
-    layout = owner_layout(items, W, o.bucket_bytes)
+    layout = owner_layout(items, W, o.bucket_bytes, o.overlap_groups)
     est.buckets = len(layout.buckets)
     _flags(est, len(specs), o.backend)
     if not o.average_grads:
