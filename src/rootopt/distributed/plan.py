@@ -829,8 +829,11 @@ class Hardware:
     receives) between nodes in a large collective; ``node_link``: the same inside a node;
     ``latency``: seconds per collective; ``flops``: peak matmul rate in the Newton–Schulz
     dtype; ``ns_efficiency``: the fraction of it Newton–Schulz reaches; ``memory_bw``:
-    bytes/s for the elementwise passes (momentum, quantile, update). ``sources``: where
-    each number comes from."""
+    bytes/s for the elementwise passes (momentum, quantile, update). ``compute_units``:
+    independent compute units the ranks of one node share (CPU cores with one thread per
+    rank; infinite for one GPU per rank): a rank computes at ``min(1, compute_units /
+    ranks on its node)`` of ``flops`` and ``memory_bw``. ``sources``: where each number
+    comes from."""
 
     name: str
     link: float
@@ -841,6 +844,7 @@ class Hardware:
     memory_bw: float
     memory: float = math.inf  # device memory per rank, bytes
     sources: tuple[str, ...] = ()
+    compute_units: float = math.inf
 
 
 # NVIDIA H100 SXM5 in DGX/HGX H100 nodes of 8 GPUs.
@@ -930,11 +934,13 @@ def step_time(
     backward (DDP's all-reduce, FSDP2's reduce-scatter and gathers; ``owner``'s
     reduce-scatter when it starts in backward) is not optimizer time."""
     W = est.world
-    compute = est.flops / (hw.flops * hw.ns_efficiency) + est.elements * (
-        4 * ELEMENTWISE_PASSES / hw.memory_bw
-    )
+    share = min(1.0, hw.compute_units / min(W, est.options.gpus_per_node))
+    compute = (
+        est.flops / (hw.flops * hw.ns_efficiency)
+        + est.elements * (4 * ELEMENTWISE_PASSES / hw.memory_bw)
+    ) / share
     busiest = int(compute.argmax())
-    ns = float(est.flops[busiest]) / (hw.flops * hw.ns_efficiency)
+    ns = float(est.flops[busiest]) / (hw.flops * hw.ns_efficiency * share)
     elementwise = float(compute[busiest]) - ns
     comm = float((est.exposed / hw.link + est.node / hw.node_link).max())
     latency = est.exposed_collectives * hw.latency
@@ -943,6 +949,66 @@ def step_time(
         fwd_bwd = flops_per_token * work.tokens / (W * hw.flops * work.mfu)
     overlapped = max(float(compute[busiest]), comm) + latency
     return StepTime(ns, elementwise, comm, latency, fwd_bwd, overlapped)
+
+
+def measured_hardware(
+    name: str,
+    *,
+    ns_flops_per_s: float,
+    elementwise_s_per_element: float,
+    link: float,
+    latency: float,
+    compute_units: float,
+    sources: tuple[str, ...] = (),
+) -> Hardware:
+    """A :class:`Hardware` from measured constants of one machine (the calibration of
+    ``benchmarks/bench_dist.py --calibrate``): the Newton–Schulz rate one rank reaches
+    alone (``ns_efficiency`` 1: the rate is already what Newton–Schulz achieves), the
+    seconds per ROOT element of its non-Newton–Schulz passes (momentum, quantile and
+    clamp, decay and update; turned into the ``ELEMENTWISE_PASSES`` float32 passes of
+    the model), one link for every collective and its latency, and the compute units the
+    ranks share. Every constant must be positive and finite (``compute_units`` may be
+    infinite)."""
+    for key, v in (
+        ("ns_flops_per_s", ns_flops_per_s),
+        ("elementwise_s_per_element", elementwise_s_per_element),
+        ("link", link),
+        ("latency", latency),
+    ):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{key} must be positive and finite, got {v!r}")
+    if not compute_units > 0:
+        raise ValueError(f"compute_units must be positive, got {compute_units!r}")
+    return Hardware(
+        name=name,
+        link=link,
+        node_link=link,
+        latency=latency,
+        flops=ns_flops_per_s,
+        ns_efficiency=1.0,
+        memory_bw=4 * ELEMENTWISE_PASSES / elementwise_s_per_element,
+        sources=sources,
+        compute_units=compute_units,
+    )
+
+
+def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(latency s, link bytes/s)`` of ``t = latency + bytes / link`` from ``(bytes per
+    rank, seconds)`` measurements of single collectives: the latency is the time of the
+    smallest message, the link the least-squares slope of the others' time above it
+    (a line fitted through all points lets the large messages decide the intercept)."""
+    if len(points) < 2:
+        raise ValueError("need at least two (bytes, seconds) points")
+    pts = sorted(points)
+    latency = pts[0][1]
+    x = np.array([b - pts[0][0] for b, _ in pts[1:]], dtype=np.float64)
+    t = np.array([s - latency for _, s in pts[1:]], dtype=np.float64)
+    slope = float(x @ t / (x @ x)) if float(x @ x) > 0 else math.nan
+    if not (latency > 0 and math.isfinite(latency)):
+        raise ValueError(f"latency must be positive and finite, got {latency!r}")
+    if not (slope > 0 and math.isfinite(slope)):
+        raise ValueError(f"time does not grow with bytes (slope {slope!r}): no link rate")
+    return latency, 1.0 / slope
 
 
 def llama3_flops_per_token(model: str, seq_len: int = LLAMA3_WORKLOAD.seq_len) -> float:
