@@ -351,3 +351,59 @@ def test_cli_refuses_bad_input_and_existing_files(
     assert main(["plan", "--model", "llama3-8b", "--worlds", "8", "--verdict", "none"]) == 0
     printed = capsys.readouterr().out
     assert "     8 owner " in printed and "verdict" not in printed
+
+
+def test_calibration_arithmetic_from_measured_constants() -> None:
+    """benchmarks/bench_dist.py --calibrate: constants → Hardware → the GPU verdicts' own
+    step_time; the shared-cores term; the latency/link fit. No timing here."""
+    specs = [P.ParamSpec(f"m{i}", (256, 64)) for i in range(4)]
+    specs.append(P.ParamSpec("emb", (1000, 64), "adamw"))
+    hw = P.measured_hardware(
+        "cpu", ns_flops_per_s=1e11, elementwise_s_per_element=1e-8, link=1e9,
+        latency=1e-4, compute_units=2,
+    )  # fmt: skip
+    assert hw.ns_efficiency == 1.0 and hw.compute_units == 2
+    assert hw.memory_bw == pytest.approx(4 * P.ELEMENTWISE_PASSES / 1e-8)
+    for W, share in ((2, 1.0), (3, 2 / 3), (4, 0.5)):
+        e = P.estimate(specs, W, "owner", P.Options(backend="gloo"))
+        t = P.step_time(e, hw)
+        b = int((e.flops / 1e11 + e.elements * 1e-8).argmax())
+        assert t.ns == pytest.approx(e.flops[b] / 1e11 / share)
+        assert t.elementwise == pytest.approx(e.elements[b] * 1e-8 / share)
+        assert t.comm == pytest.approx(e.exposed.max() / 1e9)
+        assert t.latency == pytest.approx(e.exposed_collectives * 1e-4)
+        assert t.optimizer == pytest.approx(t.ns + t.elementwise + t.comm + t.latency)
+        assert t.ns > 0 and t.comm > 0
+    # one GPU per rank: no sharing, the H100 numbers are unchanged by the new term
+    assert math.isinf(P.H100.compute_units)
+    # t = 200 µs + bytes / 1 GB/s, measured at four sizes
+    pts = [(n, 2e-4 + n / 1e9) for n in (4096, 1 << 16, 1 << 20, 1 << 24)]
+    lat, link = P.fit_link(pts)
+    assert lat == pytest.approx(2e-4 + 4096 / 1e9)
+    assert link == pytest.approx(1e9, rel=1e-9)
+    for bad in (math.nan, 0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="ns_flops_per_s must be positive and finite"):
+            P.measured_hardware(
+                "x", ns_flops_per_s=bad, elementwise_s_per_element=1e-8, link=1e9,
+                latency=1e-4, compute_units=2,
+            )  # fmt: skip
+    with pytest.raises(ValueError, match="does not grow"):
+        P.fit_link([(1, 1e-3), (2, 1e-3)])
+
+
+def test_calibration_constants_measured_here_are_positive_and_finite() -> None:
+    """The microbenchmark of the calibration, on a tiny model: positive, finite rates."""
+    sys.path.insert(0, str(ROOT_DIR / "benchmarks"))
+    try:
+        import bench_dist
+    finally:
+        sys.path.pop(0)
+    import argparse
+
+    args = argparse.Namespace(d_model=32, layers=1, vocab=64)
+    c = bench_dist.compute_constants(args, reps=1)
+    assert set(c) == {"ns_flops_per_s", "elementwise_s_per_element"}
+    for v in c.values():
+        assert math.isfinite(v) and v > 0
+    hw = P.measured_hardware("here", link=1e9, latency=1e-4, compute_units=2, **c)
+    assert hw.flops == c["ns_flops_per_s"]
