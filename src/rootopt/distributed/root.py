@@ -17,7 +17,9 @@ Two layouts, chosen per parameter:
     parameters (with ``average_grads``; under DDP, whose gradients are already averaged,
     it is skipped), the owner updates them — momentum, whole-matrix threshold and
     Newton–Schulz for ROOT, AdamW ZeRO-1 style for the rest — and one all-gather of the
-    new parameters brings every rank up to date: DDP AdamW's bytes (Moonlight, arXiv
+    new parameters, started asynchronously and in flight while the next bucket is
+    updated (``overlap``; a step has at least ``OVERLAP_GROUPS`` buckets), brings every
+    rank up to date: DDP AdamW's bytes (Moonlight, arXiv
     2502.16982 §2.3), a constant number of collectives per step, and momentum / AdamW
     moments only on their owner. ``state_dict()`` gathers them (a collective: call it on
     every rank), so checkpoints hold the full state and load at any world size and in
