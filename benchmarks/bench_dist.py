@@ -29,11 +29,13 @@ model of the GPU verdicts, with this machine's constants) against measured gloo 
 
 1. constants from microbenchmarks, never from the steps they predict: the Newton–Schulz
    rate of one rank alone (ROOT's own ``root_direction`` without the clip, on the bench
-   model's matrix shapes), the seconds per ROOT element of the other passes (momentum,
-   quantile + clamp, decay + update), and at each W the latency and bandwidth of gloo's
-   all-to-all, all-gather and all-reduce (one line ``t = latency + bytes / link`` fitted
-   over all three); the cores the ranks share (``os.sched_getaffinity``) enter the model
-   as ``Hardware.compute_units``;
+   model's matrix shapes), the bytes/s of streaming passes (a copy and an add over
+   tensors shaped like the model's parameters; the model counts the bytes each design's
+   passes read and write, ``Estimate.traffic``), the seconds per ROOT element of the
+   quantile + clamp, and at each W the latency and bandwidth of gloo's all-to-all,
+   all-gather and all-reduce, each fitted on its own (``t = latency + bytes / link``,
+   latency = the smallest message's time); the cores the ranks share
+   (``os.sched_getaffinity``) enter the model as ``Hardware.compute_units``;
 2. the model's optimizer time for ``owner`` and ``gather`` (``average_grads=True``) at each
    W from those constants;
 3. the measured step (the slowest rank's median over ``--steps`` steps after warm-up),
@@ -261,6 +263,7 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------
 COLL_ELEMENTS = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)  # float32 per rank
 COLL_OPS = ("all_to_all_single", "all_gather_into_tensor", "all_reduce")
+COLL_KINDS = ("all_to_all", "all_gather", "all_reduce")  # plan.LINK_KINDS, per op
 
 
 def _median_time(fn: Any, reps: int, sync: Any = None) -> float:
@@ -276,12 +279,13 @@ def _median_time(fn: Any, reps: int, sync: Any = None) -> float:
 
 
 def compute_constants(args: argparse.Namespace, reps: int = 5) -> dict[str, float]:
-    """This rank's Newton–Schulz FLOP/s and seconds per ROOT element of the other passes,
-    on the bench model's matrices (ROOT's own functions; one torch thread)."""
+    """This rank's Newton–Schulz FLOP/s, the bytes/s of streaming elementwise passes and
+    the seconds per ROOT element of the quantile + clamp, on the bench model's tensors
+    (ROOT's own functions; one torch thread)."""
     import rootopt
     from rootopt.distributed import plan as P
     from rootopt.optim._coefficients import coefficients_for
-    from rootopt.optim.functional import apply_, momentum_, root_direction
+    from rootopt.optim.functional import root_direction
     from rootopt.optim.quantile import abs_quantile
 
     torch.manual_seed(0)
@@ -301,18 +305,34 @@ def compute_constants(args: argparse.Namespace, reps: int = 5) -> dict[str, floa
         )
         ns_s += n * t
         flops += n * P.ns_flops(P.ParamSpec("m", shape), group["ns_steps"])
-    bufs = [torch.zeros_like(p) for p in mats]
-    grads = [torch.randn_like(p) for p in mats]
-    params = [p.detach().clone() for p in mats]
+    vs = [torch.randn_like(p) for p in mats]
 
-    def passes() -> None:
-        vs = momentum_(bufs, grads, momentum=0.95, nesterov=True)
+    def clip() -> None:
         for v in vs:  # the clip as root_direction does it on the CPU
             v.clamp_(-(e := float(abs_quantile(v, q))), e)
-        apply_(params, vs, lr=1e-3, weight_decay=0.1, scales=[1.0] * len(vs))
 
-    elem_s = _median_time(passes, reps) / sum(p.numel() for p in mats)
-    return {"ns_flops_per_s": flops / ns_s, "elementwise_s_per_element": elem_s}
+    clip_s = _median_time(clip, reps) / sum(p.numel() for p in mats)
+    # streaming passes over tensors shaped like every parameter of the model: a copy
+    # (read 1, write 1) and an add into a third tensor (read 2, write 1), float32
+    xs = [torch.randn_like(p) for p in model.parameters()]
+    ys = [torch.randn_like(x) for x in xs]
+    zs = [torch.empty_like(x) for x in xs]
+
+    def copy() -> None:
+        for x, y in zip(xs, ys):
+            y.copy_(x)
+
+    def add() -> None:
+        for x, y, z in zip(xs, ys, zs):
+            torch.add(x, y, out=z)
+
+    n = sum(x.numel() for x in xs)
+    stream = 4 * (2 + 3) * n / (_median_time(copy, reps) + _median_time(add, reps))
+    return {
+        "ns_flops_per_s": flops / ns_s,
+        "memory_bytes_per_s": stream,
+        "clip_s_per_element": clip_s,
+    }
 
 
 def calib_worker(args: argparse.Namespace) -> None:
@@ -375,7 +395,8 @@ def calibrate(args: argparse.Namespace) -> int:
     )
     print(
         f"  one rank alone: Newton–Schulz {alone['ns_flops_per_s'] / 1e9:.2f} GFLOP/s, "
-        f"other passes {1e9 * alone['elementwise_s_per_element']:.2f} ns per ROOT element"
+        f"streaming passes {alone['memory_bytes_per_s'] / 1e9:.2f} GB/s (read + written), "
+        f"quantile + clamp {1e9 * alone['clip_s_per_element']:.2f} ns per ROOT element"
     )
     torch.manual_seed(0)
     model = transformer_matrices(args.d_model, args.layers, args.vocab)
@@ -400,18 +421,19 @@ def calibrate(args: argparse.Namespace) -> int:
                 key = (pt["op"], pt["elements"])
                 if key not in worst or pt["seconds"] > worst[key][1]:
                     worst[key] = (pt["bytes"], pt["seconds"])
-        latency, link = P.fit_link(list(worst.values()))
-        for op in COLL_OPS:
-            lat_op, link_op = P.fit_link([v for k, v in worst.items() if k[0] == op])
-            print(f"    {op:<24} latency {1e6 * lat_op:8.0f} µs  link {link_op / 1e6:8.0f} MB/s")
-        print(f"    {'fitted over all (model)':<24} latency {1e6 * latency:8.0f} µs  "
-              f"link {link / 1e6:8.0f} MB/s")  # fmt: skip
+        # per collective kind: latency = its smallest message's time (at W > cores mostly
+        # the scheduling delay of ranks that share a core), link = the slope above it
+        links: dict[str, tuple[float, float]] = {}
+        for op, kind in zip(COLL_OPS, COLL_KINDS):
+            links[kind] = P.fit_link([v for k, v in worst.items() if k[0] == op])
+            lat, bw = links[kind]
+            print(f"    {op:<24} latency {1e6 * lat:8.0f} µs  link {bw / 1e6:8.0f} MB/s")
         hw = P.measured_hardware(
             f"this machine at W={W}",
             ns_flops_per_s=alone["ns_flops_per_s"],
-            elementwise_s_per_element=alone["elementwise_s_per_element"],
-            link=link,
-            latency=latency,
+            memory_bytes_per_s=alone["memory_bytes_per_s"],
+            clip_s_per_element=alone["clip_s_per_element"],
+            links=links,
             compute_units=cores,
         )
         for design in ("owner", "gather"):
@@ -457,7 +479,8 @@ def calibrate(args: argparse.Namespace) -> int:
         f"±{100 * args.tolerance:.0f} %",
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"alone": alone, "rows": rows}, indent=1))
+        with open(args.json, "x") as fh:
+            fh.write(json.dumps({"alone": alone, "rows": rows}, indent=1))
     return 0
 
 
@@ -518,6 +541,8 @@ def main() -> int:
     ap.add_argument("--design", default="owner", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.json and os.path.lexists(args.json):  # checked before any run, never overwritten
+        ap.error("--json PATH: the file exists; name a new one")
     if args.worker:
         if args.design == "calib":
             calib_worker(args)
@@ -556,7 +581,8 @@ def main() -> int:
             f"{r['peak_rss_mib']:>13.0f}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        with open(args.json, "x") as fh:
+            fh.write(json.dumps(rows, indent=1))
     return 0
 
 
