@@ -43,7 +43,7 @@ model of the GPU verdicts, with this machine's constants) against measured gloo 
 
 Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner gather adamw fsdp
        broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
-       [--no-overlap] [--calibrate]
+       [--no-overlap] [--calibrate]   (--json must name a new file)
 """
 
 from __future__ import annotations
