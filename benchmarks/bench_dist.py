@@ -21,8 +21,29 @@ The bytes and collectives are what the step issues, counted by
 ``rootopt.distributed.counters.CollectiveCounter`` (gradient synchronisation included for owner,
 gather and adamw), with the cost model's prediction (``rootopt.distributed.plan``) beside them.
 
+``--no-overlap`` runs ``owner`` with ``overlap=False`` (one all-gather per bucket, waited
+for at once) to compare with the default overlap.
+
+``--calibrate`` checks the cost model's *time* (``rootopt.distributed.plan.step_time``, the
+model of the GPU verdicts, with this machine's constants) against measured gloo steps:
+
+1. constants from microbenchmarks, never from the steps they predict: the Newton–Schulz
+   rate of one rank alone (ROOT's own ``root_direction`` without the clip, on the bench
+   model's matrix shapes), the bytes/s of streaming passes (a copy and an add over
+   tensors shaped like the model's parameters; the model counts the bytes each design's
+   passes read and write, ``Estimate.traffic``), the seconds per ROOT element of the
+   quantile + clamp, and at each W the latency and bandwidth of gloo's all-to-all,
+   all-gather and all-reduce, each fitted on its own (``t = latency + bytes / link``,
+   latency = the smallest message's time); the cores the ranks share
+   (``os.sched_getaffinity``) enter the model as ``Hardware.compute_units``;
+2. the model's optimizer time for ``owner`` and ``gather`` (``average_grads=True``) at each
+   W from those constants;
+3. the measured step (the slowest rank's median over ``--steps`` steps after warm-up),
+   with predicted / measured and the verdict against ``--tolerance`` (15 %).
+
 Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner gather adamw fsdp
        broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
+       [--no-overlap] [--calibrate]   (--json must name a new file)
 """
 
 from __future__ import annotations
@@ -106,6 +127,8 @@ def worker(args: argparse.Namespace) -> None:
         kw: dict[str, Any] = {}
         if args.design != "fsdp":
             kw = {"average_grads": True, "ddp_design": args.design}
+        if args.design == "owner":
+            kw["overlap"] = not args.no_overlap
         opt: torch.optim.Optimizer = DistributedROOT(groups, lr=1e-3, **kw)
 
         def step() -> None:
@@ -195,7 +218,11 @@ def worker(args: argparse.Namespace) -> None:
             ns_times.append(stats["ns_s"])
     W = info.world_size
     if args.design in ("owner", "gather", "fsdp"):
-        opts = P.Options(backend=args.backend, average_grads=args.design != "fsdp")
+        opts = P.Options(
+            backend=args.backend,
+            average_grads=args.design != "fsdp",
+            overlap_groups=1 if args.no_overlap else P.OVERLAP_GROUPS,
+        )
         est = P.estimate(specs, W, args.design, opts)  # type: ignore[arg-type]
         model_sent, model_received = est.step_sent[info.rank], est.step_received[info.rank]
         model_colls = est.exposed_collectives
@@ -232,6 +259,232 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# calibration: microbenchmarks (one rank), the model's prediction, the measured steps
+# ---------------------------------------------------------------------------------------
+COLL_ELEMENTS = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)  # float32 per rank
+COLL_OPS = ("all_to_all_single", "all_gather_into_tensor", "all_reduce")
+COLL_KINDS = ("all_to_all", "all_gather", "all_reduce")  # plan.LINK_KINDS, per op
+
+
+def _median_time(fn: Any, reps: int, sync: Any = None) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def compute_constants(args: argparse.Namespace, reps: int = 5) -> dict[str, float]:
+    """This rank's Newton–Schulz FLOP/s, the bytes/s of streaming elementwise passes and
+    the seconds per ROOT element of the quantile + clamp, on the bench model's tensors
+    (ROOT's own functions; one torch thread)."""
+    import rootopt
+    from rootopt.distributed import plan as P
+    from rootopt.optim._coefficients import coefficients_for
+    from rootopt.optim.functional import root_direction
+    from rootopt.optim.quantile import abs_quantile
+
+    torch.manual_seed(0)
+    model = transformer_matrices(args.d_model, args.layers, args.vocab)
+    groups = _groups(model)
+    opt = rootopt.ROOT(groups, lr=1e-3)
+    group = opt.param_groups[0]
+    mats = list(group["params"])
+    q = float(group["outlier_quantile"])
+    flops = ns_s = 0.0
+    for shape in sorted({tuple(p.shape) for p in mats}):
+        n = sum(1 for p in mats if tuple(p.shape) == shape)
+        sched = coefficients_for(opt._coeffs, group, torch.device("cpu"))(*shape)
+        V = torch.randn(shape)
+        t = _median_time(
+            lambda V=V, sched=sched: root_direction(V.clone(), sched, quantile=None), reps
+        )
+        ns_s += n * t
+        flops += n * P.ns_flops(P.ParamSpec("m", shape), group["ns_steps"])
+    vs = [torch.randn_like(p) for p in mats]
+
+    def clip() -> None:
+        for v in vs:  # the clip as root_direction does it on the CPU
+            v.clamp_(-(e := float(abs_quantile(v, q))), e)
+
+    clip_s = _median_time(clip, reps) / sum(p.numel() for p in mats)
+    # streaming passes over tensors shaped like every parameter of the model: a copy
+    # (read 1, write 1) and an add into a third tensor (read 2, write 1), float32
+    xs = [torch.randn_like(p) for p in model.parameters()]
+    ys = [torch.randn_like(x) for x in xs]
+    zs = [torch.empty_like(x) for x in xs]
+
+    def copy() -> None:
+        for x, y in zip(xs, ys):
+            y.copy_(x)
+
+    def add() -> None:
+        for x, y, z in zip(xs, ys, zs):
+            torch.add(x, y, out=z)
+
+    n = sum(x.numel() for x in xs)
+    stream = 4 * (2 + 3) * n / (_median_time(copy, reps) + _median_time(add, reps))
+    return {
+        "ns_flops_per_s": flops / ns_s,
+        "memory_bytes_per_s": stream,
+        "clip_s_per_element": clip_s,
+    }
+
+
+def calib_worker(args: argparse.Namespace) -> None:
+    """One rank of a microbenchmark launch: compute constants while all W ranks compute
+    at once (a check of the shared-cores term), then gloo collective times by size."""
+    import torch.distributed as dist
+
+    from rootopt.distributed import finish, init_distributed
+    from rootopt.distributed.counters import collective_bytes
+
+    info = init_distributed(backend="gloo", timeout_s=600)
+    W, rank = info.world_size, info.rank
+    barrier = dist.barrier if W > 1 else (lambda: None)
+    barrier()
+    rec: dict[str, Any] = {"world": W, "rank": rank, **compute_constants(args)}
+    points: list[dict[str, Any]] = []
+    for op in COLL_OPS if W > 1 else ():
+        for n in COLL_ELEMENTS:
+            if op == "all_to_all_single":
+                inp, out = torch.randn(W * n), torch.empty(W * n)
+                fn: Any = lambda out=out, inp=inp: dist.all_to_all_single(out, inp)  # noqa: E731
+                s, r = collective_bytes(op, "gloo", W, rank, in_splits=[n] * W, out_splits=[n] * W)
+            elif op == "all_gather_into_tensor":
+                inp, out = torch.randn(n), torch.empty(W * n)
+                fn = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+                s, r = collective_bytes(op, "gloo", W, rank, numel=n)
+            else:
+                inp = torch.randn(n)
+                fn = lambda inp=inp: dist.all_reduce(inp)  # noqa: E731
+                s, r = collective_bytes(op, "gloo", W, rank, numel=n)
+            reps = 9 if n <= 1 << 18 else 5
+            t = _median_time(fn, reps, sync=barrier)
+            points.append({"op": op, "elements": n, "bytes": max(s, r), "seconds": t})
+    rec["collectives"] = points
+    with open(Path(args.out) / f"rank{rank}.json", "w") as fh:
+        json.dump(rec, fh)
+    finish(0)
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "nan"
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from rootopt.distributed import plan as P
+
+    try:
+        cores = float(len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        cores = float(os.cpu_count() or 1)
+    args.backend = "gloo"
+    worlds = [w for w in args.worlds if w > 1] or [2, 3, 4]
+    alone = launch(args, "calib", 1)[0]
+    print(
+        f"calibration: d_model={args.d_model} layers={args.layers} vocab={args.vocab} gloo, "
+        f"1 thread/rank, {cores:.0f} cores, torch={torch.__version__}, load {_loadavg()}"
+    )
+    print(
+        f"  one rank alone: Newton–Schulz {alone['ns_flops_per_s'] / 1e9:.2f} GFLOP/s, "
+        f"streaming passes {alone['memory_bytes_per_s'] / 1e9:.2f} GB/s (read + written), "
+        f"quantile + clamp {1e9 * alone['clip_s_per_element']:.2f} ns per ROOT element"
+    )
+    torch.manual_seed(0)
+    model = transformer_matrices(args.d_model, args.layers, args.vocab)
+    specs = [
+        P.ParamSpec(f"p{i}", tuple(p.shape), g["algorithm"])
+        for i, (g, p) in enumerate((g, p) for g in _groups(model) for p in g["params"])
+    ]
+    rows: list[dict[str, Any]] = []
+    for W in worlds:
+        recs = launch(args, "calib", W)
+        share = min(1.0, cores / W)
+        ns_all = min(r["ns_flops_per_s"] for r in recs)
+        print(
+            f"  W={W}: Newton–Schulz per rank with all {W} computing at once "
+            f"{ns_all / 1e9:.2f} GFLOP/s (slowest rank) vs the model's "
+            f"{share * alone['ns_flops_per_s'] / 1e9:.2f} (alone × min(1, cores/W))"
+        )
+        # one line through the slowest rank's times of every op and size
+        worst: dict[tuple[str, int], tuple[float, float]] = {}
+        for r in recs:
+            for pt in r["collectives"]:
+                key = (pt["op"], pt["elements"])
+                if key not in worst or pt["seconds"] > worst[key][1]:
+                    worst[key] = (pt["bytes"], pt["seconds"])
+        # per collective kind: latency = its smallest message's time (at W > cores mostly
+        # the scheduling delay of ranks that share a core), link = the slope above it
+        links: dict[str, tuple[float, float]] = {}
+        for op, kind in zip(COLL_OPS, COLL_KINDS):
+            links[kind] = P.fit_link([v for k, v in worst.items() if k[0] == op])
+            lat, bw = links[kind]
+            print(f"    {op:<24} latency {1e6 * lat:8.0f} µs  link {bw / 1e6:8.0f} MB/s")
+        hw = P.measured_hardware(
+            f"this machine at W={W}",
+            ns_flops_per_s=alone["ns_flops_per_s"],
+            memory_bytes_per_s=alone["memory_bytes_per_s"],
+            clip_s_per_element=alone["clip_s_per_element"],
+            links=links,
+            compute_units=cores,
+        )
+        for design in ("owner", "gather"):
+            opts = P.Options(
+                backend="gloo",
+                average_grads=True,
+                overlap_groups=1 if args.no_overlap else P.OVERLAP_GROUPS,
+            )
+            t = P.step_time(P.estimate(specs, W, design, opts), hw)  # type: ignore[arg-type]
+            load = _loadavg()
+            measured = max(r["step_ms"] for r in launch(args, design, W)) / 1e3
+            rows.append(
+                {
+                    "world": W,
+                    "design": design,
+                    "predicted_ms": 1e3 * t.optimizer,
+                    "ns_ms": 1e3 * t.ns,
+                    "elementwise_ms": 1e3 * t.elementwise,
+                    "comm_ms": 1e3 * t.comm,
+                    "latency_ms": 1e3 * t.latency,
+                    "measured_ms": 1e3 * measured,
+                    "ratio": t.optimizer / measured,
+                    "load": load,
+                }
+            )
+    print(
+        f"{'W':>3} {'design':<7}{'predicted ms':>13}{'(NS':>8}{'elem':>7}{'comm':>7}"
+        f"{'lat)':>7}{'measured ms':>12}{'ratio':>7}{'load':>6}  verdict (±{100 * args.tolerance:.0f} %)"
+    )
+    ok = True
+    for r in rows:
+        hit = abs(r["ratio"] - 1) <= args.tolerance
+        ok &= hit
+        print(
+            f"{r['world']:>3} {r['design']:<7}{r['predicted_ms']:>13.1f}{r['ns_ms']:>8.1f}"
+            f"{r['elementwise_ms']:>7.1f}{r['comm_ms']:>7.1f}{r['latency_ms']:>7.1f}"
+            f"{r['measured_ms']:>12.1f}{r['ratio']:>7.2f}{r['load']:>6}  "
+            + ("within" if hit else "outside")
+        )
+    print(
+        "verdict:",
+        "every W within" if ok else "not every W within",
+        f"±{100 * args.tolerance:.0f} %",
+    )
+    if args.json:
+        with open(args.json, "x") as fh:
+            fh.write(json.dumps({"alone": alone, "rows": rows}, indent=1))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------
 def _free_port() -> int:
@@ -250,7 +503,7 @@ def launch(args: argparse.Namespace, design: str, world: int) -> list[dict[str, 
             "--d-model", str(args.d_model), "--layers", str(args.layers),
             "--vocab", str(args.vocab), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--backend", args.backend,
-        ]  # fmt: skip
+        ] + (["--no-overlap"] if args.no_overlap else [])  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         src = HERE.parent / "src"
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
@@ -279,13 +532,25 @@ def main() -> int:
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--json", default="")
+    ap.add_argument("--no-overlap", action="store_true", help="owner with overlap=False")
+    ap.add_argument(
+        "--calibrate", action="store_true", help="check the cost model's time (see above)"
+    )
+    ap.add_argument("--tolerance", type=float, default=0.15, help="--calibrate's target")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--design", default="owner", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.json and os.path.lexists(args.json):  # checked before any run, never overwritten
+        ap.error("--json PATH: the file exists; name a new one")
     if args.worker:
-        worker(args)
+        if args.design == "calib":
+            calib_worker(args)
+        else:
+            worker(args)
         return 0
+    if args.calibrate:
+        return calibrate(args)
     rows: list[dict[str, Any]] = []
     for world in args.worlds:
         for design in args.designs:
@@ -316,7 +581,8 @@ def main() -> int:
             f"{r['peak_rss_mib']:>13.0f}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        with open(args.json, "x") as fh:
+            fh.write(json.dumps(rows, indent=1))
     return 0
 
 

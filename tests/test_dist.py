@@ -254,11 +254,15 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         if world > 1:
             assert all(len(r[f"{key}_held"]) < len(named) for r in res)
     # a constant number of collectives per step: the flag all-reduce, then a
-    # reduce-scatter and an all-gather per bucket (one bucket; more with tiny buckets)
+    # reduce-scatter and an all-gather per bucket (one byte bucket cut into two groups;
+    # more with tiny buckets), every bucket after the first updated while the previous
+    # one's all-gather was in flight
     for r in res:
-        assert r["owner_buckets"] == 1 and r["owner_collectives"] == 3
+        assert r["owner_buckets"] == 2 and r["owner_collectives"] == 5
+        assert r["owner_overlapped"] == 1
         assert r["owner_buckets_buckets"] >= 5  # 8 parameters, the small ones share
         assert r["owner_buckets_collectives"] == 1 + 2 * r["owner_buckets_buckets"]
+        assert r["owner_buckets_overlapped"] == r["owner_buckets_buckets"] - 1
 
 
 def test_three_ranks_uneven_match_single_process(tmp_path: Path) -> None:

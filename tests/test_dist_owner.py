@@ -53,7 +53,8 @@ def test_owner_moves_adamw_bytes_in_a_constant_number_of_collectives(
             table = case == "table"
             if table:  # the largest parameter: AdamW, split to even the owners out
                 assert own["pieces"] == world - 1
-                assert max(own["segments"][0]) - min(own["segments"][0]) <= 16
+                held = [sum(seg[q] for seg in own["segments"]) for q in range(world)]
+                assert max(held) - min(held) <= 16
             else:
                 assert own["pieces"] == 0
             shapes = 1 if table else int(case)
@@ -62,9 +63,13 @@ def test_owner_moves_adamw_bytes_in_a_constant_number_of_collectives(
             est = P.estimate(specs(shapes, table), world, "owner", P.Options(backend="gloo"))
             assert own["bytes_sent"] == pytest.approx(est.step_sent[rank])
             assert own["bytes_received"] == pytest.approx(est.step_received[rank])
-            # one bucket: the flag all-reduce, one reduce-scatter, one all-gather
-            assert own["buckets"] == 1
+            # one byte bucket cut into OVERLAP_GROUPS = 2 groups: the flag all-reduce, and
+            # per group one reduce-scatter and one all-gather, the second group updated
+            # while the first one's all-gather is in flight
+            assert own["buckets"] == P.OVERLAP_GROUPS == 2 == est.buckets
             assert own["collectives"] == 1 + 2 * own["buckets"] == est.exposed_collectives
+            assert own["overlapped"] == own["buckets"] - 1
+            assert gat["overlapped"] == 0
             assert own["full_tensor"] == own["functional"] == 0
             calls.add((own["collectives"], tuple(sorted(own["by_op"].items()))))
             if own["wrote"] is not None:  # and that is what went to the sockets
@@ -72,9 +77,18 @@ def test_owner_moves_adamw_bytes_in_a_constant_number_of_collectives(
                 assert own["bytes_sent"] <= own["wrote"] <= own["bytes_sent"] + extra
     # 1 shape or 6: the same collectives, in number and kind
     assert len(calls) == 1, calls
+    for rank, r in enumerate(res):  # overlap off: one bucket, nothing in flight, same bytes
+        sync, own = r["owner_6_sync"], r["owner_6"]
+        assert sync["param_diff"] < TOL and sync["state_diff"] < STATE_TOL
+        assert (sync["buckets"], sync["collectives"], sync["overlapped"]) == (1, 3, 0)
+        assert sync["bytes_sent"] == own["bytes_sent"]
+        assert sync["bytes_received"] == own["bytes_received"]
+        est = P.estimate(specs(6), world, "owner", P.Options(backend="gloo", overlap_groups=1))
+        assert sync["bytes_sent"] == pytest.approx(est.step_sent[rank])
+        assert est.exposed_collectives == 3
     for r in res:  # NCCL's branches for equal segments, run on gloo: the same numbers
         nccl = r["nccl_branches"]
-        assert nccl["segments"] == r["owner_6"]["segments"]
+        assert nccl["segments"] == r["owner_6_sync"]["segments"]
         assert len(set(nccl["segments"][0])) == 1
         assert nccl["by_op"] == {
             "all_reduce": 1,

@@ -10,8 +10,11 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from rootopt.distributed import plan as P
@@ -129,15 +132,55 @@ def test_owner_design_moves_adamw_bytes_and_a_constant_number_of_collectives() -
     assert own.vs_adamw == pytest.approx(1.0, abs=0.03)
     gat = P.estimate(specs, W, "gather", opts)
     assert gat.bytes_per_rank == pytest.approx(3 * f * n * 4 + flags, rel=0.03)
-    assert own.collectives == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
-    # more shapes and more matrices, same bytes in one bucket: the same three collectives
+    # one byte bucket cut into OVERLAP_GROUPS (2) groups: the all-gather of the first in
+    # flight while the second is orthogonalized; 2 collectives per group
+    assert P.OVERLAP_GROUPS == 2 and own.buckets == 2
+    assert own.collectives == {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 2}
+    # more shapes and more matrices, same bytes in one bucket: the same five collectives
     many = [P.ParamSpec(f"x{i}", (8 + i, 16)) for i in range(200)]
     assert P.estimate(many, W, "owner", opts).collectives == own.collectives
-    # smaller buckets: 1 flag all-reduce + (reduce-scatter, all-gather) per bucket
+    # without overlap: one bucket, three collectives, the same bytes on every rank
+    one = P.estimate(specs, W, "owner", replace(opts, overlap_groups=1))
+    assert one.collectives == {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}
+    assert one.step_sent.tolist() == own.step_sent.tolist()
+    assert one.step_received.tolist() == own.step_received.tolist()
+    # smaller buckets: 1 flag all-reduce + (reduce-scatter, all-gather) per bucket; with
+    # at least OVERLAP_GROUPS byte buckets nothing is cut further
     small = P.estimate(specs, W, "owner", P.Options(bucket_bytes=64 * 64 * 4 * 8))
-    assert small.buckets > 1
+    assert small.buckets > 2
+    assert small.buckets == P.estimate(specs, W, "owner", P.Options(
+        bucket_bytes=64 * 64 * 4 * 8, overlap_groups=1)).buckets  # fmt: skip
     assert small.total_collectives == 1 + 2 * small.buckets
     assert small.vs_adamw == pytest.approx(1.0, abs=0.03)
+
+
+def test_overlap_groups_split_each_rank_by_cost_and_enter_the_digest() -> None:
+    # 6 matrices of one shape and 2 AdamW vectors at W = 2: each rank owns 3 matrices;
+    # group 0 holds its AdamW items and the first ~half of its Newton–Schulz cost
+    items = _items([(32, 16)] * 6, [40, 24])
+    lay = P.owner_layout(items, 2, 1 << 30, groups=2)
+    assert len(lay.buckets) == 2 and lay.groups == 2
+    flat = P.owner_layout(items, 2, 1 << 30)
+    assert len(flat.buckets) == 1
+    assert lay.owner == flat.owner and lay.items == flat.items  # owners do not move
+    g0, g1 = ({lay.items[i].name for i in b.items} for b in lay.buckets)
+    assert {"a0", "a1"} <= g0 and not g1 & {"a0", "a1"}
+    for r in range(2):
+        mats = [lay.items[i] for i in lay.owned(r) if lay.items[i].root]
+        assert len(mats) == 3
+        n0 = sum(1 for m in mats if m.name in g0)
+        assert n0 == 1, (r, n0)  # cost midpoints 1/6, 1/2, 5/6 of the rank's total
+    # the same owners' segments, summed over the groups
+    for r in range(2):
+        assert sum(b.segments[r] for b in lay.buckets) == flat.buckets[0].segments[r]
+    # the grouping is part of what ranks agree on
+    assert lay.digest() != flat.digest()
+    assert P.owner_layout(items, 2, 1 << 30, groups=2).digest() == lay.digest()
+    # more groups than there is work: empty groups are left out, never empty buckets
+    tiny = P.owner_layout(_items([(8, 8)]), 2, 1 << 30, groups=4)
+    assert [b.numel for b in tiny.buckets] == [64]
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        P.owner_layout(items, 2, 1 << 30, groups=0)
 
 
 def test_today_gather_pads_rounds_of_one_big_matrix() -> None:
@@ -310,3 +353,180 @@ def test_cli_refuses_bad_input_and_existing_files(
     assert main(["plan", "--model", "llama3-8b", "--worlds", "8", "--verdict", "none"]) == 0
     printed = capsys.readouterr().out
     assert "     8 owner " in printed and "verdict" not in printed
+
+
+def _cpu_hw(**kw: object) -> P.Hardware:
+    links = {"all_gather": (3e-4, 4e8), "all_to_all": (2e-4, 1e9), "all_reduce": (1e-4, 1.2e9)}
+    args: dict[str, object] = dict(
+        ns_flops_per_s=1e11, memory_bytes_per_s=1e10, clip_s_per_element=3e-9, links=links,
+        compute_units=2,
+    )  # fmt: skip
+    args.update(kw)
+    return P.measured_hardware("cpu", **args)  # type: ignore[arg-type]
+
+
+def test_elementwise_bytes_per_element_follow_the_code() -> None:
+    """The passes of optim.functional / optim.adamw / DistributedROOT, counted by hand."""
+    f32 = P.Options(backend="gloo")
+    # momentum: torch.add(g, buf, out=buf) 3 x 4 B; Nesterov g + mu buf 3 x 4 B
+    assert P.momentum_bytes(f32) == 24
+    # apply_: p *= c (read, write), p += a U (read p, U; write p)
+    assert P.apply_bytes(f32) == 20
+    assert P.root_state_bytes(f32) == 44  # 11 float32 passes
+    assert P.adamw_bytes(f32) == 80  # 20 float32 passes
+    # cat (read, write), div_ (read, write), copy_ back (read, write)
+    assert P.average_grads_bytes(f32) == 24
+    # bf16 gradients and parameters on a GPU: conversions, and momentum as two _foreach
+    bf16 = P.Options(grad_bytes=2, param_bytes=2, backend="nccl")
+    assert P.momentum_bytes(bf16) == (2 + 4) + 5 * 4 + 3 * 4
+    assert P.apply_bytes(bf16) == (2 + 4) + 8 + 12 + (4 + 2)
+    assert P.adamw_bytes(bf16) == 2 * (2 + 4) + (2 + 4) + 80
+    assert P.average_grads_bytes(bf16) == (2 + 4) + 8 + 8 + (4 + 2)
+
+
+def test_traffic_of_each_design_on_a_tiny_model() -> None:
+    """Bytes read + written per rank, one 8x8 ROOT matrix and a 10-element AdamW vector
+    at W = 2 on gloo (float32), worked out by hand from DistributedROOT's code."""
+    specs = [P.ParamSpec("m", (8, 8)), P.ParamSpec("b", (10,), "adamw")]
+    o = P.Options(backend="gloo", overlap_groups=1)
+    # owner: one bucket, segments [64 (the matrix), 10 (the vector)], uneven: per rank
+    # params into send and back 2*4*74; send repeated W times 4*seg*3; the bucket zeroed
+    # and filled 3*4*74; div_ 2*4*seg; the W received segments summed 4*seg*3; the update
+    e = P.estimate(specs, 2, "owner", o)
+    assert [b.segments for b in e_layout(specs, o)] == [(64, 10)]
+    r0 = 592 + 768 + 888 + 512 + 768 + 44 * 64
+    r1 = 592 + 120 + 888 + 80 + 120 + 80 * 10
+    assert e.traffic.tolist() == [r0, r1] == [6344, 2600]
+    # gather: every rank averages all 74 gradients (24 B each), momentum + update of the
+    # matrix, AdamW of the vector; one round: zeros(64) and the owner's 64 updates copied
+    e = P.estimate(specs, 2, "gather", o)
+    assert e.elements.tolist() == [64, 0]
+    assert e.traffic.tolist() == [
+        74 * 24 + 64 * 44 + 10 * 80 + 4 * 64 + 8 * 64,
+        74 * 24 + 64 * 44 + 10 * 80 + 4 * 64,
+    ]
+    # replicated: no optimizer copies
+    e = P.estimate(specs, 2, "replicated", o)
+    assert e.traffic.tolist() == [64 * 44 + 10 * 80] * 2
+    # fsdp: shards of 4 rows (32 elements) and 5 AdamW elements; momentum + update + cat
+    # into the send buffer per shard element; the owner's two cats of the whole matrix
+    e = P.estimate(specs, 2, "fsdp", o)
+    owner = int(e.elements.argmax())
+    want = [32 * (44 + 8) + 5 * 80] * 2
+    want[owner] += 16 * 64
+    assert e.traffic.tolist() == want
+
+
+def e_layout(specs: list[P.ParamSpec], o: P.Options) -> tuple[P.Bucket, ...]:
+    items = P.items_from_specs(specs, o.ns_steps, o.grad_bytes)
+    return P.owner_layout(items, 2, o.bucket_bytes, o.overlap_groups).buckets
+
+
+def test_exposed_bytes_split_by_link_kind() -> None:
+    """Every exposed byte and every issued collective belongs to one link kind; on gloo the
+    owner's reduce-scatter and uneven all-gather run as all-to-alls."""
+    specs = [P.ParamSpec(f"m{i}", (64, 32 + 8 * i)) for i in range(5)]
+    specs.append(P.ParamSpec("emb", (500, 32), "adamw"))
+    for design in ("owner", "gather", "fsdp", "gram"):
+        for backend in ("gloo", "nccl"):
+            e = P.estimate(specs, 3, design, P.Options(backend=backend))  # type: ignore[arg-type]
+            assert set(e.exposed_kind) <= set(P.LINK_KINDS)
+            total = sum(e.exposed_kind.values(), np.zeros(3))
+            assert total == pytest.approx(e.exposed)
+            assert sum(e.collectives_kind.values()) == e.exposed_collectives
+    e = P.estimate(specs, 3, "owner", P.Options(backend="gloo"))
+    uneven = sum(1 for b in e_layout_w(specs, 3) if not b.even)
+    assert e.collectives_kind["all_to_all"] == len(e_layout_w(specs, 3)) + uneven
+    assert e.collectives_kind["all_reduce"] == 1  # the flags
+
+
+def e_layout_w(specs: list[P.ParamSpec], w: int) -> tuple[P.Bucket, ...]:
+    o = P.Options(backend="gloo")
+    items = P.items_from_specs(specs, o.ns_steps, o.grad_bytes)
+    return P.owner_layout(items, w, o.bucket_bytes, o.overlap_groups).buckets
+
+
+def test_calibration_arithmetic_from_measured_constants() -> None:
+    """benchmarks/bench_dist.py --calibrate: constants → Hardware → the GPU verdicts' own
+    step_time; the shared-cores term; per-kind links; the latency/link fit. No timing."""
+    specs = [P.ParamSpec(f"m{i}", (256, 64)) for i in range(4)]
+    specs.append(P.ParamSpec("emb", (1000, 64), "adamw"))
+    hw = _cpu_hw()
+    assert hw.ns_efficiency == 1.0 and hw.compute_units == 2
+    assert hw.memory_bw == 1e10
+    assert hw.clip_passes == pytest.approx(3e-9 * 1e10 / 4)
+    assert hw.link_of("all_gather") == (3e-4, 4e8)
+    for W, share in ((2, 1.0), (3, 2 / 3), (4, 0.5)):
+        e = P.estimate(specs, W, "owner", P.Options(backend="gloo"))
+        t = P.step_time(e, hw)
+        per_rank = e.flops / 1e11 + e.elements * 3e-9 + e.traffic / 1e10
+        b = int(per_rank.argmax())
+        assert t.ns == pytest.approx(e.flops[b] / 1e11 / share)
+        assert t.elementwise == pytest.approx((e.elements[b] * 3e-9 + e.traffic[b] / 1e10) / share)
+        links = {"all_gather": 4e8, "all_to_all": 1e9, "all_reduce": 1.2e9}
+        lats = {"all_gather": 3e-4, "all_to_all": 2e-4, "all_reduce": 1e-4}
+        wire = sum(v / links[k] for k, v in e.exposed_kind.items())
+        assert t.comm == pytest.approx(float(wire.max()))
+        assert t.latency == pytest.approx(sum(n * lats[k] for k, n in e.collectives_kind.items()))
+        assert t.optimizer == pytest.approx(t.ns + t.elementwise + t.comm + t.latency)
+        assert t.ns > 0 and t.comm > 0 and e.traffic.min() > 0
+    # the H100: one link and one latency for every kind, no sharing
+    assert math.isinf(P.H100.compute_units) and P.H100.links == ()
+    e = P.estimate(specs, 4, "owner", P.Options())
+    t = P.step_time(e, P.H100)
+    assert t.comm == pytest.approx(float((e.exposed / P.H100.link).max()))
+    assert t.latency == pytest.approx(e.exposed_collectives * P.H100.latency)
+    # t = 200 µs + bytes / 1 GB/s, measured at four sizes
+    pts = [(n, 2e-4 + n / 1e9) for n in (4096, 1 << 16, 1 << 20, 1 << 24)]
+    lat, link = P.fit_link(pts)
+    assert lat == pytest.approx(2e-4 + 4096 / 1e9)
+    assert link == pytest.approx(1e9, rel=1e-9)
+    for bad in (math.nan, 0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="ns_flops_per_s must be positive and finite"):
+            _cpu_hw(ns_flops_per_s=bad)
+        with pytest.raises(ValueError, match="all_gather link must be positive and finite"):
+            _cpu_hw(links={"all_gather": (1e-4, bad), "all_to_all": (1, 1), "all_reduce": (1, 1)})
+    with pytest.raises(ValueError, match="links: no constants for all_reduce"):
+        _cpu_hw(links={"all_gather": (1e-4, 1e9), "all_to_all": (1e-4, 1e9)})
+    with pytest.raises(ValueError, match="does not grow"):
+        P.fit_link([(1, 1e-3), (2, 1e-3)])
+
+
+def _bench_dist() -> Any:
+    sys.path.insert(0, str(ROOT_DIR / "benchmarks"))
+    try:
+        import bench_dist
+    finally:
+        sys.path.pop(0)
+    return bench_dist
+
+
+def test_calibration_constants_measured_here_are_positive_and_finite() -> None:
+    """The microbenchmark of the calibration, on a tiny model: positive, finite rates."""
+    import argparse
+
+    args = argparse.Namespace(d_model=32, layers=1, vocab=64)
+    c = _bench_dist().compute_constants(args, reps=1)
+    assert set(c) == {"ns_flops_per_s", "memory_bytes_per_s", "clip_s_per_element"}
+    for v in c.values():
+        assert math.isfinite(v) and v > 0
+    links = {k: (1e-4, 1e9) for k in P.LINK_KINDS}
+    hw = P.measured_hardware("here", links=links, compute_units=2, **c)
+    assert hw.flops == c["ns_flops_per_s"] and hw.memory_bw == c["memory_bytes_per_s"]
+
+
+def test_bench_dist_json_refuses_an_existing_file(tmp_path: Path) -> None:
+    """--json names a file we would write: an existing one is refused before any run
+    (status 2, one line), and left as it was."""
+    out = tmp_path / "mine.json"
+    out.write_text("mine")
+    tiny = ["--worlds", "1", "--designs", "adamw", "--d-model", "16", "--layers", "1"]
+    tiny += ["--vocab", "32", "--steps", "1", "--warmup", "0"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT_DIR / "benchmarks" / "bench_dist.py"), *tiny, "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--json PATH: the file exists; name a new one" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert out.read_text() == "mine"

@@ -74,11 +74,11 @@ def reference(shapes: int, table: bool, x: torch.Tensor) -> tuple[Model, rootopt
     return model, opt
 
 
-def measure(shapes: int, design: str, table: bool = False) -> dict[str, Any]:
+def measure(shapes: int, design: str, table: bool = False, overlap: bool = True) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Model(shapes, table)
-    kw: dict[str, Any] = {"average_grads": True, "ddp_design": design}
+    kw: dict[str, Any] = {"average_grads": True, "ddp_design": design, "overlap": overlap}
     opt = DistributedROOT(groups(model), **HYPER, **kw)
     x = torch.randn(BATCH, 48, generator=torch.Generator().manual_seed(1))
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]
@@ -113,6 +113,7 @@ def measure(shapes: int, design: str, table: bool = False) -> dict[str, Any]:
     res["n_params"] = len(list(model.parameters()))
     res["shapes"] = len({tuple(p.shape) for p in model.mats})
     res["buckets"] = len(opt.owner_layout.buckets) if opt.owner_layout else 0
+    res["overlapped"] = opt.stats.overlapped
     res["segments"] = (
         [list(b.segments) for b in opt.owner_layout.buckets] if opt.owner_layout else []
     )
@@ -140,13 +141,14 @@ def main() -> None:
             payload[f"{design}_{shapes}"] = measure(shapes, design)
     for design in ("gather", "owner"):
         payload[f"{design}_table"] = measure(1, design, table=True)
+    payload["owner_6_sync"] = measure(6, "owner", overlap=False)  # one bucket, waited for
     # the branches NCCL takes for equal segments (reduce_scatter_tensor,
     # all_gather_into_tensor), run on gloo, which has both for equal parts; its missing
     # uneven all_gather is why gloo takes all-to-alls otherwise
     real = DistributedROOT._backend
     DistributedROOT._backend = lambda self: "nccl"  # type: ignore[method-assign]
     try:
-        payload["nccl_branches"] = measure(6, "owner")
+        payload["nccl_branches"] = measure(6, "owner", overlap=False)
     finally:
         DistributedROOT._backend = real  # type: ignore[method-assign]
     payload["mismatch"] = mismatch()

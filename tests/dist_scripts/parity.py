@@ -126,6 +126,7 @@ def main() -> None:
         res[f"{key}_ns_matrices"] = opt.stats.ns_matrices
         res[f"{key}_collectives"] = sum(opt.stats.collectives.values())
         res[f"{key}_buckets"] = len(opt.owner_layout.buckets) if opt.owner_layout else 0
+        res[f"{key}_overlapped"] = opt.stats.overlapped
         res[f"{key}_held"] = sorted(
             n
             for n, p in model.named_parameters()

@@ -358,6 +358,7 @@ class PendingCollective:
         self.rank = rank
         self.size = size
         self.start = time.monotonic()
+        self.keep: tuple[Any, ...] = ()  # tensors the collective reads until it completes
 
     def wait(self) -> None:
         if self.work is None:
@@ -372,6 +373,7 @@ class PendingCollective:
             ) from exc
         finally:
             self.work = None
+            self.keep = ()
 
 
 def _failure(

@@ -60,10 +60,31 @@ DDP_BUCKET_BYTES = 25 * MiB  # torch DistributedDataParallel(bucket_cap_mb=25)
 # The smallest piece an AdamW parameter is split into in the owner layout (elements): below
 # it the bytes saved do not pay for another copy per step.
 MIN_PIECE = 4096
+# Bucket groups of the owner design when overlap is on: a step is cut into at least this
+# many buckets, so that the all-gather of one is in flight while the next one's matrices
+# are orthogonalized (docs/distributed.md, "Overlap"). A constant: collectives per step do
+# not grow with the number of shapes or matrices.
+OVERLAP_GROUPS = 2
 # The exact quantile of a matrix that stays split (``gram``): radix select on the 32-bit
 # keys, 8 bits per pass, each pass an all-reduce of a 256-bin int64 histogram.
 QUANTILE_PASSES = 4
 QUANTILE_BINS = 256
+# float32 passes over each ROOT element its owner thresholds that are not streaming passes
+# counted in Estimate.traffic: the quantile selection (~4) and the clamp (2). The
+# streaming passes (momentum, Nesterov, decay and update, AdamW, copies) are counted per
+# design from the code (momentum_bytes, apply_bytes, ...).
+CLIP_PASSES = 6.0
+# The link constants of the time model, one per collective primitive: gloo's all-gather,
+# all-to-all and all-reduce run different algorithms at measured rates 2-3x apart
+# (docs/distributed.md, "Calibration of the time model"). A reduce-scatter is charged at
+# the all-to-all's rate (the owner design runs it as one on gloo).
+LINK_KINDS = ("all_gather", "all_to_all", "all_reduce")
+LINK_OF = {
+    "all_gather": "all_gather",
+    "all_to_all": "all_to_all",
+    "reduce_scatter": "all_to_all",
+    "all_reduce": "all_reduce",
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,13 +225,15 @@ class OwnerLayout:
     items: tuple[LayoutItem, ...]
     buckets: tuple[Bucket, ...]
     owner: tuple[int, ...]  # per item (layout position)
+    groups: int = 1  # the fewest buckets a step is cut into (OVERLAP_GROUPS with overlap)
 
     def digest(self) -> str:
         """A hash of everything a rank's collectives depend on: world size, bucket
-        limit, every item (index, name, size, dtype key) and its bucket, owner and
-        offset. Ranks that compute different layouts would issue mismatched collectives."""
+        limit, bucket groups, every item (index, name, size, dtype key) and its bucket,
+        owner and offset. Ranks that compute different layouts would issue mismatched
+        collectives."""
         h = hashlib.sha256()
-        h.update(json.dumps([self.world, self.bucket_bytes]).encode())
+        h.update(json.dumps([self.world, self.bucket_bytes, self.groups]).encode())
         for it in self.items:
             h.update(json.dumps([it.index, it.name, it.start, it.numel, it.root, it.key]).encode())
         for b in self.buckets:
@@ -221,7 +244,9 @@ class OwnerLayout:
         return [i for i, o in enumerate(self.owner) if o == rank]
 
 
-def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> OwnerLayout:
+def owner_layout(
+    items: Sequence[LayoutItem], world: int, bucket_bytes: int, groups: int = 1
+) -> OwnerLayout:
     """Owner-aligned buckets for ``items`` at world size ``world``.
 
     Owners first, over the whole step: ROOT matrices by Newton–Schulz cost, the most
@@ -234,12 +259,21 @@ def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> 
     at most one piece of a parameter. Buckets next: per dtype key, the items in reverse
     optimizer order (about the order backward produces the gradients) cut into runs of at
     most ``bucket_bytes`` (at least one item each); in a bucket, rank r's segment holds the
-    items r owns, in that order. Deterministic (ties go to the lower rank / earlier item), so every rank
-    computes the same layout from the same items."""
+    items r owns, in that order. Deterministic (ties go to the lower rank / earlier item),
+    so every rank computes the same layout from the same items.
+
+    ``groups``: when the byte limit gives fewer than ``groups`` buckets, each is cut again
+    into ``ceil(groups / buckets)`` bucket groups, per rank: its AdamW items in the first
+    group (cheap to update, so their all-gather starts early), its ROOT matrices, in bucket
+    order, into groups of about equal Newton–Schulz cost. Then the all-gather of one group
+    overlaps the Newton–Schulz of the next (``DistributedROOT(overlap=True)``); a group
+    that holds nothing on any rank is left out. Owners and bytes per rank do not change."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
     owner = [0] * len(items)
     root = [i for i, it in enumerate(items) if it.root and it.numel > 0]
     for i, o in zip(root, assign_owners([items[i].cost for i in root], world)):
@@ -276,30 +310,64 @@ def owner_layout(items: Sequence[LayoutItem], world: int, bucket_bytes: int) -> 
     for i in order:
         if items[i].key not in keys:
             keys.append(items[i].key)
-    buckets: list[Bucket] = []
+    runs: list[list[int]] = []
     for key in keys:
         mine = [i for i in order if items[i].key == key and items[i].numel > 0]
         sizes = [items[i].numel * items[i].element_size for i in mine]
-        for run in cut_rounds(sizes, bucket_bytes):
-            chunk = [mine[j] for j in run]
-            by_rank: dict[int, list[int]] = {}
-            for i in chunk:
-                by_rank.setdefault(owner[i], []).append(i)
-            seq = [i for r in sorted(by_rank) for i in by_rank[r]]
-            segments = [0] * world
-            for i in chunk:
-                segments[owner[i]] += items[i].numel
-            offsets: list[int] = []
-            off = 0
-            for i in seq:
-                offsets.append(off)
-                off += items[i].numel
-            buckets.append(
-                Bucket(
-                    key, tuple(seq), tuple(owner[i] for i in seq), tuple(offsets), tuple(segments)
-                )
-            )
-    return OwnerLayout(world, bucket_bytes, tuple(items), tuple(buckets), tuple(owner))
+        runs += [[mine[j] for j in run] for run in cut_rounds(sizes, bucket_bytes)]
+    k = -(-groups // max(len(runs), 1))
+    buckets: list[Bucket] = []
+    for chunk in runs:
+        part = _group_parts(items, owner, chunk, k)
+        for g in range(k):
+            sub = [i for i in chunk if part[i] == g]
+            if sub:
+                buckets.append(_bucket(items, owner, sub, world))
+    return OwnerLayout(world, bucket_bytes, tuple(items), tuple(buckets), tuple(owner), groups)
+
+
+def _group_parts(
+    items: Sequence[LayoutItem], owner: Sequence[int], chunk: Sequence[int], k: int
+) -> dict[int, int]:
+    """The bucket group (0 .. k-1) of each item of one bucket: per owner, AdamW items in
+    group 0, ROOT matrices by the midpoint of their cumulative Newton–Schulz cost."""
+    part: dict[int, int] = {}
+    total: dict[int, float] = {}
+    for i in chunk:
+        if items[i].root:
+            total[owner[i]] = total.get(owner[i], 0.0) + items[i].cost
+    cum: dict[int, float] = {}
+    for i in chunk:
+        o, c = owner[i], items[i].cost
+        if k == 1 or not items[i].root or total.get(o, 0.0) <= 0.0:
+            part[i] = 0
+            continue
+        done = cum.get(o, 0.0)
+        part[i] = min(k - 1, int(k * (done + c / 2) / total[o]))
+        cum[o] = done + c
+    return part
+
+
+def _bucket(
+    items: Sequence[LayoutItem], owner: Sequence[int], chunk: Sequence[int], world: int
+) -> Bucket:
+    """One flat buffer for ``chunk``: rank 0's items first, then rank 1's, ..."""
+    by_rank: dict[int, list[int]] = {}
+    for i in chunk:
+        by_rank.setdefault(owner[i], []).append(i)
+    seq = [i for r in sorted(by_rank) for i in by_rank[r]]
+    segments = [0] * world
+    for i in chunk:
+        segments[owner[i]] += items[i].numel
+    offsets: list[int] = []
+    off = 0
+    for i in seq:
+        offsets.append(off)
+        off += items[i].numel
+    return Bucket(
+        items[seq[0]].key, tuple(seq), tuple(owner[i] for i in seq), tuple(offsets),
+        tuple(segments),
+    )  # fmt: skip
 
 
 def items_from_specs(
@@ -353,6 +421,8 @@ class Options:
     ``sync_in_backward``: the ``owner`` reduce-scatter starts from gradient hooks during
     backward, hidden like DDP's all-reduce, instead of at the start of the step.
     ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
+    ``overlap_groups``: the fewest buckets the ``owner`` step is cut into
+    (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without).
     """
 
     ns_steps: int = 5
@@ -367,6 +437,7 @@ class Options:
     sync_in_backward: bool = False
     fsdp_reshard_after_forward: bool = True
     gpus_per_node: int = 8
+    overlap_groups: int = OVERLAP_GROUPS
 
 
 @dataclass
@@ -404,6 +475,14 @@ class Estimate:
     adamw_bytes: float  # per rank and step: AdamW under the same wrapper (DDP or FSDP2)
     buckets: int = 0  # rounds (gather, fsdp) or buckets (owner)
     notes: list[str] = field(default_factory=list)
+    # bytes read + written per rank by the step's streaming elementwise passes (momentum,
+    # decay + update, AdamW, copies into and out of flat buffers, sums, divisions): every
+    # pass the code runs, not only the owner's (``_traffic_*`` below); the quantile and
+    # clamp of the ``elements`` a rank thresholds are charged separately (``clip_passes``)
+    traffic: Vec = field(default_factory=lambda: np.zeros(0))
+    # per link kind (:data:`LINK_KINDS`): exposed bytes per rank, and collectives issued
+    exposed_kind: dict[str, Vec] = field(default_factory=dict)
+    collectives_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def sent(self) -> Vec:
@@ -472,6 +551,59 @@ def _units(params: Sequence[ParamSpec]) -> int:
     return len(blocks) + 1
 
 
+# ---------------------------------------------------------------------------------------
+# elementwise traffic: bytes read + written per element by the passes the step runs
+# ---------------------------------------------------------------------------------------
+def _convert(a: int, b: int) -> int:
+    """A dtype conversion ``x.to(...)``: read ``a`` bytes, write ``b`` (none when equal)."""
+    return a + b if a != b else 0
+
+
+def momentum_bytes(o: Options) -> int:
+    """Per ROOT element, ``DistributedROOT._momentum_local`` → ``optim.functional.momentum_``:
+    the gradient in the state dtype (``g.to``), ``buf = g + mu buf`` (on the CPU one fused
+    ``torch.add(out=buf)``: read 2, write 1; elsewhere ``_foreach_mul_`` + ``_foreach_add_``:
+    2 + 3) and Nesterov's ``g + mu buf`` into a new tensor (read 2, write 1)."""
+    s = o.state_bytes
+    buf = 3 * s if o.backend == "gloo" else 5 * s
+    return _convert(o.grad_bytes, s) + buf + 3 * s
+
+
+def apply_bytes(o: Options) -> int:
+    """Per ROOT element, ``DistributedROOT._apply_local`` → ``optim.functional.apply_``:
+    ``p *= 1 - lr wd`` (read 1, write 1) and ``p -= lr s U`` (read p and the float32 U,
+    write p); a parameter below float32 goes through a float32 copy and back."""
+    pb = o.param_bytes
+    if pb >= 4:
+        return 2 * pb + 2 * pb + 4
+    return _convert(pb, 4) + 8 + 12 + _convert(4, pb)
+
+
+def adamw_bytes(o: Options) -> int:
+    """Per AdamW element, ``optim.adamw.adamw_`` (state in ``state_bytes``): decay
+    ``_foreach_mul_`` (2), ``lerp_`` of the first moment (3), ``mul_`` + ``addcmul_`` of the
+    second (2 + 3), ``sqrt`` into a new tensor, ``div_``, ``add_`` (2 + 2 + 2),
+    ``addcdiv_`` (read 3, write 1): 20 passes, plus the conversions of parameter (there and
+    back) and gradient when they are not in the state dtype."""
+    s = o.state_bytes
+    return _convert(o.param_bytes, s) * 2 + _convert(o.grad_bytes, s) + 20 * s
+
+
+def root_state_bytes(o: Options) -> int:
+    """Per ROOT element: momentum + Nesterov + decay and update (what the ``gather`` and
+    ``replicated`` designs run for every matrix on every rank, the others for the elements
+    a rank holds)."""
+    return momentum_bytes(o) + apply_bytes(o)
+
+
+def average_grads_bytes(o: Options) -> int:
+    """Per element of every gradient, ``DistributedROOT._average_grads``: ``g.float()``
+    and ``torch.cat`` into the float32 bucket (read, write), ``flat.div_`` (read, write),
+    ``g.copy_`` back (read float32, write ``grad_bytes``)."""
+    g = o.grad_bytes
+    return _convert(g, 4) + (4 if g != 4 else g) + 4 + 8 + 4 + g
+
+
 def estimate(
     params: Sequence[ParamSpec],
     world: int,
@@ -515,6 +647,7 @@ def estimate(
         elements=zeros(),
         memory=zeros(),
         adamw_bytes=0.0,
+        traffic=zeros(),
     )
     ddp = 2 * (W - 1) / W * P_all * o.grad_bytes
     ddp_colls = max(1, math.ceil(P_all * o.grad_bytes / o.ddp_bucket_bytes)) if W > 1 else 0
@@ -525,6 +658,10 @@ def estimate(
         _sync(est, "all_reduce", ddp, ddp_colls)
         est.flops += sum(ns_flops(p, o.ns_steps) for p in roots)
         est.elements += est.root_params
+        # every rank: momentum, decay and update of every matrix, AdamW of the rest (the
+        # same functions as DistributedROOT's, optim.functional / optim.adamw)
+        est.traffic += est.root_params * root_state_bytes(o)
+        est.traffic += (P_all - est.root_params) * adamw_bytes(o)
         state = sum(_state_bytes(p, o) for p in specs)
         ws = max((_ns_workspace(*_view(p), o.ns_bytes) for p in roots), default=0.0)
         est.memory += state + ws
@@ -553,11 +690,26 @@ def _sync(est: Estimate, kind: str, nbytes: float, colls: int) -> None:
 
 
 def _issue(
-    est: Estimate, kind: str, sent: Vec, received: Vec, *, sync: bool = False, exposed: bool = True
+    est: Estimate,
+    kind: str,
+    sent: Vec,
+    received: Vec,
+    *,
+    sync: bool = False,
+    exposed: bool = True,
+    link: str | None = None,
 ) -> None:
-    """One collective issued by the optimizer on every rank."""
+    """One collective issued by the optimizer on every rank. ``link``: the primitive that
+    runs it, for the per-kind link constants (:data:`LINK_KINDS`; default: from ``kind``)
+    — on gloo the owner design's reduce-scatter and uneven all-gather are all-to-alls."""
     if est.world == 1:
         return
+    lk = link or LINK_OF[kind]
+    est.collectives_kind[lk] = est.collectives_kind.get(lk, 0) + 1
+    if exposed:
+        est.exposed_kind[lk] = est.exposed_kind.get(lk, np.zeros(est.world)) + np.maximum(
+            sent, received
+        )
     est.step_sent += sent
     est.step_received += received
     if sync:
@@ -594,12 +746,17 @@ def _gather(
         # the optimizer's own bucketed float32 all-reduce of every gradient (in the
         # optimizer's order: ROOT matrices and AdamW parameters as they come)
         est.adamw_bytes = 2 * (W - 1) / W * est.params * 4
+        est.traffic += est.params * average_grads_bytes(o) if W > 1 else 0.0
         for rnd in cut_rounds([4 * p.numel for p in specs], o.bucket_bytes):
             n = sum(specs[i].numel for i in rnd)
             s, r = collective_bytes_ranks("all_reduce", o.backend, W, numel=n)
             _issue(est, "all_reduce", s, r)
     else:
         _sync(est, "all_reduce", ddp, ddp_colls)
+    # DistributedROOT.step: _adamw_local and _momentum_local on every parameter on every
+    # rank; _finish_gather → _apply_local: decay + update of every matrix on every rank
+    R = sum(p.numel for p in roots)
+    est.traffic += R * root_state_bytes(o) + (est.params - R) * adamw_bytes(o)
     views = [_view(p) for p in roots]
     order = round_order([(v[1], v[2]) for v in views])
     rounds = cut_rounds([4 * roots[i].numel for i in order], o.bucket_bytes)
@@ -618,6 +775,8 @@ def _gather(
         width = max(sizes)  # every rank's part padded to the largest
         s, r = collective_bytes_ranks("all_gather_into_tensor", o.backend, W, numel=width)
         _issue(est, "all_gather", s, r)
+        if W > 1:  # _root_replicated: torch.zeros(width), the owner's updates copied in
+            est.traffic += 4.0 * width + 8.0 * np.asarray(sizes, dtype=np.float64)
         peak_round = max(peak_round, 4.0 * width * (W + 1))
     est.buckets = len(rounds)
     state = sum(_state_bytes(p, o) for p in specs)
@@ -630,15 +789,31 @@ def _owner(
 ) -> None:
     W = est.world
     items = items_from_specs(specs, o.ns_steps, o.grad_bytes)
-    layout = owner_layout(items, W, o.bucket_bytes)
+    layout = owner_layout(items, W, o.bucket_bytes, o.overlap_groups)
     est.buckets = len(layout.buckets)
     _flags(est, len(specs), o.backend)
     if not o.average_grads:
         _sync(est, "all_reduce", ddp, ddp_colls)
     copies = W if o.backend == "gloo" else 1
+    gloo = o.backend == "gloo"
+    gb, pb = o.grad_bytes, o.param_bytes
     peaks: list[tuple[float, Vec]] = []
     for b in layout.buckets:
         seg = np.asarray(b.segments, dtype=np.float64)
+        if W > 1:
+            # DistributedROOT._owner_bucket: the owner's parameters copied into ``send``,
+            # and after the all-gather every other owner's copied into the parameters;
+            # on gloo an uneven all-gather first repeats ``send`` W times
+            # (_start_gather_flat)
+            est.traffic += 2 * pb * seg + 2 * pb * (b.numel - seg)
+            if gloo and not b.even:
+                est.traffic += pb * seg * (1 + W)
+        if o.average_grads and W > 1:
+            # the flat bucket zeroed and every gradient copied in, then this rank's segment
+            # divided by W; on gloo the W received segments summed (_reduce_scatter_flat)
+            est.traffic += 3 * gb * b.numel + 2 * gb * seg
+            if gloo:
+                est.traffic += (W + 1) * gb * seg
         if o.average_grads:
             if o.backend == "gloo":
                 # all_to_all_single: rank r sends segment j to rank j, sums what it receives
@@ -651,7 +826,10 @@ def _owner(
                 s, r = collective_bytes_ranks(
                     "reduce_scatter", o.backend, W, sizes=b.segments, element_size=o.grad_bytes
                 )
-            _issue(est, "reduce_scatter", s, r, sync=True, exposed=not o.sync_in_backward)
+            _issue(
+                est, "reduce_scatter", s, r, sync=True, exposed=not o.sync_in_backward,
+                link="all_to_all",
+            )  # fmt: skip
         if b.even:
             s, r = collective_bytes_ranks(
                 "all_gather_into_tensor",
@@ -667,7 +845,8 @@ def _owner(
             s, r = collective_bytes_ranks(
                 "all_gather", o.backend, W, sizes=b.segments, element_size=o.param_bytes
             )
-        _issue(est, "all_gather", s, r, sync=o.average_grads)
+        link = "all_to_all" if gloo and not b.even else "all_gather"
+        _issue(est, "all_gather", s, r, sync=o.average_grads, link=link)
         per_rank = b.numel * (o.grad_bytes + o.param_bytes) + copies * seg * (
             o.grad_bytes + o.param_bytes
         )
@@ -680,6 +859,10 @@ def _owner(
     for it, ow in zip(layout.items, layout.owner):
         p = specs[it.index]
         state[ow] += _state_bytes(p, o) * it.numel / p.numel
+        # the owner's update: _momentum_local + _apply_local, or _adamw_local/_adamw_piece
+        est.traffic[ow] += it.numel * (
+            root_state_bytes(o) if p.algorithm == "root" else adamw_bytes(o)
+        )
         if p.algorithm == "root":
             est.flops[ow] += ns_flops(p, o.ns_steps)
             est.elements[ow] += p.numel
@@ -756,12 +939,20 @@ def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> 
         n = o.ns_steps + QUANTILE_PASSES
         est.collectives["all_reduce"] = est.collectives.get("all_reduce", 0) + n
         est.exposed_collectives += n
+        est.collectives_kind["all_reduce"] = est.collectives_kind.get("all_reduce", 0) + n
         est.notes.append(f"{gram_groups} matrices split over up to {max(split)} ranks")
     shard = np.zeros(W)
     for p in specs:
         per_row = p.numel // max(p.shape[0], 1)
         mult = 1 if p.algorithm == "root" else 2
-        shard += o.state_bytes * mult * per_row * _chunks(p.shape[0], W)
+        rows = per_row * _chunks(p.shape[0], W)
+        shard += o.state_bytes * mult * rows
+        # DistributedROOT._root_sharded on the local shards: momentum, decay + update
+        # (and the shard copied into the send buffer, ``torch.cat``), or AdamW
+        est.traffic += rows * (root_state_bytes(o) + 8 if p.algorithm == "root" else adamw_bytes(o))
+    # the owner rebuilds each matrix from its W shards and cuts the update into rows for
+    # them: two ``torch.cat`` copies (read, write float32) of the elements it owns
+    est.traffic += 16.0 * est.elements
     est.memory += shard + peak + ws
 
 
@@ -774,8 +965,15 @@ class Hardware:
     receives) between nodes in a large collective; ``node_link``: the same inside a node;
     ``latency``: seconds per collective; ``flops``: peak matmul rate in the Newton–Schulz
     dtype; ``ns_efficiency``: the fraction of it Newton–Schulz reaches; ``memory_bw``:
-    bytes/s for the elementwise passes (momentum, quantile, update). ``sources``: where
-    each number comes from."""
+    bytes/s (read + written) of a streaming elementwise pass, charged for
+    ``Estimate.traffic``; ``clip_passes``: float32 passes at ``memory_bw`` that the
+    quantile selection and clamp cost per thresholded element. ``compute_units``:
+    independent compute units the ranks of one node share (CPU cores with one thread per
+    rank; infinite for one GPU per rank): a rank computes at ``min(1, compute_units /
+    ranks on its node)`` of ``flops`` and ``memory_bw``. ``links``: per collective kind
+    (:data:`LINK_KINDS`) its own ``(latency s, bytes/s)``, used instead of ``latency`` and
+    ``link`` for that kind (empty: one link for all). ``sources``: where each number
+    comes from."""
 
     name: str
     link: float
@@ -786,6 +984,16 @@ class Hardware:
     memory_bw: float
     memory: float = math.inf  # device memory per rank, bytes
     sources: tuple[str, ...] = ()
+    compute_units: float = math.inf
+    clip_passes: float = CLIP_PASSES
+    links: tuple[tuple[str, float, float], ...] = ()  # (kind, latency s, bytes/s)
+
+    def link_of(self, kind: str) -> tuple[float, float]:
+        """``(latency s, bytes/s)`` of a collective of ``kind`` between nodes."""
+        for k, lat, bw in self.links:
+            if k == kind:
+                return lat, bw
+        return self.latency, self.link
 
 
 # NVIDIA H100 SXM5 in DGX/HGX H100 nodes of 8 GPUs.
@@ -806,6 +1014,10 @@ H100 = Hardware(
         "direction (same datasheet); 80 % of either reached by large collectives (assumed)",
         "50 µs per collective launch at 1,024 ranks (assumed)",
         "Newton–Schulz GEMMs at 60 % of the bf16 peak (assumed)",
+        "elementwise passes (momentum, update, AdamW, bucket copies: bytes read + written "
+        "counted per design from the code) at the HBM3 3.35 TB/s of the datasheet; "
+        "quantile + clamp 6 float32 passes per thresholded element (assumed); one link "
+        "for every collective kind (NCCL's bus bandwidth, above)",
     ),
 )
 
@@ -840,15 +1052,10 @@ def train_flops_per_token(
     return 6.0 * n + 6.0 * layers * d_model * seq_len
 
 
-# float32 passes over each ROOT element on its owner: momentum (4), Nesterov (3), quantile
-# selection (~4), clamp (2), decay and update (4)
-ELEMENTWISE_PASSES = 17
-
-
 @dataclass
 class StepTime:
     ns: float  # critical-path Newton–Schulz seconds
-    elementwise: float  # momentum, quantile and update passes on the busiest rank
+    elementwise: float  # streaming passes (traffic) + quantile/clamp on the busiest rank
     comm: float  # communication not hidden behind backward, serial
     latency: float  # collectives issued by the step × latency
     fwd_bwd: float  # forward + backward of the model
@@ -875,19 +1082,99 @@ def step_time(
     backward (DDP's all-reduce, FSDP2's reduce-scatter and gathers; ``owner``'s
     reduce-scatter when it starts in backward) is not optimizer time."""
     W = est.world
-    compute = est.flops / (hw.flops * hw.ns_efficiency) + est.elements * (
-        4 * ELEMENTWISE_PASSES / hw.memory_bw
-    )
+    share = min(1.0, hw.compute_units / min(W, est.options.gpus_per_node))
+    traffic = est.traffic if est.traffic.size else np.zeros(W)
+    compute = (
+        est.flops / (hw.flops * hw.ns_efficiency)
+        + (est.elements * (4 * hw.clip_passes) + traffic) / hw.memory_bw
+    ) / share
     busiest = int(compute.argmax())
-    ns = float(est.flops[busiest]) / (hw.flops * hw.ns_efficiency)
+    ns = float(est.flops[busiest]) / (hw.flops * hw.ns_efficiency * share)
     elementwise = float(compute[busiest]) - ns
-    comm = float((est.exposed / hw.link + est.node / hw.node_link).max())
-    latency = est.exposed_collectives * hw.latency
+    # each kind's exposed bytes at its own link; what _issue did not attribute (none
+    # today) at the generic one
+    wire = est.node / hw.node_link
+    rest = est.exposed.copy()
+    for kind, nbytes in est.exposed_kind.items():
+        wire = wire + nbytes / hw.link_of(kind)[1]
+        rest = rest - nbytes
+    comm = float((wire + np.clip(rest, 0, None) / hw.link).max())
+    counted = sum(est.collectives_kind.values())
+    latency = sum(n * hw.link_of(k)[0] for k, n in est.collectives_kind.items())
+    latency += max(0, est.exposed_collectives - counted) * hw.latency
     fwd_bwd = 0.0
     if work is not None and flops_per_token:
         fwd_bwd = flops_per_token * work.tokens / (W * hw.flops * work.mfu)
     overlapped = max(float(compute[busiest]), comm) + latency
     return StepTime(ns, elementwise, comm, latency, fwd_bwd, overlapped)
+
+
+def measured_hardware(
+    name: str,
+    *,
+    ns_flops_per_s: float,
+    memory_bytes_per_s: float,
+    clip_s_per_element: float,
+    links: dict[str, tuple[float, float]],
+    compute_units: float,
+    sources: tuple[str, ...] = (),
+) -> Hardware:
+    """A :class:`Hardware` from measured constants of one machine (the calibration of
+    ``benchmarks/bench_dist.py --calibrate``): the Newton–Schulz rate one rank reaches
+    alone (``ns_efficiency`` 1: the rate is already what Newton–Schulz achieves), the
+    bytes/s of streaming elementwise passes (``memory_bw``), the seconds per thresholded
+    element of the quantile selection and clamp (turned into ``clip_passes`` float32
+    passes at that rate), ``(latency s, bytes/s)`` for each of :data:`LINK_KINDS`, and
+    the compute units the ranks share. Every constant must be positive and finite
+    (``compute_units`` may be infinite)."""
+    missing = [k for k in LINK_KINDS if k not in links]
+    if missing:
+        raise ValueError(f"links: no constants for {', '.join(missing)}")
+    checks = [
+        ("ns_flops_per_s", ns_flops_per_s),
+        ("memory_bytes_per_s", memory_bytes_per_s),
+        ("clip_s_per_element", clip_s_per_element),
+    ]
+    for k in LINK_KINDS:
+        checks += [(f"{k} latency", links[k][0]), (f"{k} link", links[k][1])]
+    for key, v in checks:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{key} must be positive and finite, got {v!r}")
+    if not compute_units > 0:
+        raise ValueError(f"compute_units must be positive, got {compute_units!r}")
+    lat, bw = links["all_to_all"]
+    return Hardware(
+        name=name,
+        link=bw,
+        node_link=bw,
+        latency=lat,
+        flops=ns_flops_per_s,
+        ns_efficiency=1.0,
+        memory_bw=memory_bytes_per_s,
+        sources=sources,
+        compute_units=compute_units,
+        clip_passes=clip_s_per_element * memory_bytes_per_s / 4,
+        links=tuple((k, links[k][0], links[k][1]) for k in LINK_KINDS),
+    )
+
+
+def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(latency s, link bytes/s)`` of ``t = latency + bytes / link`` from ``(bytes per
+    rank, seconds)`` measurements of single collectives: the latency is the time of the
+    smallest message, the link the least-squares slope of the others' time above it
+    (a line fitted through all points lets the large messages decide the intercept)."""
+    if len(points) < 2:
+        raise ValueError("need at least two (bytes, seconds) points")
+    pts = sorted(points)
+    latency = pts[0][1]
+    x = np.array([b - pts[0][0] for b, _ in pts[1:]], dtype=np.float64)
+    t = np.array([s - latency for _, s in pts[1:]], dtype=np.float64)
+    slope = float(x @ t / (x @ x)) if float(x @ x) > 0 else math.nan
+    if not (latency > 0 and math.isfinite(latency)):
+        raise ValueError(f"latency must be positive and finite, got {latency!r}")
+    if not (slope > 0 and math.isfinite(slope)):
+        raise ValueError(f"time does not grow with bytes (slope {slope!r}): no link rate")
+    return latency, 1.0 / slope
 
 
 def llama3_flops_per_token(model: str, seq_len: int = LLAMA3_WORKLOAD.seq_len) -> float:

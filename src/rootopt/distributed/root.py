@@ -17,7 +17,9 @@ Two layouts, chosen per parameter:
     parameters (with ``average_grads``; under DDP, whose gradients are already averaged,
     it is skipped), the owner updates them — momentum, whole-matrix threshold and
     Newton–Schulz for ROOT, AdamW ZeRO-1 style for the rest — and one all-gather of the
-    new parameters brings every rank up to date: DDP AdamW's bytes (Moonlight, arXiv
+    new parameters, started asynchronously and in flight while the next bucket is
+    updated (``overlap``; a step has at least ``OVERLAP_GROUPS`` buckets), brings every
+    rank up to date: DDP AdamW's bytes (Moonlight, arXiv
     2502.16982 §2.3), a constant number of collectives per step, and momentum / AdamW
     moments only on their owner. ``state_dict()`` gathers them (a collective: call it on
     every rank), so checkpoints hold the full state and load at any world size and in
@@ -54,7 +56,7 @@ from torch import Tensor
 
 from rootopt.distributed.group import PendingCollective, collective, start_collective, world
 from rootopt.distributed.owners import assign_owners, chunk_rows, ns_cost
-from rootopt.distributed.plan import Bucket, LayoutItem, OwnerLayout, owner_layout
+from rootopt.distributed.plan import OVERLAP_GROUPS, Bucket, LayoutItem, OwnerLayout, owner_layout
 from rootopt.optim._coefficients import coefficients_for, group_matrices
 from rootopt.optim._options import root_options
 from rootopt.optim.adamw import adamw_
@@ -110,6 +112,8 @@ class StepStats:
     bytes_sent: int = 0  # per rank, payload only (collective algorithms add their own)
     bytes_received: int = 0
     collectives: dict[str, int] = field(default_factory=dict)
+    # owner design: buckets updated while the all-gather of an earlier one was in flight
+    overlapped: int = 0
 
     def count(self, op: str, sent: int, received: int) -> None:
         self.collectives[op] = self.collectives.get(op, 0) + 1
@@ -165,6 +169,10 @@ class DistributedROOT(ROOT):
             wrapper it moves DDP AdamW's bytes) or ``"gather"`` (all-reduced gradients,
             owners' updates all-gathered, state on every rank). docs/distributed.md
             compares them.
+        overlap: ``owner`` design: cut the step into at least ``OVERLAP_GROUPS`` buckets
+            and start each bucket's all-gather asynchronously, so that it is in flight
+            while the next bucket is updated (default True; False: one all-gather after
+            each bucket's update, waited for at once).
 
     ``self.stats`` (:class:`StepStats`) describes this rank's last step.
     """
@@ -177,12 +185,15 @@ class DistributedROOT(ROOT):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         average_grads: bool = False,
         ddp_design: str = "owner",
+        overlap: bool = True,
         **kwargs: Any,
     ) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (must be an integer >= 1)")
         if not isinstance(average_grads, bool):
             raise ValueError(f"Invalid average_grads: {average_grads!r} (must be True or False)")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"Invalid overlap: {overlap!r} (must be True or False)")
         if ddp_design not in DDP_DESIGNS:
             raise ValueError(
                 f"Invalid ddp_design: {ddp_design!r} (choose {' or '.join(DDP_DESIGNS)})"
@@ -191,6 +202,7 @@ class DistributedROOT(ROOT):
         self.bucket_bytes = bucket_bytes
         self.average_grads = average_grads
         self.ddp_design = ddp_design
+        self.overlap = overlap
         self.stats = StepStats()
         self._layout: OwnerLayout | None = None
         self._ready = False
@@ -694,7 +706,8 @@ class DistributedROOT(ROOT):
             flat = self._flat()
             for index, st in full.items():
                 self.state[flat[index][2]].update(st)
-        layout = owner_layout(items, info.world_size, self.bucket_bytes)
+        groups = OVERLAP_GROUPS if self.overlap else 1
+        layout = owner_layout(items, info.world_size, self.bucket_bytes, groups)
         self._check_plan(layout, info.rank, info.world_size)
         self._layout = layout
         self._prune_state(info.rank)
@@ -723,7 +736,7 @@ class DistributedROOT(ROOT):
                 f"rank {rank}/{world_size}: the owner plan (digest {digest[:12]}) differs from "
                 f"that of rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))}; "
                 "build DistributedROOT with the same parameters (names, shapes, dtypes), "
-                "groups and bucket_bytes on every rank"
+                "groups, bucket_bytes and overlap on every rank"
             )
 
     def _prune_state(self, rank: int) -> None:
@@ -750,29 +763,42 @@ class DistributedROOT(ROOT):
     def _gather_flat(
         self, send: Tensor, segments: Sequence[int], rank: int, world_size: int, name: str
     ) -> Tensor:
-        """Every rank's segment, concatenated in rank order: ``all_gather_into_tensor`` when
-        the segments are equal; otherwise NCCL's uneven ``all_gather`` or, on gloo (which
-        has none), an ``all_to_all_single`` that sends the segment to every rank."""
+        """Every rank's segment, concatenated in rank order (waited for)."""
+        out, work = self._start_gather_flat(send, segments, rank, world_size, name)
+        work.wait()
+        return out
+
+    def _start_gather_flat(
+        self, send: Tensor, segments: Sequence[int], rank: int, world_size: int, name: str
+    ) -> tuple[Tensor, PendingCollective]:
+        """Start gathering every rank's segment, concatenated in rank order:
+        ``all_gather_into_tensor`` when the segments are equal; otherwise NCCL's uneven
+        ``all_gather`` or, on gloo (which has none), an ``all_to_all_single`` that sends the
+        segment to every rank. ``out`` is valid after ``wait()``."""
         total = sum(segments)
         out = torch.empty(total, dtype=send.dtype, device=send.device)
         e = send.element_size()
         seg = segments[rank]
+        group = self.process_group
         if len(set(segments)) == 1:
-            collective(name, dist.all_gather_into_tensor, out, send, group=self.process_group)
+            work = start_collective(name, dist.all_gather_into_tensor, out, send, group=group)
             self.stats.count("all_gather", e * seg * (world_size - 1), e * seg * (world_size - 1))
         elif self._backend() == "gloo":
-            collective(
-                name, dist.all_to_all_single, out, send.repeat(world_size), list(segments),
-                [seg] * world_size, group=self.process_group,
+            inp = send.repeat(world_size)
+            work = start_collective(
+                name, dist.all_to_all_single, out, inp, list(segments), [seg] * world_size,
+                group=group,
             )  # fmt: skip
+            work.keep = (inp,)
             self.stats.count("all_to_all", e * seg * (world_size - 1), e * (total - seg))
         else:
-            collective(
+            work = start_collective(
                 name, dist.all_gather, list(out.split_with_sizes(list(segments))), send,
-                group=self.process_group,
+                group=group,
             )  # fmt: skip
             self.stats.count("all_gather", e * seg * (world_size - 1), e * (total - seg))
-        return out
+        work.keep += (send,)  # read by the collective until it completes
+        return out, work
 
     def _reduce_scatter_flat(
         self, flat: Tensor, segments: Sequence[int], rank: int, world_size: int
@@ -830,8 +856,22 @@ class DistributedROOT(ROOT):
         others = [self.state[flat[i][2]]["step"] for i in grads if i not in owns]
         if others:
             torch._foreach_add_(others, 1)
+        # overlap: the all-gather of bucket k is in flight while bucket k + 1 is reduced,
+        # updated and orthogonalized; at most two are in flight (the memory the cost model
+        # plans for), and the step ends when the last one has arrived
+        pending: list[Callable[[], None]] = []
         for b in layout.buckets:
-            self._owner_bucket(layout, b, flat, grads, rank, world_size)
+            if pending:
+                self.stats.overlapped += 1
+            finish = self._owner_bucket(layout, b, flat, grads, rank, world_size)
+            if not self.overlap:
+                finish()
+                continue
+            pending.append(finish)
+            if len(pending) > 1:
+                pending.pop(0)()
+        for finish in pending:
+            finish()
 
     def _owner_bucket(
         self,
@@ -841,7 +881,9 @@ class DistributedROOT(ROOT):
         grads: dict[int, tuple[str, Tensor]],
         rank: int,
         world_size: int,
-    ) -> None:
+    ) -> Callable[[], None]:
+        """Reduce-scatter one bucket's gradients, update what this rank owns, start the
+        all-gather of the new parameters; returns what waits for it and copies them in."""
         items = [layout.items[i] for i in b.items]
         params = [flat[it.index][2] for it in items]
         start = b.segment_start(rank)
@@ -901,14 +943,22 @@ class DistributedROOT(ROOT):
         for j in mine:
             off, it = b.offsets[j] - start, items[j]
             send[off : off + it.numel].copy_(params[j].reshape(-1)[it.start : it.start + it.numel])
-        new = self._gather_flat(send, b.segments, rank, world_size, "all_gather owners' parameters")
-        for j, (it, off) in enumerate(zip(items, b.offsets)):
-            if b.owners[j] != rank:
-                part = new[off : off + it.numel]
-                if it.numel == params[j].numel():  # whole (any memory layout)
-                    params[j].copy_(part.view(params[j].shape))
-                else:  # an AdamW piece of a contiguous parameter
-                    params[j].view(-1)[it.start : it.start + it.numel].copy_(part)
+        new, work = self._start_gather_flat(
+            send, b.segments, rank, world_size, "all_gather owners' parameters"
+        )
+
+        def finish() -> None:
+            """Wait for the new parameters of the other owners and copy them in."""
+            work.wait()
+            for j, (it, off) in enumerate(zip(items, b.offsets)):
+                if b.owners[j] != rank:
+                    part = new[off : off + it.numel]
+                    if it.numel == params[j].numel():  # whole (any memory layout)
+                        params[j].copy_(part.view(params[j].shape))
+                    else:  # an AdamW piece of a contiguous parameter
+                        params[j].view(-1)[it.start : it.start + it.numel].copy_(part)
+
+        return finish
 
     def _adamw_piece(self, group: dict[str, Any], p: Tensor, it: LayoutItem, g: Tensor) -> None:
         """AdamW on one piece of a split parameter: its owner keeps the moments of the
