@@ -149,8 +149,12 @@ def test_cpu_out_of_memory_is_one_line(
 # --------------------------------------------------------------------------- D11
 
 
+# The child restores Python's own SIGINT handler first: a test run started in the background
+# (`cmd &` in a script, nohup) inherits SIGINT ignored, and Python then never installs it, so
+# the kill below would be ignored and the test would train to the end instead.
 _SIGINT_AT_TORCH = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 class Interrupt:
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
