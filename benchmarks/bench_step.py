@@ -21,7 +21,7 @@ Prints, in one run:
      torch.optim.Muon (both bf16); ops per step <= torch.optim.Muon's.
 
 Usage: python benchmarks/bench_step.py [--threads 1] [--d-model 768] [--layers 2]
-[--rounds 5] [--json out.json]. glibc's malloc trimming makes large elementwise ops several
+[--rounds 5] [--skip-bf16] [--skip-shapes] [--json out.json]. glibc's malloc trimming makes large elementwise ops several
 times slower, so the script re-executes itself with MALLOC_MMAP_MAX_=0
 MALLOC_TRIM_THRESHOLD_=68719476736 unless --no-malloc-tuning is given (printed below).
 """
@@ -50,6 +50,7 @@ from rootopt.tools.opcount import optimizer_counts, standard_makers
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 NS_STEPS = 5
 MUON_MODE: dict[str, Any] = {"outlier_quantile": None, "ns_coefficients": "muon"}
+FP32_CONTENDERS = ("root", "root_muon_mode_fp32")  # what --skip-bf16 times
 
 
 def transformer_matrices(d: int, layers: int, vocab: int) -> nn.Module:
@@ -163,6 +164,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions per shape measurement")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--skip-shapes", action="store_true", help="no per-shape table")
+    ap.add_argument(
+        "--skip-bf16",
+        action="store_true",
+        help="time the float32 contenders only (a CPU without native bfloat16 matmuls, "
+        "e.g. AVX2: there a bf16 step takes minutes); the bf16 target is then not measured",
+    )
     ap.add_argument("--json", default="", help="also write the results as JSON here")
     ap.add_argument("--no-malloc-tuning", action="store_true")
     args = ap.parse_args()
@@ -193,6 +200,8 @@ def main() -> int:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(),
+            # AVX512 / AVX2: whether bfloat16 matmuls run natively (docs/performance.md)
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "load_avg_at_start": os.getloadavg(),
             "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
         },
@@ -213,6 +222,8 @@ def main() -> int:
     }
     # 2. step time
     makers = contenders(matrices_of)
+    if args.skip_bf16:
+        makers = {k: v for k, v in makers.items() if k in FP32_CONTENDERS}
     models = {k: fresh() for k in makers}
     opts = {k: make(models[k]) for k, make in makers.items()}
     cpu: dict[str, list[float]] = {k: [] for k in makers}
@@ -233,6 +244,8 @@ def main() -> int:
             )
 
     def ratio(a: str, b: str, clock: dict[str, list[float]] = cpu) -> float:
+        if a not in clock or b not in clock:  # --skip-bf16
+            return float("nan")
         return statistics.median(x / y for x, y in zip(clock[a], clock[b], strict=True))
 
     results["step_cpu_ms_median"] = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
@@ -265,7 +278,9 @@ def main() -> int:
         ),
     }  # fmt: skip
     results["targets"] = {
-        k: {"value": v, "limit": lim, "met": v <= lim} for k, (v, lim) in targets.items()
+        # NaN (not measured, --skip-bf16) is neither met nor missed
+        k: {"value": v, "limit": lim, "met": None if v != v else v <= lim}
+        for k, (v, lim) in targets.items()
     }
 
     print(f"\nmachine: {results['machine']}")
@@ -284,7 +299,8 @@ def main() -> int:
     print("\nratios (process CPU time, median of per-round ratios; wall clock beside two):")
     for k, v in results["ratios"].items():
         w = results["ratios_wall"].get(k)
-        print(f"  {k:<36} {v:.3f}" + (f"   wall {w:.3f}" if w is not None else ""))
+        if v == v:  # not NaN: both contenders were timed
+            print(f"  {k:<36} {v:.3f}" + (f"   wall {w:.3f}" if w is not None else ""))
     if results["per_shape"]:
         print(
             "\nNewton–Schulz per shape: ms, GFLOP per CPU-second and share of the measured "
@@ -302,7 +318,8 @@ def main() -> int:
             )
     print("\ntargets:")
     for k, t in results["targets"].items():
-        print(f"  {k:<46} {t['value']:.3f}  {'met' if t['met'] else 'MISSED'}")
+        verdict = {True: "met", False: "MISSED", None: "not measured (--skip-bf16)"}[t["met"]]
+        print(f"  {k:<46} {t['value']:.3f}  {verdict}")
     if args.json:
         with open(args.json, "x") as f:  # a new file: never overwrite one
             json.dump(results, f, indent=2)

@@ -60,3 +60,33 @@ def test_paired_spectral_runs_differ_only_in_the_form() -> None:
         assert dict(s.options)["ns_gram"] == "spectral" and p.run_id != s.run_id
     with pytest.raises(KeyError, match="not in the study"):
         mod.specs_for(study, "nope@1")
+
+
+def test_bench_step_skip_bf16_times_float32_only_and_leaves_that_target_open(
+    tmp_path: Path,
+) -> None:
+    """``--skip-bf16`` (a CPU without native bfloat16 matmuls) times only ROOT and its Muon
+    mode in float32; the bf16 target is reported as not measured, never as met, and the
+    other targets still have values."""
+    import json
+
+    out = tmp_path / "step.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--threads", "1",
+         "--d-model", "64", "--layers", "1", "--vocab", "128", "--count-d-model", "64",
+         "--count-layers", "1", "--rounds", "2", "--skip-bf16", "--skip-shapes",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert sorted(res["step_cpu_ms_median"]) == ["root", "root_muon_mode_fp32"]
+    assert res["machine"]["cpu_capability"] in proc.stdout
+    targets = res["targets"]
+    assert len(targets) == 4
+    bf16 = targets["bf16 root / torch.optim.Muon <= 1.00"]
+    assert bf16["met"] is None and "not measured (--skip-bf16)" in proc.stdout
+    fp32 = targets["root / own Muon mode (fp32) <= 1.05"]
+    assert 0.2 < fp32["value"] < 5.0 and fp32["met"] == (fp32["value"] <= 1.05)
+    kernels = targets["root kernels / torch.optim.Muon's <= 1"]
+    assert kernels["value"] > 0 and isinstance(kernels["met"], bool)

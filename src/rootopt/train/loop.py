@@ -86,6 +86,9 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor(),
+        # the vector ISA torch's CPU kernels use: without AVX-512 bf16 hardware a bfloat16
+        # matmul is emulated and several times slower than float32 (docs/performance.md)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "argv": sys.argv,
