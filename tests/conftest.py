@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 # torchrun, an inductor compile) or runs a job of its own for several seconds (a training run,
 # a coefficient fit, a matrix beyond 2^24 entries). It is marked here, in one place, so that
 # the tier follows one rule and not each file's habits: every test of a module in E2E_MODULES,
-# and the named tests of E2E_TESTS (every parameter case of a name), picked from
+# and the named tests of E2E_TESTS (every parameter case of a name, or with ``name[glob]``
+# the cases whose id matches the glob, e.g. ``test_x[compiled-*]``), picked from
 # `pytest --durations=0`. docs/operations.md describes the tiers.
 E2E_MODULES = frozenset(
     {
@@ -20,6 +22,7 @@ E2E_MODULES = frozenset(
         "test_faults.py",  # real runs killed, starved of disk and data, resumed
         "test_parity.py",  # 100-step default runs under torchrun at world sizes 1, 2, 3
         "test_rl.py",  # a module fixture trains the PPO policy most tests use
+        "test_user_path.py",  # the README's commands: rootopt train and torchrun, killed, rerun
     }
 )
 E2E_TESTS: dict[str, frozenset[str]] = {
@@ -53,11 +56,55 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_finish_keeps_the_exit_code_and_flushes_output",
         }
     ),
+    "test_bench_cli.py": frozenset(
+        {
+            "test_a_bench_refuses_an_existing_json_before_running",
+            "test_bench_step_skip_bf16_times_float32_only_and_leaves_that_target_open",
+        }
+    ),
+    "test_dist_alias.py": frozenset(
+        {"test_a_pickle_naming_the_old_module_loads", "test_new_name_does_not_warn"}
+    ),
     "test_dist_deploy.py": frozenset({"test_launch_sh_trains_from_another_directory"}),
+    "test_dist_owner.py": frozenset(
+        {
+            "test_owner_checkpoint_saved_at_two_loads_at_three",
+            "test_owner_moves_adamw_bytes_in_a_constant_number_of_collectives",
+        }
+    ),
+    "test_errors.py": frozenset(
+        {
+            "test_a_missing_peer_fails_within_the_rendezvous_timeout",
+            "test_signal_before_the_first_step_says_so",
+        }
+    ),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),
-    "test_plan.py": frozenset({"test_cli_table_json_and_plot"}),
+    # the compiled step and the two-process paths; every other path stays in the fast tier
+    "test_paths.py": frozenset(
+        {"test_path_matches_the_reference[compiled-*]", "test_path_matches_the_reference[dist2-*]"}
+    ),
+    "test_plan.py": frozenset(
+        {
+            "test_cli_table_json_and_plot",
+            "test_bench_dist_json_refuses_an_existing_file",
+            "test_bench_dist_calibrate_refuses_zero_repeats",
+        }
+    ),
     "test_quantile.py": frozenset({"test_beyond_torch_quantile_limit"}),
+    "test_resume_safety.py": frozenset(
+        {
+            "test_a_signal_during_the_final_evaluation",
+            "test_last_good_checkpoint_survives_divergence_episodes_and_kills",
+        }
+    ),
+    "test_rundir.py": frozenset(
+        {
+            "test_rerun_without_log_dir_resumes",
+            "test_a_refused_launch_on_a_live_run_changes_nothing",
+        }
+    ),
+    "test_study.py": frozenset({"test_quick_study_runs_decides_resumes_and_renders"}),
     "test_train.py": frozenset(
         {
             "test_killed_process_restarts_bit_identically",
@@ -68,20 +115,36 @@ E2E_TESTS: dict[str, frozenset[str]] = {
 }
 
 
+def _entry(entry: str) -> tuple[str, str]:
+    """``"name"`` -> (name, "*"); ``"name[glob]"`` -> (name, glob on the case id)."""
+    name, bracket, rest = entry.partition("[")
+    return name, (rest[:-1] if bracket and rest.endswith("]") else "*")
+
+
+def _is_e2e(module: str, name: str, case: str) -> bool:
+    if module in E2E_MODULES:
+        return True
+    return any(
+        name == n and fnmatch.fnmatchcase(case, glob)
+        for n, glob in map(_entry, E2E_TESTS.get(module, ()))
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     modules: dict[str, object] = {}
     for item in items:
         module = Path(str(item.path)).name
         name = getattr(item, "originalname", item.name)
-        if module in E2E_MODULES or name in E2E_TESTS.get(module, ()):
+        callspec = getattr(item, "callspec", None)
+        if _is_e2e(module, name, callspec.id if callspec is not None else ""):
             item.add_marker(pytest.mark.e2e)
         if isinstance(item, pytest.Function):
             modules[module] = item.module
     # A renamed or deleted test must not drop silently out of the tier.
     for module, names in E2E_TESTS.items():
         if module in modules:
-            missing = sorted(n for n in names if not hasattr(modules[module], n))
+            missing = sorted(n for n in names if not hasattr(modules[module], _entry(n)[0]))
             if missing:
                 raise pytest.UsageError(
                     f"tests/conftest.py E2E_TESTS names no test {module}::{missing}"
