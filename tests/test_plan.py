@@ -530,3 +530,18 @@ def test_bench_dist_json_refuses_an_existing_file(tmp_path: Path) -> None:
     assert "--json PATH: the file exists; name a new one" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert out.read_text() == "mine"
+
+
+def test_bench_dist_calibrate_refuses_zero_repeats(tmp_path: Path) -> None:
+    """--repeats 0 would compare the model with no measurement: refused before any launch
+    (status 2, one line), and nothing is written."""
+    out = tmp_path / "new.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT_DIR / "benchmarks" / "bench_dist.py"), "--calibrate",
+         "--repeats", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--repeats: must be at least 1" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not out.exists()
