@@ -34,7 +34,8 @@ model of the GPU verdicts, with this machine's constants) against measured gloo 
    passes read and write, ``Estimate.traffic``), the seconds per ROOT element of the
    quantile + clamp, and at each W the latency and bandwidth of gloo's all-to-all,
    all-gather and all-reduce, each fitted on its own (``t = latency + bytes / link``,
-   latency = the smallest message's time); the cores the ranks share
+   latency = the smallest message's time; the one-rank constants are the median of
+   ``--repeats`` launches, each printed); the cores the ranks share
    (``os.sched_getaffinity``) enter the model as ``Hardware.compute_units``;
 2. the model's optimizer time for ``owner`` and ``gather`` (``average_grads=True``) at each
    W from those constants;
@@ -265,6 +266,7 @@ def worker(args: argparse.Namespace) -> None:
 COLL_ELEMENTS = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)  # float32 per rank
 COLL_OPS = ("all_to_all_single", "all_gather_into_tensor", "all_reduce")
 COLL_KINDS = ("all_to_all", "all_gather", "all_reduce")  # plan.LINK_KINDS, per op
+ALONE_CONSTANTS = ("ns_flops_per_s", "memory_bytes_per_s", "clip_s_per_element")
 
 
 def _median_time(fn: Any, reps: int, sync: Any = None) -> float:
@@ -389,7 +391,10 @@ def calibrate(args: argparse.Namespace) -> int:
         cores = float(os.cpu_count() or 1)
     args.backend = "gloo"
     worlds = [w for w in args.worlds if w > 1] or [2, 3, 4]
-    alone = launch(args, "calib", 1)[0]
+    # the one-rank constants, each the median over --repeats launches (a single launch
+    # that ran slow biased every prediction of a model by 40-75 %: docs/distributed.md)
+    alones = [launch(args, "calib", 1)[0] for _ in range(args.repeats)]
+    alone = {k: statistics.median(a[k] for a in alones) for k in ALONE_CONSTANTS}
     print(
         f"calibration: d_model={args.d_model} layers={args.layers} vocab={args.vocab} gloo, "
         f"1 thread/rank, {cores:.0f} cores ({torch.backends.cpu.get_cpu_capability()}), "
@@ -399,6 +404,9 @@ def calibrate(args: argparse.Namespace) -> int:
         f"  one rank alone: Newton–Schulz {alone['ns_flops_per_s'] / 1e9:.2f} GFLOP/s, "
         f"streaming passes {alone['memory_bytes_per_s'] / 1e9:.2f} GB/s (read + written), "
         f"quantile + clamp {1e9 * alone['clip_s_per_element']:.2f} ns per ROOT element"
+        f" (median of {len(alones)} launches: NS "
+        + " ".join(f"{a['ns_flops_per_s'] / 1e9:.1f}" for a in alones)
+        + ")"
     )
     torch.manual_seed(0)
     model = transformer_matrices(args.d_model, args.layers, args.vocab)
@@ -505,7 +513,7 @@ def calibrate(args: argparse.Namespace) -> int:
     )
     if args.json:
         with open(args.json, "x") as fh:
-            fh.write(json.dumps({"alone": alone, "rows": rows}, indent=1))
+            fh.write(json.dumps({"alone": alone, "alone_launches": alones, "rows": rows}, indent=1))
     return 0
 
 
@@ -566,7 +574,8 @@ def main() -> int:
         "--repeats",
         type=int,
         default=3,
-        help="--calibrate: launches per design and W, interleaved; the median is compared",
+        help="--calibrate: launches per design and W (interleaved) and of the one-rank "
+        "constants; medians are compared",
     )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--design", default="owner", help=argparse.SUPPRESS)
