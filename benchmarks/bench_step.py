@@ -21,9 +21,10 @@ Prints, in one run:
      torch.optim.Muon (both bf16); ops per step <= torch.optim.Muon's.
 
 Usage: python benchmarks/bench_step.py [--threads 1] [--d-model 768] [--layers 2]
-[--rounds 5] [--skip-bf16] [--skip-shapes] [--json out.json]. glibc's malloc trimming makes large elementwise ops several
-times slower, so the script re-executes itself with MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=68719476736 unless --no-malloc-tuning is given (printed below).
+[--rounds 5] [--skip-bf16] [--skip-shapes] [--json out.json]. glibc's malloc trimming
+makes large elementwise ops several times slower, so the script re-executes itself with
+MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 unless --no-malloc-tuning is given
+(printed below).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import statistics
@@ -279,7 +281,7 @@ def main() -> int:
     }  # fmt: skip
     results["targets"] = {
         # NaN (not measured, --skip-bf16) is neither met nor missed
-        k: {"value": v, "limit": lim, "met": None if v != v else v <= lim}
+        k: {"value": v, "limit": lim, "met": None if math.isnan(v) else v <= lim}
         for k, (v, lim) in targets.items()
     }
 
@@ -299,7 +301,7 @@ def main() -> int:
     print("\nratios (process CPU time, median of per-round ratios; wall clock beside two):")
     for k, v in results["ratios"].items():
         w = results["ratios_wall"].get(k)
-        if v == v:  # not NaN: both contenders were timed
+        if not math.isnan(v):  # both contenders were timed
             print(f"  {k:<36} {v:.3f}" + (f"   wall {w:.3f}" if w is not None else ""))
     if results["per_shape"]:
         print(
