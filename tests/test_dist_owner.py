@@ -69,6 +69,16 @@ def test_owner_moves_adamw_bytes_in_a_constant_number_of_collectives(
             assert own["buckets"] == P.OVERLAP_GROUPS == 2 == est.buckets
             assert own["collectives"] == 1 + 2 * own["buckets"] == est.exposed_collectives
             assert own["overlapped"] == own["buckets"] - 1
+            for run, design in ((own, "owner"), (gat, "gather")):
+                # the step's time split: NS, blocked in collectives, the rest
+                ns_s, comm_s, step_s = run["times"]
+                assert ns_s > 0 and comm_s > 0 and ns_s + comm_s <= step_s, run["times"]
+                # the elementwise bytes the model charges at a streaming rate are what the
+                # step's kernels read and write outside the threshold + Newton–Schulz
+                # (counted per aten op; an input passed twice, AdamW's g·g, counts twice)
+                opts = P.Options(backend="gloo", average_grads=True)
+                est_d = P.estimate(specs(shapes, table), world, design, opts)  # type: ignore[arg-type]
+                assert est_d.traffic[rank] == pytest.approx(run["traffic"], rel=0.05), design
             assert gat["overlapped"] == 0
             assert own["full_tensor"] == own["functional"] == 0
             calls.add((own["collectives"], tuple(sorted(own["by_op"].items()))))
@@ -115,3 +125,56 @@ def test_owner_checkpoint_saved_at_two_loads_at_three(tmp_path: Path) -> None:
     state_dict), loaded at W = 3 (other owners) and trained on, parameters and state
     equal the uninterrupted single-process run."""
     check_resharded_checkpoint(tmp_path, 2, 3, "owner")
+
+
+def test_blocked_seconds_counts_issuing_and_waiting_not_overlapped_compute(
+    tmp_path: Path,
+) -> None:
+    """StepStats.comm_seconds is the difference of group.blocked_seconds(): what a rank
+    spends issuing collectives and waiting for them. Compute done while a collective is
+    in flight must not count, and a failed wait still counts its time."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from rootopt.distributed.group import (
+        CollectiveError,
+        PendingCollective,
+        blocked_seconds,
+        start_collective,
+    )
+
+    class Work:  # a collective that completes `delay` s after its wait begins
+        def __init__(self, delay: float, fail: bool = False) -> None:
+            self.delay, self.fail = delay, fail
+
+        def wait(self, timeout: object) -> bool:
+            time.sleep(self.delay)
+            if self.fail:
+                raise RuntimeError("peer gone")
+            return True
+
+    b0 = blocked_seconds()
+    pending = PendingCollective("x", Work(0.05), 60.0, 0, 2)
+    time.sleep(0.2)  # "overlapped compute": not blocked
+    pending.wait()
+    pending.wait()  # a second wait is a no-op and adds nothing
+    b1 = blocked_seconds()
+    assert 0.05 <= b1 - b0 < 0.15, b1 - b0
+    with pytest.raises(CollectiveError):
+        PendingCollective("y", Work(0.05, fail=True), 60.0, 0, 2).wait()
+    assert 0.05 <= blocked_seconds() - b1 < 0.15
+    # issuing counts too (a collective that blocks in its call, as a synchronous one does)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+
+        def slow_issue(t: torch.Tensor, *, async_op: bool, group: object) -> None:
+            time.sleep(0.05)
+
+        b2 = blocked_seconds()
+        start_collective("z", slow_issue, torch.zeros(1)).wait()
+        assert 0.05 <= blocked_seconds() - b2 < 0.15
+    finally:
+        dist.destroy_process_group()

@@ -31,3 +31,18 @@ def test_huge_finite_gradient_is_a_step() -> None:
     b.grad[0] = -1e19
     opt.step()
     assert torch.isfinite(b).all() and b.abs().max() > 0
+
+
+def test_finite_flags_per_gradient_empty_ones_finite() -> None:
+    """The check every step shares (ROOT's and DistributedROOT's, optim/_finite.py): one
+    flag per gradient, NaN/±Inf anywhere false, an empty gradient (an FSDP2 shard of no
+    rows) true, bfloat16 included."""
+    from rootopt.optim._finite import finite_flags
+
+    grads = [torch.randn(3, 4), torch.empty(0, 4), torch.randn(5), torch.randn(2, 2)]
+    grads[2][4] = float("-inf")
+    grads[3][1, 0] = float("nan")
+    bf = [g.to(torch.bfloat16) for g in grads]
+    for gs in (grads, bf, grads[:2]):
+        want = [True, True, False, False][: len(gs)]
+        assert finite_flags(gs).tolist() == want

@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from rootopt.distributed import plan as P
-from rootopt.distributed.counters import collective_bytes, collective_bytes_ranks
+from rootopt.distributed.counters import TrafficCounter, collective_bytes, collective_bytes_ranks
 from rootopt.distributed.owners import ns_cost
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
@@ -391,28 +392,32 @@ def test_traffic_of_each_design_on_a_tiny_model() -> None:
     o = P.Options(backend="gloo", overlap_groups=1)
     # owner: one bucket, segments [64 (the matrix), 10 (the vector)], uneven: per rank
     # params into send and back 2*4*74; send repeated W times 4*seg*3; the bucket zeroed
-    # and filled 3*4*74; div_ 2*4*seg; the W received segments summed 4*seg*3; the update
+    # and filled 3*4*74; div_ 2*4*seg; the W received segments summed 4*seg*3; the update;
+    # and on every design every rank reads each gradient it holds once (the non-finite
+    # check, optim._finite.finite_flags): 4*74 here
+    assert P.finite_check_bytes(o) == 4
     e = P.estimate(specs, 2, "owner", o)
     assert [b.segments for b in e_layout(specs, o)] == [(64, 10)]
-    r0 = 592 + 768 + 888 + 512 + 768 + 44 * 64
-    r1 = 592 + 120 + 888 + 80 + 120 + 80 * 10
-    assert e.traffic.tolist() == [r0, r1] == [6344, 2600]
+    r0 = 592 + 768 + 888 + 512 + 768 + 44 * 64 + 4 * 74
+    r1 = 592 + 120 + 888 + 80 + 120 + 80 * 10 + 4 * 74
+    assert e.traffic.tolist() == [r0, r1] == [6640, 2896]
     # gather: every rank averages all 74 gradients (24 B each), momentum + update of the
     # matrix, AdamW of the vector; one round: zeros(64) and the owner's 64 updates copied
     e = P.estimate(specs, 2, "gather", o)
     assert e.elements.tolist() == [64, 0]
     assert e.traffic.tolist() == [
-        74 * 24 + 64 * 44 + 10 * 80 + 4 * 64 + 8 * 64,
-        74 * 24 + 64 * 44 + 10 * 80 + 4 * 64,
+        74 * 4 + 74 * 24 + 64 * 44 + 10 * 80 + 4 * 64 + 8 * 64,
+        74 * 4 + 74 * 24 + 64 * 44 + 10 * 80 + 4 * 64,
     ]
     # replicated: no optimizer copies
     e = P.estimate(specs, 2, "replicated", o)
-    assert e.traffic.tolist() == [64 * 44 + 10 * 80] * 2
+    assert e.traffic.tolist() == [74 * 4 + 64 * 44 + 10 * 80] * 2
     # fsdp: shards of 4 rows (32 elements) and 5 AdamW elements; momentum + update + cat
-    # into the send buffer per shard element; the owner's two cats of the whole matrix
+    # into the send buffer per shard element, the check of the local gradients; the
+    # owner's two cats of the whole matrix
     e = P.estimate(specs, 2, "fsdp", o)
     owner = int(e.elements.argmax())
-    want = [32 * (44 + 8) + 5 * 80] * 2
+    want = [32 * (44 + 8 + 4) + 5 * (80 + 4)] * 2
     want[owner] += 16 * 64
     assert e.traffic.tolist() == want
 
@@ -463,6 +468,9 @@ def test_calibration_arithmetic_from_measured_constants() -> None:
         b = int(per_rank.argmax())
         assert t.ns == pytest.approx(e.flops[b] / 1e11 / share)
         assert t.elementwise == pytest.approx((e.elements[b] * 3e-9 + e.traffic[b] / 1e10) / share)
+        # the quantile + clamp part of it, which StepStats.ns_seconds also times
+        assert t.threshold == pytest.approx(e.elements[b] * 3e-9 / share)
+        assert 0 < t.threshold < t.elementwise
         links = {"all_gather": 4e8, "all_to_all": 1e9, "all_reduce": 1.2e9}
         lats = {"all_gather": 3e-4, "all_to_all": 2e-4, "all_reduce": 1e-4}
         wire = sum(v / links[k] for k, v in e.exposed_kind.items())
@@ -545,3 +553,34 @@ def test_bench_dist_calibrate_refuses_zero_repeats(tmp_path: Path) -> None:
     assert "--repeats: must be at least 1" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not out.exists()
+
+
+def test_traffic_counter_counts_reads_and_writes_per_kernel() -> None:
+    """counters.TrafficCounter, the check of Estimate.traffic (tests/test_dist_owner.py):
+    inputs read + outputs written per aten op; a copy/fill destination and an ``out=``
+    tensor only written; views, allocations and matrix products not counted; in-place
+    ``_foreach`` ops (which return nothing) write their first argument; a paused region
+    left out."""
+    from rootopt.optim.functional import momentum_
+
+    n = 1 << 12
+    x, y, z = torch.randn(n), torch.randn(n), torch.empty(n)
+    a = torch.randn(64, 64)
+    with TrafficCounter() as t:
+        y.copy_(x)  # 4 + 4
+        z.fill_(0)  # 4
+        torch.add(x, y, out=z)  # 8 + 4
+        x.view(-1, 2).t()  # views: 0
+        torch.empty(n)  # allocation: 0
+        a @ a  # matrix product: 0
+        torch._foreach_mul_([x, y], 2.0)  # (4 + 4) x 2
+        x.add_(1)  # 4 + 4
+        with t.paused():
+            x.mul_(3)
+    assert t.bytes == n * (8 + 4 + 12 + 16 + 8)
+    assert t.calls_by_op == {"copy_": 1, "fill_": 1, "add": 1, "_foreach_mul_": 1, "add_": 1}
+    # a step's elementwise functions, per element as the model counts them
+    m, g = torch.zeros(n), torch.randn(n)
+    with TrafficCounter() as t:
+        momentum_([m], [g], momentum=0.9, nesterov=True)
+    assert t.bytes == n * P.momentum_bytes(P.Options(backend="gloo"))

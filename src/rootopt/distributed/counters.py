@@ -362,3 +362,97 @@ def bytes_written() -> int | None:
 
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------------------------
+# elementwise traffic: the bytes the non-matmul kernels of a block read and write
+# ---------------------------------------------------------------------------------------
+# Matrix products: Newton–Schulz FLOPs, costed at a FLOP rate, not as traffic.
+_MATMUL = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "_addmm_activation"})
+# Allocations: no bytes touched.
+_ALLOC = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+# Ops that overwrite their first argument without reading it.
+_OVERWRITE = frozenset({"copy_", "fill_", "zero_", "copy"})
+
+
+@dataclass
+class Traffic:
+    """Bytes read + written by the kernels of a block, per op name, and the calls."""
+
+    bytes_by_op: dict[str, int] = field(default_factory=dict)
+    calls_by_op: dict[str, int] = field(default_factory=dict)
+    off: int = 0  # > 0 inside paused()
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave a region out of the count (e.g. the Newton–Schulz and threshold a
+        caller costs apart)."""
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes_by_op[op] = self.bytes_by_op.get(op, 0) + nbytes
+        self.calls_by_op[op] = self.calls_by_op.get(op, 0) + 1
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+
+
+def _nbytes(ts: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+@contextmanager
+def TrafficCounter() -> Iterator[Traffic]:
+    """Count, for every aten op this thread runs inside the block, the bytes of its tensor
+    inputs (read) and outputs (written): the elementwise traffic the cost model charges at
+    a streaming rate (``plan.Estimate.traffic``). Not counted: matrix products (FLOPs),
+    allocations, views (an output that shares an input's storage, unless the op writes in
+    place), and collectives (``c10d``: bytes on the wire, :class:`CollectiveCounter`).
+    The destination of ``copy_``/``fill_``/``zero_`` and ``out=`` tensors are written, not
+    read. An upper bound where a kernel reads only part of an input (a reduction with
+    early exit); exact for the streaming passes of a step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    traffic = Traffic()
+
+    class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
+        def __torch_dispatch__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            if traffic.off or name in _MATMUL or name in _ALLOC or func.namespace != "aten":
+                return out
+            ins = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+            outs = _tensors(out)
+            inplace = name.endswith("_") or "out" in kwargs
+            if name.endswith("_") and not outs:  # _foreach_*_ return nothing: self written
+                outs = _tensors(args[:1])
+            if not inplace and outs:
+                stores = {t.untyped_storage().data_ptr() for t in ins}
+                if all(o.untyped_storage().data_ptr() in stores for o in outs):
+                    return out  # a view
+            read = _nbytes(ins)
+            if name in _OVERWRITE and ins:
+                read -= _nbytes(ins[:1])
+            traffic.add(name, read + _nbytes(outs))
+            return out
+
+    with _Mode():  # type: ignore[no-untyped-call]
+        yield traffic

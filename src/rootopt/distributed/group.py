@@ -347,6 +347,24 @@ def collective_timeout_s() -> float:
     return _TIMEOUT_S
 
 
+# Seconds this process has spent issuing and waiting for collectives started by
+# start_collective/collective (a running total; differences time a span, e.g.
+# StepStats.comm_seconds). One process drives one step at a time, so no lock.
+_BLOCKED_S = 0.0
+
+
+def blocked_seconds() -> float:
+    """Seconds this process has spent so far inside :func:`collective`,
+    :func:`start_collective` and :meth:`PendingCollective.wait`: issuing collectives and
+    waiting for them, not compute they overlap (a running total; subtract two readings)."""
+    return _BLOCKED_S
+
+
+def _add_blocked(seconds: float) -> None:
+    global _BLOCKED_S
+    _BLOCKED_S += seconds
+
+
 class PendingCollective:
     """A collective in flight; :meth:`wait` applies the timeout rules of
     :func:`collective`."""
@@ -363,15 +381,16 @@ class PendingCollective:
     def wait(self) -> None:
         if self.work is None:
             return
+        # measured from the wait, so that overlapped compute does not count
+        begin = time.monotonic()
         try:
-            # measured from the wait, so that overlapped compute does not count
-            begin = time.monotonic()
             self.work.wait(datetime.timedelta(seconds=self.limit))
         except Exception as exc:
             raise _failure(
                 self.name, exc, time.monotonic() - begin, self.limit, self.rank, self.size
             ) from exc
         finally:
+            _add_blocked(time.monotonic() - begin)
             self.work = None
             self.keep = ()
 
@@ -417,6 +436,8 @@ def start_collective(
         work = fn(*args, async_op=True, group=group, **kwargs)
     except Exception as exc:
         raise _failure(name, exc, time.monotonic() - start, limit, rank, size) from exc
+    finally:
+        _add_blocked(time.monotonic() - start)
     return PendingCollective(name, work, limit, rank, size)
 
 

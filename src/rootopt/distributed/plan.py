@@ -596,6 +596,13 @@ def root_state_bytes(o: Options) -> int:
     return momentum_bytes(o) + apply_bytes(o)
 
 
+def finite_check_bytes(o: Options) -> int:
+    """Per element of every gradient a rank holds, ``optim._finite.finite_flags`` (the
+    non-finite check of every design and of ROOT's own step): one read (min and max in one
+    pass on the CPU, max |g| elsewhere)."""
+    return o.grad_bytes
+
+
 def average_grads_bytes(o: Options) -> int:
     """Per element of every gradient, ``DistributedROOT._average_grads``: ``g.float()``
     and ``torch.cat`` into the float32 bucket (read, write), ``flat.div_`` (read, write),
@@ -654,6 +661,8 @@ def estimate(
     gathers = 2 if o.fsdp_reshard_after_forward else 1
     fsdp = (1 + gathers) * (W - 1) / W * P_all * o.grad_bytes
     est.adamw_bytes = fsdp if design in ("fsdp", "gram") else ddp
+    if design in ("replicated", "gather", "owner"):  # every rank checks every gradient
+        est.traffic += P_all * finite_check_bytes(o)
     if design == "replicated":
         _sync(est, "all_reduce", ddp, ddp_colls)
         est.flops += sum(ns_flops(p, o.ns_steps) for p in roots)
@@ -948,8 +957,10 @@ def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> 
         rows = per_row * _chunks(p.shape[0], W)
         shard += o.state_bytes * mult * rows
         # DistributedROOT._root_sharded on the local shards: momentum, decay + update
-        # (and the shard copied into the send buffer, ``torch.cat``), or AdamW
+        # (and the shard copied into the send buffer, ``torch.cat``), or AdamW; the
+        # non-finite check of the local gradient
         est.traffic += rows * (root_state_bytes(o) + 8 if p.algorithm == "root" else adamw_bytes(o))
+        est.traffic += rows * finite_check_bytes(o)
     # the owner rebuilds each matrix from its W shards and cuts the update into rows for
     # them: two ``torch.cat`` copies (read, write float32) of the elements it owns
     est.traffic += 16.0 * est.elements
@@ -1060,6 +1071,7 @@ class StepTime:
     latency: float  # collectives issued by the step × latency
     fwd_bwd: float  # forward + backward of the model
     overlapped: float  # optimizer seconds when communication overlaps the compute
+    threshold: float = 0.0  # of elementwise: the busiest rank's quantile + clamp
 
     @property
     def optimizer(self) -> float:
@@ -1090,6 +1102,7 @@ def step_time(
     ) / share
     busiest = int(compute.argmax())
     ns = float(est.flops[busiest]) / (hw.flops * hw.ns_efficiency * share)
+    threshold = float(est.elements[busiest]) * 4 * hw.clip_passes / hw.memory_bw / share
     elementwise = float(compute[busiest]) - ns
     # each kind's exposed bytes at its own link; what _issue did not attribute (none
     # today) at the generic one
@@ -1106,7 +1119,7 @@ def step_time(
     if work is not None and flops_per_token:
         fwd_bwd = flops_per_token * work.tokens / (W * hw.flops * work.mfu)
     overlapped = max(float(compute[busiest]), comm) + latency
-    return StepTime(ns, elementwise, comm, latency, fwd_bwd, overlapped)
+    return StepTime(ns, elementwise, comm, latency, fwd_bwd, overlapped, threshold)
 
 
 def measured_hardware(

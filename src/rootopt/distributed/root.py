@@ -54,10 +54,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rootopt.distributed.group import PendingCollective, collective, start_collective, world
+from rootopt.distributed.group import (
+    PendingCollective,
+    blocked_seconds,
+    collective,
+    start_collective,
+    world,
+)
 from rootopt.distributed.owners import assign_owners, chunk_rows, ns_cost
 from rootopt.distributed.plan import OVERLAP_GROUPS, Bucket, LayoutItem, OwnerLayout, owner_layout
 from rootopt.optim._coefficients import coefficients_for, group_matrices
+from rootopt.optim._finite import finite_flags
 from rootopt.optim._options import root_options
 from rootopt.optim.adamw import adamw_
 from rootopt.optim.functional import (
@@ -109,6 +116,11 @@ class StepStats:
     ns_matrices: int = 0  # matrices thresholded + orthogonalized on this rank
     ns_cost: float = 0.0  # their estimated multiply-adds (owners.ns_cost)
     ns_seconds: float = 0.0  # NaN on the plain single-process step (not timed apart)
+    # blocked in this step's collectives: issuing them and waiting for them (compute they
+    # overlap not included; group.blocked_seconds), and the whole step's wall time (a
+    # closure's forward/backward included)
+    comm_seconds: float = 0.0
+    seconds: float = 0.0
     bytes_sent: int = 0  # per rank, payload only (collective algorithms add their own)
     bytes_received: int = 0
     collectives: dict[str, int] = field(default_factory=dict)
@@ -239,12 +251,15 @@ class DistributedROOT(ROOT):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimization step across the process group (``closure`` re-evaluates
         the loss). With no group, or one rank and plain tensors: ROOT's own step."""
+        start, blocked = time.perf_counter(), blocked_seconds()
         info = world(self.process_group)
         self.stats = StepStats()
         if info.world_size == 1 and not self._sharded_any():
             self._count_plain()
             self.stats.ns_seconds = float("nan")
-            return super().step(closure)
+            out = super().step(closure)
+            self.stats.seconds = time.perf_counter() - start
+            return out
         if self.telemetry_enabled:
             raise ValueError(
                 "telemetry=True is not supported by DistributedROOT across ranks; "
@@ -280,6 +295,8 @@ class DistributedROOT(ROOT):
             self._root_replicated(replicated, info.rank, info.world_size)
         if sharded:
             self._root_sharded(sharded)
+        self.stats.comm_seconds = blocked_seconds() - blocked
+        self.stats.seconds = time.perf_counter() - start
         return loss
 
     def _count_plain(self) -> None:
@@ -316,14 +333,12 @@ class DistributedROOT(ROOT):
             return per_group
         dev = _local(entries[0][2]).device
         flags = torch.zeros(len(entries), 2, dtype=torch.int32, device=dev)
-        bad_local = [
-            (~torch.isfinite(_local(p.grad))).any().to(dev)
-            if p.grad is not None
-            else torch.zeros((), dtype=torch.bool, device=dev)
-            for _, _, p, _ in entries
-        ]
-        flags[:, 0] = torch.tensor([p.grad is not None for _, _, p, _ in entries], device=dev)
-        flags[:, 1] = torch.stack(bad_local).to(torch.int32)
+        has_grad = [p.grad is not None for _, _, p, _ in entries]
+        flags[:, 0] = torch.tensor(has_grad, device=dev)
+        local = [_local(p.grad) for _, _, p, _ in entries if p.grad is not None]
+        if local:  # ROOT's own check (one read of each gradient; optim/_finite.py)
+            where = torch.tensor(has_grad, device=dev)
+            flags[where, 1] = (~finite_flags(local)).to(dev, torch.int32)
         if world_size > 1:
             nbytes = flags.numel() * flags.element_size()
             collective(

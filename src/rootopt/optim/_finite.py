@@ -11,6 +11,21 @@ class NonFiniteGradientError(ValueError):
     """A gradient holds NaN or Inf; nothing was updated."""
 
 
+def finite_flags(grads: list[Tensor]) -> Tensor:
+    """One bool per gradient (on the gradients' device): all its entries finite (an
+    empty one, e.g. an FSDP2 shard of no rows, is). One read of each gradient and no
+    host synchronisation."""
+    if grads[0].device.type == "cpu":
+        # min and max, one vectorised pass each gradient (the CPU's inf-norm is not
+        # vectorised: 12x slower here); calls cost nothing on the CPU
+        none = torch.zeros(2)
+        ends = [torch.stack(torch.aminmax(g)).float() if g.numel() else none for g in grads]
+        return torch.stack(ends).isfinite().all(dim=1)
+    # one launch for all: max |g| (NaN propagates)
+    norms = torch._foreach_norm(grads, float("inf"))
+    return torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
+
+
 def check_finite(
     grads: list[Tensor], names: list[str], *, skip: bool
 ) -> tuple[list[bool], float | Tensor]:
@@ -26,14 +41,7 @@ def check_finite(
     """
     if not grads:
         return [], 1.0
-    if grads[0].device.type == "cpu":
-        # min and max, one vectorised pass each gradient (the CPU's inf-norm is not
-        # vectorised: 12x slower here); calls cost nothing on the CPU
-        ends = [torch.stack(torch.aminmax(g)).float() for g in grads]
-        ok = torch.stack(ends).isfinite().all(dim=1)
-    else:  # one launch for all: max |g|
-        norms = torch._foreach_norm(grads, float("inf"))
-        ok = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
+    ok = finite_flags(grads)
     if torch.compiler.is_compiling() and not skip:
         every = ok.all()
         torch._assert_async(
