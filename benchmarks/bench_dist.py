@@ -28,30 +28,39 @@ for at once) to compare with the default overlap.
 model of the GPU verdicts, with this machine's constants) against measured gloo steps:
 
 1. constants from microbenchmarks, never from the steps they predict: the Newton–Schulz
-   rate of one rank alone (ROOT's own ``root_direction`` without the clip, on the bench
-   model's matrix shapes), the bytes/s of streaming passes (a copy and an add over
-   tensors shaped like the model's parameters; the model counts the bytes each design's
-   passes read and write, ``Estimate.traffic``), the seconds per ROOT element of the
+   rate (ROOT's own ``root_direction`` without the clip, on the bench model's matrix
+   shapes), the bytes/s of the step's own elementwise functions (the non-finite check,
+   momentum, decay + update, AdamW, a bucket's flatten and copy back, on tensors shaped
+   like the model's parameters, each from a cold cache; bytes as
+   ``counters.TrafficCounter`` counts them), the seconds per ROOT element of the
    quantile + clamp, and at each W the latency and bandwidth of gloo's all-to-all,
    all-gather and all-reduce, each fitted on its own (``t = latency + bytes / link``,
-   latency = the smallest message's time; the one-rank constants are the median of
-   ``--repeats`` launches, each printed); the cores the ranks share
-   (``os.sched_getaffinity``) enter the model as ``Hardware.compute_units``;
+   latency = the smallest message's time). ``--constants alone`` (default): the rates
+   of one rank alone, shared ``min(1, cores / W)`` (``Hardware.compute_units``);
+   ``together``: the rates the slowest rank reaches while all W ranks run the
+   microbenchmarks at once (contention included, no share on top; docs/distributed.md
+   compares the two). Every constant is the median of ``--repeats`` launches, each
+   printed;
 2. the model's optimizer time for ``owner`` and ``gather`` (``average_grads=True``) at each
    W from those constants;
 3. the measured step (the slowest rank's median over ``--steps`` steps after warm-up; the
    median of ``--repeats`` launches per design, interleaved), with predicted / measured and
-   the verdict against ``--tolerance`` (15 %).
+   the verdict against ``--tolerance`` (15 %); then the step split by term on the rank the
+   others wait for (``StepStats.ns_seconds`` and ``comm_seconds``, the rest by
+   difference) beside the model's terms, and the elementwise bytes of one more step
+   counted with ``TrafficCounter`` beside ``Estimate.traffic``.
 
 Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner gather adamw fsdp
        broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
-       [--no-overlap] [--calibrate [--repeats 3]]   (--json must name a new file)
+       [--no-overlap] [--calibrate [--repeats 3] [--constants alone|together]]
+       (--json must name a new file)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import socket
@@ -138,6 +147,7 @@ def worker(args: argparse.Namespace) -> None:
             s = opt.stats  # type: ignore[attr-defined]
             stats.update(
                 ns_s=s.ns_seconds,
+                comm_s=s.comm_seconds,
                 ns_matrices=s.ns_matrices,
                 ns_cost=s.ns_cost,
                 sent=s.bytes_sent,
@@ -164,7 +174,7 @@ def worker(args: argparse.Namespace) -> None:
                             off += g.numel()
                         bucket = []
             opt.step()
-            stats.update(ns_s=0.0, ns_matrices=0, ns_cost=0.0, sent=0, received=0)
+            stats.update(ns_s=0.0, comm_s=math.nan, ns_matrices=0, ns_cost=0.0, sent=0, received=0)
 
     else:  # broadcast: rank 0 orthogonalizes everything, then one broadcast
         # for momentum, AdamW and schedules (gather: every rank holds every state)
@@ -199,13 +209,14 @@ def worker(args: argparse.Namespace) -> None:
             nbytes = buf.numel() * 4
             stats.update(
                 ns_s=ns,
+                comm_s=math.nan,
                 ns_matrices=n_ns,
                 ns_cost=cost,
                 sent=nbytes * (info.world_size - 1) if info.rank == 0 else 0,
                 received=0 if info.rank == 0 or info.world_size == 1 else nbytes,
             )
 
-    times, ns_times = [], []
+    times, ns_times, comm_times = [], [], []
     for i in range(args.warmup + args.steps):
         set_grads()
         if info.world_size > 1:
@@ -218,6 +229,28 @@ def worker(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             ns_times.append(stats["ns_s"])
+            comm_times.append(stats["comm_s"])
+    traffic = math.nan  # one more step: its elementwise bytes (threshold + NS apart)
+    if args.design in ("owner", "gather"):
+        from rootopt.distributed import root as droot
+        from rootopt.distributed.counters import TrafficCounter
+
+        set_grads()
+        if info.world_size > 1:
+            dist.barrier()
+        orthogonalize = droot.DistributedROOT._orthogonalize
+        with TrafficCounter() as counted:
+
+            def apart(self: Any, *a: Any, **k: Any) -> Any:
+                with counted.paused():
+                    return orthogonalize(self, *a, **k)
+
+            droot.DistributedROOT._orthogonalize = apart  # type: ignore[method-assign]
+            try:
+                step()
+            finally:
+                droot.DistributedROOT._orthogonalize = orthogonalize  # type: ignore[method-assign]
+        traffic = float(counted.bytes)
     W = info.world_size
     if args.design in ("owner", "gather", "fsdp"):
         opts = P.Options(
@@ -228,18 +261,25 @@ def worker(args: argparse.Namespace) -> None:
         est = P.estimate(specs, W, args.design, opts)  # type: ignore[arg-type]
         model_sent, model_received = est.step_sent[info.rank], est.step_received[info.rank]
         model_colls = est.exposed_collectives
+        model_traffic = float(est.traffic[info.rank])
     elif args.design == "adamw":
         model_sent = model_received = 2 * (W - 1) / W * p_all * 4  # ring all-reduce
         model_colls = -(-p_all * 4 // DDP_BUCKET_BYTES) if W > 1 else 0
     else:
         model_sent = model_received = float("nan")
         model_colls = -1
+    if args.design not in ("owner", "gather", "fsdp"):
+        model_traffic = math.nan
     rec = {
+        "traffic_bytes": traffic,  # counted (TrafficCounter), owner and gather
+        "model_traffic_bytes": model_traffic,  # Estimate.traffic of this rank
         "design": args.design,
         "world": info.world_size,
         "rank": info.rank,
         "step_ms": 1e3 * statistics.median(times),
         "ns_ms": 1e3 * statistics.median(ns_times),
+        # blocked in the optimizer's collectives (StepStats.comm_seconds; NaN: not timed)
+        "comm_ms": 1e3 * statistics.median(comm_times),
         "ns_matrices": stats["ns_matrices"],
         "ns_cost": stats["ns_cost"],
         "bytes_sent": counts.bytes_sent,
@@ -281,6 +321,53 @@ def _median_time(fn: Any, reps: int, sync: Any = None) -> float:
     return statistics.median(ts)
 
 
+FLUSH_BYTES = 256 << 20  # more than any CPU's last-level cache: evicts a pass's tensors
+
+
+def streaming_rate(model: nn.Module, groups: list[dict[str, Any]], reps: int) -> float:
+    """Bytes/s of the step's own elementwise functions on tensors shaped like the model's
+    parameters: the non-finite check (every gradient), momentum + Nesterov and decay +
+    update (the matrices), AdamW (the rest), and a bucket's flatten + copy back (every
+    gradient). Bytes as ``TrafficCounter`` counts them; each timed call starts from a
+    cold cache (a 256 MiB write first), as in a step, where the Newton–Schulz workspace
+    and the other passes evict a pass's tensors (warm, on a model that fits the
+    last-level cache, some passes ran 2-3x faster: docs/distributed.md)."""
+    from rootopt.distributed.counters import TrafficCounter
+    from rootopt.optim._finite import finite_flags
+    from rootopt.optim.adamw import adamw_
+    from rootopt.optim.functional import apply_, momentum_
+
+    mats, rest = list(groups[0]["params"]), list(groups[1]["params"])
+    R, A = [torch.randn_like(p) for p in mats], [torch.randn_like(p) for p in rest]
+    g_r, g_a = [torch.randn_like(p) for p in R], [torch.randn_like(p) for p in A]
+    bufs, U = [torch.zeros_like(p) for p in R], [torch.randn_like(p) for p in R]
+    m, v = [torch.zeros_like(p) for p in A], [torch.zeros_like(p) for p in A]
+    steps = [torch.tensor(1.0) for _ in A]
+    grads = g_r + g_a
+
+    def bucket() -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+    passes = [
+        lambda: finite_flags(grads),
+        lambda: momentum_(bufs, g_r, momentum=0.95, nesterov=True),
+        lambda: apply_(R, U, lr=1e-3, weight_decay=0.1, scales=[1.0] * len(R)),
+        lambda: adamw_(A, g_a, m, v, steps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                       weight_decay=0.1),
+        bucket,
+    ]  # fmt: skip
+    flush = torch.empty(FLUSH_BYTES // 4)
+    nbytes = seconds = 0.0
+    for fn in passes:
+        with TrafficCounter() as traffic:
+            fn()
+        nbytes += traffic.bytes
+        seconds += _median_time(fn, reps, sync=lambda: flush.fill_(1.0))
+    return nbytes / seconds
+
+
 def compute_constants(args: argparse.Namespace, reps: int = 5) -> dict[str, float]:
     """This rank's Newton–Schulz FLOP/s, the bytes/s of streaming elementwise passes and
     the seconds per ROOT element of the quantile + clamp, on the bench model's tensors
@@ -315,22 +402,7 @@ def compute_constants(args: argparse.Namespace, reps: int = 5) -> dict[str, floa
             v.clamp_(-(e := float(abs_quantile(v, q))), e)
 
     clip_s = _median_time(clip, reps) / sum(p.numel() for p in mats)
-    # streaming passes over tensors shaped like every parameter of the model: a copy
-    # (read 1, write 1) and an add into a third tensor (read 2, write 1), float32
-    xs = [torch.randn_like(p) for p in model.parameters()]
-    ys = [torch.randn_like(x) for x in xs]
-    zs = [torch.empty_like(x) for x in xs]
-
-    def copy() -> None:
-        for x, y in zip(xs, ys):
-            y.copy_(x)
-
-    def add() -> None:
-        for x, y, z in zip(xs, ys, zs):
-            torch.add(x, y, out=z)
-
-    n = sum(x.numel() for x in xs)
-    stream = 4 * (2 + 3) * n / (_median_time(copy, reps) + _median_time(add, reps))
+    stream = streaming_rate(model, groups, reps)
     return {
         "ns_flops_per_s": flops / ns_s,
         "memory_bytes_per_s": stream,
@@ -416,35 +488,62 @@ def calibrate(args: argparse.Namespace) -> int:
     ]
     rows: list[dict[str, Any]] = []
     for W in worlds:
-        recs = launch(args, "calib", W)
+        # the same microbenchmarks with all W ranks at once, --repeats launches: per
+        # launch the slowest rank's rates, then the median over launches
+        together = [launch(args, "calib", W) for _ in range(args.repeats)]
+        slowest = [
+            {
+                "ns_flops_per_s": min(r["ns_flops_per_s"] for r in recs),
+                "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in recs),
+                "clip_s_per_element": max(r["clip_s_per_element"] for r in recs),
+            }
+            for recs in together
+        ]
+        at_once = {k: statistics.median(c[k] for c in slowest) for k in ALONE_CONSTANTS}
         share = min(1.0, cores / W)
-        ns_all = min(r["ns_flops_per_s"] for r in recs)
         print(
-            f"  W={W}: Newton–Schulz per rank with all {W} computing at once "
-            f"{ns_all / 1e9:.2f} GFLOP/s (slowest rank) vs the model's "
-            f"{share * alone['ns_flops_per_s'] / 1e9:.2f} (alone × min(1, cores/W))"
+            f"  W={W}: all {W} ranks at once (slowest rank, median of {len(together)} "
+            f"launches): Newton–Schulz {at_once['ns_flops_per_s'] / 1e9:.2f} GFLOP/s, "
+            f"streaming {at_once['memory_bytes_per_s'] / 1e9:.2f} GB/s, quantile + clamp "
+            f"{1e9 * at_once['clip_s_per_element']:.2f} ns; alone × min(1, cores/W): "
+            f"{share * alone['ns_flops_per_s'] / 1e9:.2f} GFLOP/s, "
+            f"{share * alone['memory_bytes_per_s'] / 1e9:.2f} GB/s, "
+            f"{1e9 * alone['clip_s_per_element'] / share:.2f} ns"
         )
-        # one line through the slowest rank's times of every op and size
-        worst: dict[tuple[str, int], tuple[float, float]] = {}
-        for r in recs:
-            for pt in r["collectives"]:
-                key = (pt["op"], pt["elements"])
-                if key not in worst or pt["seconds"] > worst[key][1]:
-                    worst[key] = (pt["bytes"], pt["seconds"])
+        # one line through the slowest rank's times of every op and size (the median
+        # over launches of each launch's slowest rank)
+        times: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for recs in together:
+            worst: dict[tuple[str, int], tuple[float, float]] = {}
+            for r in recs:
+                for pt in r["collectives"]:
+                    key = (pt["op"], pt["elements"])
+                    if key not in worst or pt["seconds"] > worst[key][1]:
+                        worst[key] = (pt["bytes"], pt["seconds"])
+            for key, v in worst.items():
+                times.setdefault(key, []).append(v)
+        fit = {k: (v[0][0], statistics.median(t for _, t in v)) for k, v in times.items()}
         # per collective kind: latency = its smallest message's time (at W > cores mostly
         # the scheduling delay of ranks that share a core), link = the slope above it
         links: dict[str, tuple[float, float]] = {}
         for op, kind in zip(COLL_OPS, COLL_KINDS):
-            links[kind] = P.fit_link([v for k, v in worst.items() if k[0] == op])
+            links[kind] = P.fit_link([v for k, v in fit.items() if k[0] == op])
             lat, bw = links[kind]
             print(f"    {op:<24} latency {1e6 * lat:8.0f} µs  link {bw / 1e6:8.0f} MB/s")
+        # --constants alone (default): one rank's rates, shared min(1, cores/W) by
+        # step_time; together: the slowest rank's rates with all W at once (contention
+        # included, so no share on top). docs/distributed.md compares them.
+        if args.constants == "together":
+            base, units = at_once, math.inf
+        else:
+            base, units = alone, cores
         hw = P.measured_hardware(
             f"this machine at W={W}",
-            ns_flops_per_s=alone["ns_flops_per_s"],
-            memory_bytes_per_s=alone["memory_bytes_per_s"],
-            clip_s_per_element=alone["clip_s_per_element"],
+            ns_flops_per_s=base["ns_flops_per_s"],
+            memory_bytes_per_s=base["memory_bytes_per_s"],
+            clip_s_per_element=base["clip_s_per_element"],
             links=links,
-            compute_units=cores,
+            compute_units=units,
         )
         # each design launched --repeats times, interleaved (owner, gather, owner, ...), so
         # a slow spell of the machine does not land on one design; measured = the median
@@ -463,14 +562,28 @@ def calibrate(args: argparse.Namespace) -> int:
             t = P.step_time(est, hw)
             # what StepStats.ns_seconds times: the quantile + clamp and Newton–Schulz of
             # the busiest rank (the model books the clamp under elementwise)
-            thr = float(est.elements.max()) * alone["clip_s_per_element"] / min(1.0, cores / W)
+            thr = t.threshold
             load = _loadavg()
             per_launch = sorted(max(r["step_ms"] for r in rs) / 1e3 for rs in launches[design])
             measured = statistics.median(per_launch)
+            # the step split on the rank the others wait for (the least time blocked in
+            # collectives, StepStats.comm_seconds): its threshold + NS, its collectives
+            # (close to the wire time: nobody is late for it) and the rest (elementwise
+            # passes, bucket copies, Python)
+            crit = [min(rs, key=lambda r: r["comm_ms"]) for rs in launches[design]]
+            split = {
+                k: statistics.median(f(r) for r in crit)
+                for k, f in (
+                    ("ns", lambda r: r["ns_ms"]),
+                    ("comm", lambda r: r["comm_ms"]),
+                    ("other", lambda r: r["step_ms"] - r["ns_ms"] - r["comm_ms"]),
+                )
+            }
             rows.append(
                 {
                     "world": W,
                     "design": design,
+                    "constants": {"kind": args.constants, **base},
                     "predicted_ms": 1e3 * t.optimizer,
                     "ns_ms": 1e3 * t.ns,
                     "threshold_ns_ms": 1e3 * (t.ns + thr),
@@ -484,6 +597,18 @@ def calibrate(args: argparse.Namespace) -> int:
                         max(r["ns_ms"] for r in rs) for rs in launches[design]
                     ),
                     "launches_ms": [1e3 * x for x in per_launch],
+                    # by term, model vs the critical rank (above)
+                    "model_comm_ms": 1e3 * (t.comm + t.latency),
+                    "model_other_ms": 1e3 * (t.elementwise - thr),
+                    "crit_ns_ms": split["ns"],
+                    "crit_comm_ms": split["comm"],
+                    "crit_other_ms": split["other"],
+                    # elementwise bytes of the busiest rank: the model's, and counted
+                    "traffic_model_mb": float(est.traffic.max()) / 1e6,
+                    "traffic_counted_mb": statistics.median(
+                        max(r["traffic_bytes"] for r in rs) for rs in launches[design]
+                    )
+                    / 1e6,
                     "ratio": t.optimizer / measured,
                     "load": load,
                 }
@@ -505,6 +630,27 @@ def calibrate(args: argparse.Namespace) -> int:
             + ("within " if hit else "outside")
             + "   "
             + " ".join(f"{x:.0f}" for x in r["launches_ms"])
+        )
+    print(
+        "by term, model / measured on the rank the others wait for (least time blocked in"
+        " collectives):"
+    )
+    print(
+        f"{'W':>3} {'design':<7}{'thr+NS':>20}{'elementwise+rest':>20}{'comm+latency':>20}"
+        f"{'elementwise MB':>22}"
+    )
+    for r in rows:
+        cells = [
+            (r["threshold_ns_ms"], r["crit_ns_ms"]),
+            (r["model_other_ms"], r["crit_other_ms"]),
+            (r["model_comm_ms"], r["crit_comm_ms"]),
+            (r["traffic_model_mb"], r["traffic_counted_mb"]),
+        ]
+        print(
+            f"{r['world']:>3} {r['design']:<7}"
+            + "".join(
+                f"{f'{a:.1f} / {b:.1f} ({a / b if b > 0 else math.nan:.2f})':>22}" for a, b in cells
+            )
         )
     print(
         "verdict:",
@@ -570,6 +716,13 @@ def main() -> int:
         "--calibrate", action="store_true", help="check the cost model's time (see above)"
     )
     ap.add_argument("--tolerance", type=float, default=0.15, help="--calibrate's target")
+    ap.add_argument(
+        "--constants",
+        choices=("alone", "together"),
+        default="alone",
+        help="--calibrate: compute rates of one rank alone, shared min(1, cores/W) "
+        "(default), or of the slowest rank with all W ranks at once",
+    )
     ap.add_argument(
         "--repeats",
         type=int,
