@@ -284,7 +284,11 @@ def test_step_time_and_verdict_state_their_assumptions() -> None:
     t = P.step_time(e, P.H100, P.LLAMA3_WORKLOAD, fpt)
     fwd = fpt * 4 * 1024 * 1024 / (1024 * 989e12 * 0.40)
     assert t.fwd_bwd == pytest.approx(fwd)
-    assert t.ns == pytest.approx(e.critical_flops / (989e12 * 0.6))
+    # 285 rounds of at most 1 GiB run one after another, each ending in all-to-alls
+    # every rank waits for: the path is the sum of every round's busiest rank, about
+    # one FFN matrix per round at this W, not the one matrix of the busiest rank
+    assert e.buckets == 285 and e.path_flops > 200 * e.critical_flops
+    assert t.ns == pytest.approx(e.path_flops / (989e12 * 0.6))
     assert t.optimizer == pytest.approx(t.ns + t.elementwise + t.comm + t.latency)
     assert t.overlapped <= t.optimizer
     v = P.verdict("llama3-70b", 1024)
@@ -584,3 +588,37 @@ def test_traffic_counter_counts_reads_and_writes_per_kernel() -> None:
     with TrafficCounter() as t:
         momentum_([m], [g], momentum=0.9, nesterov=True)
     assert t.bytes == n * P.momentum_bytes(P.Options(backend="gloo"))
+
+
+def test_rounds_that_end_in_a_collective_add_their_busiest_ranks() -> None:
+    """Estimate.path_flops: a round (gather, fsdp) or bucket (owner) that ends in a
+    collective every rank waits for puts its busiest rank's Newton–Schulz on the step's
+    path. Two matrices at W = 2: in one round they run side by side (the path is the
+    larger); in a round each they run one after the other (the sum), though each rank
+    still holds one of them."""
+    big, small = P.ParamSpec("big", (64, 48)), P.ParamSpec("small", (16, 16))
+    f_big, f_small = P.ns_flops(big, 5), P.ns_flops(small, 5)
+    hw = P.measured_hardware(
+        "cpu", ns_flops_per_s=1e10, memory_bytes_per_s=1e10, clip_s_per_element=1e-9,
+        links={k: (1e-4, 1e9) for k in P.LINK_KINDS}, compute_units=math.inf,
+    )  # fmt: skip
+    for design in ("gather", "fsdp"):
+        one = P.estimate([big, small], 2, design, P.Options(backend="gloo"))  # type: ignore[arg-type]
+        apart = P.estimate(
+            [big, small],
+            2,
+            design,
+            P.Options(backend="gloo", bucket_bytes=4 * 64 * 48),  # type: ignore[arg-type]
+        )
+        assert one.buckets == 1 and apart.buckets == 2
+        for e in (one, apart):
+            assert sorted(e.flops.tolist()) == pytest.approx(sorted([f_big, f_small]))
+        assert one.path_flops == pytest.approx(f_big)
+        assert apart.path_flops == pytest.approx(f_big + f_small)
+        assert P.step_time(apart, hw).ns == pytest.approx((f_big + f_small) / 1e10)
+        assert P.step_time(one, hw).ns == pytest.approx(f_big / 1e10)
+    # owner: one bucket per group, cut into OVERLAP_GROUPS; the path sums the buckets
+    e = P.estimate([big, small], 2, "owner", P.Options(backend="gloo"))
+    assert e.path_flops >= float(e.flops.max())
+    replicated = P.estimate([big, small], 2, "replicated", P.Options(backend="gloo"))
+    assert P.step_time(replicated, hw).ns == pytest.approx((f_big + f_small) / 1e10)

@@ -65,7 +65,7 @@ def _write_new(path: Path, data: bytes) -> None:
 def format_table(rows: list[dict[str, Any]]) -> list[str]:
     head = (
         f"{'W':>6} {'design':<10} {'GB/rank':>9} {'xAdamW':>7} {'coll':>6} {'step':>5} "
-        f"{'NS TFLOP':>9} {'bound':>8} {'imbal':>6} {'opt GiB':>8} {'opt ms':>9} "
+        f"{'NS TFLOP':>9} {'bound':>8} {'path':>9} {'imbal':>6} {'opt GiB':>8} {'opt ms':>9} "
         f"{'%fwd/bwd':>9} {'%ovl':>7}"
     )
     out = [head]
@@ -73,7 +73,8 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"{r['world']:>6} {r['design']:<10} {r['bytes_per_rank'] / 1e9:>9.2f} "
             f"{r['vs_adamw']:>7.3f} {r['collectives']:>6} {r['step_collectives']:>5} "
-            f"{r['critical_tflop']:>9.2f} {r['lower_bound_tflop']:>8.2f} {r['imbalance']:>6.2f} "
+            f"{r['critical_tflop']:>9.2f} {r['lower_bound_tflop']:>8.2f} "
+            f"{r['path_tflop']:>9.2f} {r['imbalance']:>6.2f} "
             f"{r['memory_gib']:>8.2f} {1e3 * r['optimizer_s']:>9.1f} "
             f"{100 * r['fraction']:>9.2f} {100 * r['fraction_overlapped']:>7.2f}"
         )
@@ -215,7 +216,8 @@ def main(argv: list[str]) -> int:
         "GB/rank: most bytes any rank sends or receives per step (gradient sync included); "
         "xAdamW: against AdamW under the same wrapper (DDP, or FSDP2 for fsdp/gram); "
         "coll: collectives per step, step: of which issued by the optimizer step; "
-        "NS TFLOP: Newton–Schulz on the busiest rank, bound: max(total/W, largest matrix); "
+        "NS TFLOP: Newton–Schulz on the busiest rank, bound: max(total/W, largest matrix), "
+        "path: on the step's path, each round waiting for its busiest rank (the time uses it); "
         "opt GiB: optimizer state + buffers per rank; %fwd/bwd: optimizer time with nothing "
         "overlapped, %ovl: with communication overlapped"
     )

@@ -13,17 +13,25 @@ class NonFiniteGradientError(ValueError):
 
 def finite_flags(grads: list[Tensor]) -> Tensor:
     """One bool per gradient (on the gradients' device): all its entries finite (an
-    empty one, e.g. an FSDP2 shard of no rows, is). One read of each gradient and no
-    host synchronisation."""
-    if grads[0].device.type == "cpu":
+    empty one, e.g. an FSDP2 shard of no rows, is; neither ``aminmax`` nor the inf-norm
+    is defined on it). One read of each gradient and no host synchronisation."""
+    full = [i for i, g in enumerate(grads) if g.numel()]  # shapes only: no sync
+    ok = torch.ones(len(grads), dtype=torch.bool, device=grads[0].device)
+    if not full:
+        return ok
+    some = [grads[i] for i in full]
+    if some[0].device.type == "cpu":
         # min and max, one vectorised pass each gradient (the CPU's inf-norm is not
         # vectorised: 12x slower here); calls cost nothing on the CPU
-        none = torch.zeros(2)
-        ends = [torch.stack(torch.aminmax(g)).float() if g.numel() else none for g in grads]
-        return torch.stack(ends).isfinite().all(dim=1)
-    # one launch for all: max |g| (NaN propagates)
-    norms = torch._foreach_norm(grads, float("inf"))
-    return torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
+        ends = [torch.stack(torch.aminmax(g)).float() for g in some]
+        flags = torch.stack(ends).isfinite().all(dim=1)
+    else:  # one launch for all: max |g| (NaN propagates)
+        norms = torch._foreach_norm(some, float("inf"))
+        flags = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
+    if len(full) == len(grads):
+        return flags
+    ok[full] = flags.to(ok.device)
+    return ok
 
 
 def check_finite(
