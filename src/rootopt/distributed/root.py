@@ -335,10 +335,14 @@ class DistributedROOT(ROOT):
         flags = torch.zeros(len(entries), 2, dtype=torch.int32, device=dev)
         has_grad = [p.grad is not None for _, _, p, _ in entries]
         flags[:, 0] = torch.tensor(has_grad, device=dev)
-        local = [_local(p.grad) for _, _, p, _ in entries if p.grad is not None]
-        if local:  # ROOT's own check (one read of each gradient; optim/_finite.py)
-            where = torch.tensor(has_grad, device=dev)
-            flags[where, 1] = (~finite_flags(local)).to(dev, torch.int32)
+        held = [i for i, h in enumerate(has_grad) if h]  # positions, not a mask: no sync
+        grads = [cast(Tensor, entries[i][2].grad) for i in held]
+        if grads:  # ROOT's own check (one read of each gradient; optim/_finite.py)
+            nonfinite = (~finite_flags([_local(g) for g in grads])).to(dev, torch.int32)
+            if len(held) == len(entries):
+                flags[:, 1] = nonfinite
+            else:
+                flags[held, 1] = nonfinite
         if world_size > 1:
             nbytes = flags.numel() * flags.element_size()
             collective(
