@@ -232,24 +232,13 @@ def worker(args: argparse.Namespace) -> None:
             comm_times.append(stats["comm_s"])
     traffic = math.nan  # one more step: its elementwise bytes (threshold + NS apart)
     if args.design in ("owner", "gather"):
-        from rootopt.distributed import root as droot
         from rootopt.distributed.counters import TrafficCounter
 
         set_grads()
         if info.world_size > 1:
             dist.barrier()
-        orthogonalize = droot.DistributedROOT._orthogonalize
-        with TrafficCounter() as counted:
-
-            def apart(self: Any, *a: Any, **k: Any) -> Any:
-                with counted.paused():
-                    return orthogonalize(self, *a, **k)
-
-            droot.DistributedROOT._orthogonalize = apart  # type: ignore[method-assign]
-            try:
-                step()
-            finally:
-                droot.DistributedROOT._orthogonalize = orthogonalize  # type: ignore[method-assign]
+        with TrafficCounter([(DistributedROOT, "_orthogonalize")]) as counted:
+            step()
         traffic = float(counted.bytes)
     W = info.world_size
     if args.design in ("owner", "gather", "fsdp"):
@@ -261,18 +250,14 @@ def worker(args: argparse.Namespace) -> None:
         est = P.estimate(specs, W, args.design, opts)  # type: ignore[arg-type]
         model_sent, model_received = est.step_sent[info.rank], est.step_received[info.rank]
         model_colls = est.exposed_collectives
-        model_traffic = float(est.traffic[info.rank])
     elif args.design == "adamw":
         model_sent = model_received = 2 * (W - 1) / W * p_all * 4  # ring all-reduce
         model_colls = -(-p_all * 4 // DDP_BUCKET_BYTES) if W > 1 else 0
     else:
         model_sent = model_received = float("nan")
         model_colls = -1
-    if args.design not in ("owner", "gather", "fsdp"):
-        model_traffic = math.nan
     rec = {
         "traffic_bytes": traffic,  # counted (TrafficCounter), owner and gather
-        "model_traffic_bytes": model_traffic,  # Estimate.traffic of this rank
         "design": args.design,
         "world": info.world_size,
         "rank": info.rank,

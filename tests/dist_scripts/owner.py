@@ -20,8 +20,7 @@ from torch import nn
 
 import rootopt
 from rootopt.distributed import DistributedROOT, finish, init_distributed
-from rootopt.distributed import root as droot
-from rootopt.distributed.counters import CollectiveCounter, Traffic, TrafficCounter, bytes_written
+from rootopt.distributed.counters import CollectiveCounter, TrafficCounter, bytes_written
 
 HYPER: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9)
 BATCH = 12  # divisible by 2, 3 and 4
@@ -62,20 +61,9 @@ def groups(model: Model) -> list[dict[str, Any]]:
 
 
 STEPS = 3
-COUNTING: list[Traffic] = []  # the traffic counter of the step being measured
-_orthogonalize = droot.DistributedROOT._orthogonalize
-
-
-def _orthogonalize_apart(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """The threshold + Newton–Schulz (and the stacking copies it does), left out of the
-    elementwise count: the cost model charges them as FLOPs and per thresholded element."""
-    if not COUNTING:
-        return _orthogonalize(self, *args, **kwargs)
-    with COUNTING[-1].paused():
-        return _orthogonalize(self, *args, **kwargs)
-
-
-droot.DistributedROOT._orthogonalize = _orthogonalize_apart  # type: ignore[method-assign]
+# threshold + Newton–Schulz (and its stacking copies) left out of the elementwise count:
+# the cost model charges them as FLOPs and per thresholded element
+APART = [(DistributedROOT, "_orthogonalize")]
 
 
 def reference(shapes: int, table: bool, x: torch.Tensor) -> tuple[Model, rootopt.ROOT]:
@@ -106,12 +94,8 @@ def measure(shapes: int, design: str, table: bool = False, overlap: bool = True)
         model(x[sl]).backward()
         dist.barrier()
         before = bytes_written()
-        with CollectiveCounter() as counts, TrafficCounter() as traffic:
-            COUNTING.append(traffic)
-            try:
-                opt.step()
-            finally:
-                COUNTING.clear()
+        with CollectiveCounter() as counts, TrafficCounter(APART) as traffic:
+            opt.step()
         after = bytes_written()
         res = counts.as_dict()
         res["wrote"] = None if before is None or after is None else after - before

@@ -413,7 +413,7 @@ def _nbytes(ts: Sequence[Tensor]) -> int:
 
 
 @contextmanager
-def TrafficCounter() -> Iterator[Traffic]:
+def TrafficCounter(apart: Sequence[tuple[type, str]] = ()) -> Iterator[Traffic]:
     """Count, for every aten op this thread runs inside the block, the bytes of its tensor
     inputs (read) and outputs (written): the elementwise traffic the cost model charges at
     a streaming rate (``plan.Estimate.traffic``). Not counted: matrix products (FLOPs),
@@ -421,10 +421,19 @@ def TrafficCounter() -> Iterator[Traffic]:
     place), and collectives (``c10d``: bytes on the wire, :class:`CollectiveCounter`).
     The destination of ``copy_``/``fill_``/``zero_`` and ``out=`` tensors are written, not
     read. An upper bound where a kernel reads only part of an input (a reduction with
-    early exit); exact for the streaming passes of a step."""
+    early exit); exact for the streaming passes of a step. ``apart``: ``(class, method)``
+    pairs run paused inside the block (e.g. ``(DistributedROOT, "_orthogonalize")``: the
+    threshold + Newton–Schulz the cost model charges apart), restored on exit."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     traffic = Traffic()
+
+    def paused_call(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with traffic.paused():
+                return method(*args, **kwargs)
+
+        return call
 
     class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
         def __torch_dispatch__(
@@ -454,5 +463,15 @@ def TrafficCounter() -> Iterator[Traffic]:
             traffic.add(name, read + _nbytes(outs))
             return out
 
-    with _Mode():  # type: ignore[no-untyped-call]
-        yield traffic
+    originals = [(cls, name, cls.__dict__.get(name)) for cls, name in apart]
+    try:
+        for cls, name, _ in originals:
+            setattr(cls, name, paused_call(getattr(cls, name)))
+        with _Mode():  # type: ignore[no-untyped-call]
+            yield traffic
+    finally:
+        for cls, name, own in originals:  # the class's own method back, or its parent's
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)

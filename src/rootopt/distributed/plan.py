@@ -1113,17 +1113,15 @@ def step_time(
     W = est.world
     share = min(1.0, hw.compute_units / min(W, est.options.gpus_per_node))
     traffic = est.traffic if est.traffic.size else np.zeros(W)
-    compute = (
-        est.flops / (hw.flops * hw.ns_efficiency)
-        + (est.elements * (4 * hw.clip_passes) + traffic) / hw.memory_bw
-    ) / share
-    busiest = int(compute.argmax())
     rate = hw.flops * hw.ns_efficiency * share
-    ns_busiest = float(est.flops[busiest]) / rate
-    threshold = float(est.elements[busiest]) * 4 * hw.clip_passes / hw.memory_bw / share
-    elementwise = float(compute[busiest]) - ns_busiest
+    ns_r = est.flops / rate  # per rank: Newton–Schulz, quantile + clamp, streaming passes
+    threshold_r = est.elements * (4 * hw.clip_passes) / hw.memory_bw / share
+    compute = ns_r + threshold_r + traffic / hw.memory_bw / share
+    busiest = int(compute.argmax())
+    threshold = float(threshold_r[busiest])
+    elementwise = float(compute[busiest] - ns_r[busiest])
     # on the path: every round waits for its own busiest rank (Estimate.path_flops)
-    ns = max(est.path_flops / rate, ns_busiest)
+    ns = max(est.path_flops / rate, float(ns_r[busiest]))
     # each kind's exposed bytes at its own link; what _issue did not attribute (none
     # today) at the generic one
     wire = est.node / hw.node_link

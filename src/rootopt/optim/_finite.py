@@ -30,7 +30,7 @@ def finite_flags(grads: list[Tensor]) -> Tensor:
         flags = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).isfinite()
     if len(full) == len(grads):
         return flags
-    ok[full] = flags.to(ok.device)
+    ok[full] = flags
     return ok
 
 
