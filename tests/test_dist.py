@@ -133,6 +133,32 @@ def test_owners_balance_cost_not_count() -> None:
     assert ns_cost(1, 10, 33, 5) == ns_cost(1, 33, 10, 5) == 5 * 100 * 76
 
 
+def test_sharded_updates_travel_in_the_dtype_they_are_exact_in() -> None:
+    """_update_dtype: the FSDP2 return all-to-all sends a round's updates in bfloat16 /
+    float16 only when every one is a Newton–Schulz iterate in that dtype with no fused
+    block scale folded in; float32 for anything else, or a mix."""
+    from types import SimpleNamespace
+
+    from rootopt.distributed.root import _update_dtype
+
+    cpu = torch.device("cpu")
+
+    def task(ns_dtype: str, method: str = "newton_schulz", split: Any = None) -> Any:
+        group = {"ns_dtype": ns_dtype, "ortho_method": method, "ns_split": [split]}
+        return SimpleNamespace(group=group, pi=0)
+
+    assert _update_dtype([task("bfloat16"), task("bfloat16")], cpu) == torch.bfloat16
+    assert _update_dtype([task("float16")], cpu) == torch.float16
+    assert _update_dtype([task("float32")], cpu) == torch.float32
+    assert _update_dtype([task("auto")], cpu) == torch.float32  # float32 on the CPU
+    assert _update_dtype([task("auto")], torch.device("cuda")) == torch.bfloat16
+    assert _update_dtype([task("bfloat16"), task("float16")], cpu) == torch.float32
+    assert _update_dtype([task("bfloat16"), task("float32")], cpu) == torch.float32
+    assert _update_dtype([task("bfloat16", "svd")], cpu) == torch.float32
+    assert _update_dtype([task("bfloat16", split=[4, 4])], cpu) == torch.float32
+    assert _update_dtype([], cpu) == torch.float32
+
+
 def test_chunk_rows_matches_torch_chunk() -> None:
     for rows in (0, 1, 2, 5, 10, 18, 33):
         for world in (1, 2, 3, 4, 8):
@@ -198,7 +224,12 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         # the reference moved the parameters far more than the tolerance: a wrong but
         # non-zero update cannot pass
         assert r["moved"] > 1e-2
-        assert r["fsdp_rounds"] == 4
+        # rounds cut by what each owner receives (plan.owner_rounds), 256 B each: at W = 2
+        # one rank owns w4 (LPT, the costliest), the other w1, w3, w2, w5 in round order:
+        # [w5 + w2] (88 B), [w3], [w1], 3 rounds; at W = 3 the third rank's [w5 + w2], [w3]:
+        # 2 rounds; at W = 4 the fourth rank holds [w5 + w2] alone: 1 round (the cut by the
+        # bytes of the whole round gave 4 at every W)
+        assert r["fsdp_rounds"] == {2: 3, 3: 2, 4: 1}[world]
         for key in (
             "ddp_param_diff",
             "avg_param_diff",

@@ -284,19 +284,37 @@ def test_step_time_and_verdict_state_their_assumptions() -> None:
     t = P.step_time(e, P.H100, P.LLAMA3_WORKLOAD, fpt)
     fwd = fpt * 4 * 1024 * 1024 / (1024 * 989e12 * 0.40)
     assert t.fwd_bwd == pytest.approx(fwd)
-    # 285 rounds of at most 1 GiB run one after another, each ending in all-to-alls
-    # every rank waits for: the path is the sum of every round's busiest rank, about
-    # one FFN matrix per round at this W, not the one matrix of the busiest rank
-    assert e.buckets == 285 and e.path_flops > 200 * e.critical_flops
+    # rounds are cut by what each owner receives (owner_rounds): 560 matrices on 1,024
+    # ranks, each owner one matrix of under 1 GiB, so one round, and the path is the
+    # busiest rank's, one FFN matrix (the lower bound); with rounds of at most 1 GiB in
+    # all (the cut before) it was 285 rounds, each waiting for its busiest rank
+    assert e.buckets == 1
+    assert e.path_flops == pytest.approx(e.critical_flops)
+    assert e.critical_flops == pytest.approx(e.lower_bound_flops)
     assert t.ns == pytest.approx(e.path_flops / (989e12 * 0.6))
     assert t.optimizer == pytest.approx(t.ns + t.elementwise + t.comm + t.latency)
-    assert t.overlapped <= t.optimizer
+    # one round: its shards arrive before any Newton–Schulz and its updates leave after
+    # the last, so nothing overlaps
+    assert t.serial == pytest.approx(t.comm) and t.comm > 0
+    assert t.overlapped == pytest.approx(t.optimizer)
+    # at W = 64 there are several rounds: all but the first inbound and the last return
+    # may hide behind compute
+    e64 = P.estimate(P.llama3_params("llama3-70b"), 64, "fsdp", P.SCALE_OPTIONS)
+    t64 = P.step_time(e64, P.H100, P.LLAMA3_WORKLOAD, fpt)
+    assert e64.buckets > 2 and 0 < t64.serial < t64.comm
+    assert t64.overlapped == pytest.approx(
+        max(t64.ns + t64.elementwise, t64.comm - t64.serial) + t64.serial + t64.latency
+    )
+    assert t64.overlapped < t64.optimizer
     v = P.verdict("llama3-70b", 1024)
     assert [r["design"] for r in v.rows] == list(P.DESIGNS)
     # a replicated 70B model (bf16 parameters and gradients) does not fit in 80 GB
     assert not next(r for r in v.rows if r["design"] == "owner")["fits"]
     assert v.best in ("fsdp", "gram")
+    assert v.best_implemented == "fsdp"  # gram is priced, not implemented
     text = "\n".join(v.lines(P.H100, P.LLAMA3_WORKLOAD, P.SCALE_OPTIONS))
+    assert "gram" not in text or "model only" in text
+    assert "best implemented that fits: fsdp" in text or v.best == "fsdp"
     for needle in ("989 TFLOP/s", "400 Gb/s", "arXiv 2407.21783", "assumptions:", "target"):
         assert needle in text
 
@@ -602,23 +620,66 @@ def test_rounds_that_end_in_a_collective_add_their_busiest_ranks() -> None:
         "cpu", ns_flops_per_s=1e10, memory_bytes_per_s=1e10, clip_s_per_element=1e-9,
         links={k: (1e-4, 1e9) for k in P.LINK_KINDS}, compute_units=math.inf,
     )  # fmt: skip
-    for design in ("gather", "fsdp"):
-        one = P.estimate([big, small], 2, design, P.Options(backend="gloo"))  # type: ignore[arg-type]
-        apart = P.estimate(
-            [big, small],
-            2,
-            design,
-            P.Options(backend="gloo", bucket_bytes=4 * 64 * 48),  # type: ignore[arg-type]
-        )
-        assert one.buckets == 1 and apart.buckets == 2
-        for e in (one, apart):
-            assert sorted(e.flops.tolist()) == pytest.approx(sorted([f_big, f_small]))
-        assert one.path_flops == pytest.approx(f_big)
-        assert apart.path_flops == pytest.approx(f_big + f_small)
-        assert P.step_time(apart, hw).ns == pytest.approx((f_big + f_small) / 1e10)
-        assert P.step_time(one, hw).ns == pytest.approx(f_big / 1e10)
+    small_budget = P.Options(backend="gloo", bucket_bytes=4 * 64 * 48)
+    one = P.estimate([big, small], 2, "gather", P.Options(backend="gloo"))
+    apart = P.estimate([big, small], 2, "gather", small_budget)
+    assert one.buckets == 1 and apart.buckets == 2
+    for e in (one, apart):
+        assert sorted(e.flops.tolist()) == pytest.approx(sorted([f_big, f_small]))
+    assert one.path_flops == pytest.approx(f_big)
+    assert apart.path_flops == pytest.approx(f_big + f_small)
+    assert P.step_time(apart, hw).ns == pytest.approx((f_big + f_small) / 1e10)
+    assert P.step_time(one, hw).ns == pytest.approx(f_big / 1e10)
+    # fsdp cuts rounds by what each owner receives (owner_rounds): the same budget keeps
+    # both matrices, on different owners, in one round; a third matrix on the owner of
+    # `small` that does not fit beside it opens a second round, and the path adds it
+    fsdp = P.estimate([big, small], 2, "fsdp", small_budget)
+    assert fsdp.buckets == 1 and fsdp.path_flops == pytest.approx(f_big)
+    assert P.step_time(fsdp, hw).ns == pytest.approx(f_big / 1e10)
+    third = P.ParamSpec("third", (64, 46))
+    f_third = P.ns_flops(third, 5)
+    fsdp = P.estimate([big, small, third], 2, "fsdp", small_budget)
+    assert fsdp.buckets == 2
+    assert sorted(fsdp.flops.tolist()) == pytest.approx(sorted([f_big, f_small + f_third]))
+    assert fsdp.path_flops == pytest.approx(max(f_big, f_small) + f_third)
     # owner: one bucket per group, cut into OVERLAP_GROUPS; the path sums the buckets
     e = P.estimate([big, small], 2, "owner", P.Options(backend="gloo"))
     assert e.path_flops >= float(e.flops.max())
     replicated = P.estimate([big, small], 2, "replicated", P.Options(backend="gloo"))
     assert P.step_time(replicated, hw).ns == pytest.approx((f_big + f_small) / 1e10)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8, 600])
+@pytest.mark.parametrize("budget", [1, 4 * 4096, 4 * 300_000, 1 << 40])
+def test_owner_rounds_bound_what_each_owner_receives(world: int, budget: int) -> None:
+    """owner_rounds (the fsdp rounds, plan and optimizer): every task in exactly one
+    round; owners over the whole step are LPT's; in every round each owner receives at
+    most ``budget`` bytes or a single task; an owner's tasks keep round_order; the number
+    of rounds is the most runs any owner needs; at a world no smaller than the number of
+    tasks, one round."""
+    specs = P.llama3_params(P.LlamaShape("tiny", 3, 256, 704, 4, 2, 1000))
+    roots = [p for p in specs if p.algorithm == "root"]
+    costs = [P.ns_flops(p, 5) for p in roots]
+    sizes = [4 * p.numel for p in roots]
+    shapes = [(P._view(p)[1], P._view(p)[2]) for p in roots]
+    rounds = P.owner_rounds(costs, sizes, shapes, world, budget)
+    flat = [i for rnd in rounds for i, _ in rnd]
+    assert sorted(flat) == list(range(len(roots)))
+    owners = P.assign_owners(costs, world)
+    assert all(o == owners[i] for rnd in rounds for i, o in rnd)
+    order = P.round_order(shapes)
+    per_owner_runs = []
+    for o in range(world):
+        mine = [i for i in order if owners[i] == o]
+        got = [i for rnd in rounds for i, q in rnd if q == o]
+        assert got == mine  # round by round, each owner's tasks in round_order
+        per_owner_runs.append(len(P.cut_rounds([sizes[i] for i in mine], budget)))
+        for rnd in rounds:
+            here = [sizes[i] for i, q in rnd if q == o]
+            assert len(here) <= 1 or sum(here) <= budget
+    assert len(rounds) == max(per_owner_runs)
+    assert all(rnd for rnd in rounds)
+    if world >= len(roots):
+        assert len(rounds) == 1
+    with pytest.raises(ValueError, match="2 costs, 1 sizes"):
+        P.owner_rounds([1.0, 2.0], [4], [(1, 1), (1, 1)], world, budget)

@@ -68,9 +68,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(rows: list[int]) -> dict[str, torch.Tensor]:
+def reference(rows: list[int], **kw: Any) -> dict[str, torch.Tensor]:
     model = make(rows)
-    opt = rootopt.ROOT(groups(model), **HYPER)
+    opt = rootopt.ROOT(groups(model), **HYPER, **kw)
     for step in range(STEPS):
         opt.zero_grad()
         model(batch(step)).backward()
@@ -84,8 +84,9 @@ def run(rows: list[int], layout: str, design: str, drop: bool) -> dict[str, Any]
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make(rows)
     kw: dict[str, Any] = {}
-    if layout == "fsdp":
+    if layout in ("fsdp", "fsdp16"):  # fsdp16: bfloat16 Newton–Schulz, updates sent back in it
         model = wrap_model(model, "fsdp")
+        kw = {"ns_dtype": "bfloat16"} if layout == "fsdp16" else {}
     else:
         kw = {"average_grads": True, "ddp_design": design}
     opt = DistributedROOT(groups(model), **HYPER, **kw)
@@ -169,9 +170,12 @@ def main() -> None:
         "moved": max(float((ref[n] - init[n]).abs().max()) for n in ref),
         "runs": [],
     }
-    for layout, design in [("fsdp", "fsdp")] + [("ddp", d) for d in designs]:
+    layouts = [("fsdp", "fsdp")] + [("ddp", d) for d in designs]
+    refs = {"fsdp16": reference(rows, ns_dtype="bfloat16")} if "bf16" in sys.argv[4:] else {}
+    layouts += [("fsdp16", "fsdp")] if refs else []
+    for layout, design in layouts:
         res = run(rows, layout, design, drop=False)
-        res["diff"] = max_diff(res.pop("params"), ref)
+        res["diff"] = max_diff(res.pop("params"), refs.get(layout, ref))
         payload["runs"].append(res)
         dropped = run(rows, layout, design, drop=True)
         dropped["drop"] = True

@@ -62,10 +62,17 @@ from rootopt.distributed.group import (
     world,
 )
 from rootopt.distributed.owners import assign_owners, chunk_rows, ns_cost
-from rootopt.distributed.plan import OVERLAP_GROUPS, Bucket, LayoutItem, OwnerLayout, owner_layout
+from rootopt.distributed.plan import (
+    OVERLAP_GROUPS,
+    Bucket,
+    LayoutItem,
+    OwnerLayout,
+    owner_layout,
+    owner_rounds,
+)
 from rootopt.optim._coefficients import coefficients_for, group_matrices
 from rootopt.optim._finite import finite_flags
-from rootopt.optim._options import root_options
+from rootopt.optim._options import DTYPES, ns_dtype_name, root_options
 from rootopt.optim.adamw import adamw_
 from rootopt.optim.functional import (
     Matrix,
@@ -554,7 +561,8 @@ class DistributedROOT(ROOT):
 
     def _root_sharded(self, tasks: list[_Task]) -> None:
         """FSDP2 parameters: shards → owner (all_to_all_single), whole-matrix threshold +
-        orthogonalization on the owner, update → shards (all_to_all_single)."""
+        orthogonalization on the owner, update → shards (all_to_all_single); one pair of
+        all-to-alls per round of :func:`~rootopt.distributed.plan.owner_rounds`."""
         types = _dtensor_types()
         assert types is not None
         _, Shard = types
@@ -579,12 +587,20 @@ class DistributedROOT(ROOT):
                     f"{t.splits[rank]} (dim 0 split like torch.chunk)"
                 )
         dev = _local(tasks[0].p).device
-        loads = [0.0] * world_size
-        for rnd in self._rounds(tasks):
-            owners = assign_owners([t.cost for t in rnd], world_size, loads)
+        # owners over the whole step, rounds cut by the bytes each owner receives
+        # (plan.owner_rounds: at a world size no smaller than the number of matrices, one
+        # round, so no round waits for another's busiest rank)
+        rounds = owner_rounds(
+            [t.cost for t in tasks],
+            [4 * t.numel for t in tasks],
+            [(t.view.rows, t.view.cols) for t in tasks],
+            world_size,
+            self.bucket_bytes,
+        )
+        for rnd in rounds:
             by_owner: list[list[_Task]] = [[] for _ in range(world_size)]
-            for t, o in zip(rnd, owners):
-                by_owner[o].append(t)
+            for i, o in rnd:
+                by_owner[o].append(tasks[i])
             mine = by_owner[rank]
             # shards → owners: to rank d, my shard of every matrix d owns
             in_splits = [
@@ -618,15 +634,17 @@ class DistributedROOT(ROOT):
                     off += n
             full = [torch.cat(pc).reshape(t.p.shape) for pc, t in zip(pieces, mine)]
             Us = self._orthogonalize(mine, full)
-            # updates → shards: to rank s, rows of every matrix I own that s holds
+            # updates → shards: to rank s, rows of every matrix I own that s holds, in the
+            # dtype the round's updates are exact in (every rank computes the same one)
+            back_dtype = _update_dtype([tasks[i] for i, _ in rnd], dev)
             back: list[Tensor] = []
             for s in range(world_size):
                 for t, U in zip(mine, Us):
                     row0 = sum(t.splits[:s])
                     rows = U.reshape(t.p.shape)[row0 : row0 + t.splits[s]]
-                    back.append(rows.reshape(-1).float())
-            send2 = torch.cat(back) if back else torch.zeros(0, device=dev)
-            recv2 = torch.empty(sum(in_splits), dtype=torch.float32, device=dev)
+                    back.append(rows.reshape(-1).to(back_dtype))
+            send2 = torch.cat(back) if back else torch.zeros(0, dtype=back_dtype, device=dev)
+            recv2 = torch.empty(sum(in_splits), dtype=back_dtype, device=dev)
             work = start_collective(
                 "all_to_all ROOT updates to shards",
                 dist.all_to_all_single,
@@ -636,10 +654,11 @@ class DistributedROOT(ROOT):
                 out_splits,
                 group=group,
             )
+            e = recv2.element_size()
             self.stats.count(
                 "all_to_all",
-                4 * (sum(out_splits) - out_splits[rank]),
-                4 * (sum(in_splits) - in_splits[rank]),
+                e * (sum(out_splits) - out_splits[rank]),
+                e * (sum(in_splits) - in_splits[rank]),
             )
             self._finish_scatter(work, recv2, by_owner, rank)
 
@@ -651,6 +670,8 @@ class DistributedROOT(ROOT):
         rank: int,
     ) -> None:
         work.wait()
+        if recv2.dtype != torch.float32:  # the updates as the single-process step applies them
+            recv2 = recv2.float()
         off = 0
         done, Us = [], []
         for tasks in by_owner:
@@ -1070,6 +1091,25 @@ class DistributedROOT(ROOT):
                 self._plan_owners()
             else:
                 self._prune_state(world(self.process_group).rank)
+
+
+def _update_dtype(tasks: Sequence[_Task], device: torch.device) -> torch.dtype:
+    """The dtype the updates ``U`` of ``tasks`` are exact in: the Newton–Schulz dtype when
+    every one of them is a Newton–Schulz iterate in bfloat16 or float16 (``root_direction``
+    returns the iteration dtype; ``_directions`` may cast it up to float32, which a cast
+    back undoes exactly) and no fused weight's block scale is folded in (that product is
+    float32); float32 otherwise. Sending the updates in it halves their bytes and changes
+    no value (docs/distributed.md, "Sharded parameters")."""
+    found: set[torch.dtype] = set()
+    for t in tasks:
+        g = t.group
+        splits = g.get("ns_split")
+        if g["ortho_method"] != "newton_schulz" or (splits and splits[t.pi]):
+            return torch.float32
+        found.add(DTYPES[ns_dtype_name(g["ns_dtype"], device)])
+    if len(found) == 1 and (dt := found.pop()) in (torch.bfloat16, torch.float16):
+        return dt
+    return torch.float32
 
 
 def _state_keys(group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
