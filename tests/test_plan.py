@@ -683,3 +683,26 @@ def test_owner_rounds_bound_what_each_owner_receives(world: int, budget: int) ->
         assert len(rounds) == 1
     with pytest.raises(ValueError, match="2 costs, 1 sizes"):
         P.owner_rounds([1.0, 2.0], [4], [(1, 1), (1, 1)], world, budget)
+
+
+def test_owner_path_follows_the_schedule_of_the_step() -> None:
+    """owner_path: the reduce-scatters run first, so buckets whose busiest ranks differ
+    no longer add up; with overlap a rank waits only for the all-gather of the bucket
+    before the one it just updated, so the path is the busiest rank's total when the
+    work alternates, and a bucket two behind still holds a rank up; without overlap every
+    bucket waits for its busiest rank (the sum)."""
+    alternating = [np.array(x, dtype=float) for x in ([4, 0], [0, 4], [4, 0], [0, 4])]
+    assert P.owner_path(alternating, overlap=True) == 8.0  # the busiest rank's 8
+    assert P.owner_path(alternating, overlap=False) == 16.0
+    # rank 1's work two buckets after rank 0's: it waits for bucket 0's all-gather
+    # before it updates bucket 2 (at most two all-gathers in flight)
+    late = [np.array(x, dtype=float) for x in ([4, 0], [0, 0], [0, 4])]
+    assert P.owner_path(late, overlap=True) == 8.0
+    assert P.owner_path([np.array([3.0, 5.0])], overlap=True) == 5.0
+    assert P.owner_path([], overlap=True) == 0.0
+    # in the model: the 8B shapes at W = 64, where buckets hold a few matrices each
+    specs = P.llama3_params("llama3-8b")
+    e = P.estimate(specs, 64, "owner", P.SCALE_OPTIONS)
+    off = P.estimate(specs, 64, "owner", replace(P.SCALE_OPTIONS, overlap=False))
+    assert e.critical_flops <= e.path_flops < off.path_flops
+    assert off.path_flops > 5 * e.critical_flops

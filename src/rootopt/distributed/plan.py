@@ -464,7 +464,9 @@ class Options:
     backward, hidden like DDP's all-reduce, instead of at the start of the step.
     ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
     ``overlap_groups``: the fewest buckets the ``owner`` step is cut into
-    (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without).
+    (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without);
+    ``overlap``: ``DistributedROOT(overlap=...)``, whether an ``owner`` all-gather is in
+    flight while the next bucket is updated (:func:`owner_path`).
     """
 
     ns_steps: int = 5
@@ -480,6 +482,7 @@ class Options:
     fsdp_reshard_after_forward: bool = True
     gpus_per_node: int = 8
     overlap_groups: int = OVERLAP_GROUPS
+    overlap: bool = True
 
 
 @dataclass
@@ -934,16 +937,44 @@ def _owner(
             est.flops[ow] += ns_flops(p, o.ns_steps)
             est.elements[ow] += p.numel
             ws[ow] = max(ws[ow], _ns_workspace(*_view(p), o.ns_bytes))
-    # every bucket starts with a reduce-scatter all ranks take part in, which waits for
-    # the slowest rank of the bucket before (DistributedROOT._step_owner)
+    per_bucket = []
     for b in layout.buckets:
         per = np.zeros(W)
         for i, ow in zip(b.items, b.owners):
             p = specs[layout.items[i].index]
             if p.algorithm == "root":  # a ROOT matrix is never cut into pieces
                 per[ow] += ns_flops(p, o.ns_steps)
-        est.path_flops += float(per.max())
+        per_bucket.append(per)
+    est.path_flops = owner_path(per_bucket, o.overlap)
+    if o.average_grads and W > 1:
+        # every summed segment is held from the reduce-scatters (all first) to its update
+        segs = sum((np.asarray(b.segments, dtype=np.float64) for b in layout.buckets), np.zeros(W))
+        buf = buf + o.grad_bytes * segs
     est.memory += state + ws + buf
+
+
+def owner_path(per_bucket: Sequence[Vec], overlap: bool = True) -> float:
+    """Newton–Schulz FLOPs on the step's path of the ``owner`` design, from each bucket's
+    FLOPs per rank, as DistributedROOT._step_owner schedules them: every reduce-scatter
+    first (so they do not wait for any Newton–Schulz); then per bucket the update, which
+    starts the bucket's all-gather, and with ``overlap`` the wait for the previous
+    bucket's all-gather, which completes when every rank has started it; without, each
+    all-gather is waited for at once. A rank's clock runs in FLOPs (the same rate on
+    every rank), starting together after the reduce-scatters."""
+    if not per_bucket:
+        return 0.0
+    clock = np.zeros_like(per_bucket[0])
+    gathered: list[float] = []  # when each bucket's all-gather can complete
+    for per in per_bucket:
+        started = clock + per
+        gathered.append(float(started.max()))
+        if not overlap:
+            clock = np.full_like(clock, gathered[-1])
+        elif len(gathered) > 1:
+            clock = np.maximum(started, gathered[-2])
+        else:
+            clock = started
+    return max(float(clock.max()), gathered[-1])
 
 
 def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> None:

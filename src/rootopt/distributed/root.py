@@ -875,9 +875,16 @@ class DistributedROOT(ROOT):
         rank: int,
         world_size: int,
     ) -> None:
-        """The owner design for every plain parameter: per bucket, one reduce-scatter of the
-        gradients (``average_grads``), the owner's update of its parameters with ROOT's own
-        functions, one all-gather of the new parameters."""
+        """The owner design for every plain parameter: every bucket's reduce-scatter of the
+        gradients first (``average_grads``), then per bucket the owner's update of its
+        parameters with ROOT's own functions and one all-gather of the new parameters.
+
+        The reduce-scatters come first because each is a collective every rank joins:
+        between two buckets' updates it would make every rank wait for the previous
+        bucket's busiest rank, and the Newton–Schulz on the step's path would be the sum
+        over buckets of each one's busiest rank instead of about the busiest rank's total
+        (docs/distributed.md, "The step's path"). Their summed segments (1/W of the
+        gradients) are held until the updates use them."""
         if self._layout is None or self._layout.world != world_size:
             self._plan_owners()
         layout = self._layout
@@ -896,14 +903,17 @@ class DistributedROOT(ROOT):
         others = [self.state[flat[i][2]]["step"] for i in grads if i not in owns]
         if others:
             torch._foreach_add_(others, 1)
-        # overlap: the all-gather of bucket k is in flight while bucket k + 1 is reduced,
-        # updated and orthogonalized; at most two are in flight (the memory the cost model
-        # plans for), and the step ends when the last one has arrived
+        owned = [
+            self._owned_grads(layout, b, flat, grads, rank, world_size) for b in layout.buckets
+        ]
+        # overlap: the all-gather of bucket k is in flight while bucket k + 1 is updated and
+        # orthogonalized; at most two are in flight (the memory the cost model plans for),
+        # and the step ends when the last one has arrived
         pending: list[Callable[[], None]] = []
-        for b in layout.buckets:
+        for b, mine in zip(layout.buckets, owned):
             if pending:
                 self.stats.overlapped += 1
-            finish = self._owner_bucket(layout, b, flat, grads, rank, world_size)
+            finish = self._owner_bucket(layout, b, flat, grads, mine, rank, world_size)
             if not self.overlap:
                 finish()
                 continue
@@ -913,7 +923,7 @@ class DistributedROOT(ROOT):
         for finish in pending:
             finish()
 
-    def _owner_bucket(
+    def _owned_grads(
         self,
         layout: OwnerLayout,
         b: Bucket,
@@ -921,13 +931,13 @@ class DistributedROOT(ROOT):
         grads: dict[int, tuple[str, Tensor]],
         rank: int,
         world_size: int,
-    ) -> Callable[[], None]:
-        """Reduce-scatter one bucket's gradients, update what this rank owns, start the
-        all-gather of the new parameters; returns what waits for it and copies them in."""
+    ) -> dict[int, Tensor]:
+        """The averaged gradient of every item of bucket ``b`` this rank owns (by position
+        in the bucket): one reduce-scatter with ``average_grads``, else the local gradient
+        (already averaged by DDP)."""
         items = [layout.items[i] for i in b.items]
         params = [flat[it.index][2] for it in items]
         start = b.segment_start(rank)
-        seg = b.segments[rank]
         dtype, dev = params[0].dtype, params[0].device
         mine = [j for j, o in enumerate(b.owners) if o == rank]
         owned: dict[int, Tensor] = {}  # item position in the bucket -> its summed gradient
@@ -950,6 +960,27 @@ class DistributedROOT(ROOT):
                 for j in mine
                 if items[j].index in grads
             }
+        return owned
+
+    def _owner_bucket(
+        self,
+        layout: OwnerLayout,
+        b: Bucket,
+        flat: list[tuple[int, int, Tensor]],
+        grads: dict[int, tuple[str, Tensor]],
+        owned: dict[int, Tensor],
+        rank: int,
+        world_size: int,
+    ) -> Callable[[], None]:
+        """Update what this rank owns in bucket ``b`` from its averaged gradients
+        ``owned`` (:meth:`_owned_grads`), start the all-gather of the new parameters;
+        returns what waits for it and copies them in."""
+        items = [layout.items[i] for i in b.items]
+        params = [flat[it.index][2] for it in items]
+        start = b.segment_start(rank)
+        seg = b.segments[rank]
+        dtype, dev = params[0].dtype, params[0].device
+        mine = [j for j, o in enumerate(b.owners) if o == rank]
         by_group: dict[int, list[tuple[int, Tensor, str, Tensor]]] = {}
         pieces: list[tuple[int, LayoutItem, Tensor]] = []
         for j, g in owned.items():
