@@ -219,7 +219,9 @@ def main(argv: list[str]) -> int:
         "NS TFLOP: Newton–Schulz on the busiest rank, bound: max(total/W, largest matrix), "
         "path: on the step's path, each round waiting for its busiest rank (the time uses it); "
         "opt GiB: optimizer state + buffers per rank; %fwd/bwd: optimizer time with nothing "
-        "overlapped, %ovl: with communication overlapped"
+        "overlapped, %ovl: with the communication that can overlap compute overlapped "
+        "(all but what precedes the first Newton–Schulz or follows the last); gram: "
+        "model only, not implemented"
     )
     if judge is not None:
         v = P.verdict(judge[0], judge[1], a.designs, options, hw, work)
