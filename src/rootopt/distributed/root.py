@@ -67,8 +67,10 @@ from rootopt.distributed.plan import (
     Bucket,
     LayoutItem,
     OwnerLayout,
+    cut_rounds,
     owner_layout,
     owner_rounds,
+    round_order,
 )
 from rootopt.optim._coefficients import coefficients_for, group_matrices
 from rootopt.optim._finite import finite_flags
@@ -498,22 +500,13 @@ class DistributedROOT(ROOT):
             )  # fmt: skip
 
     def _rounds(self, tasks: list[_Task]) -> list[list[_Task]]:
-        """Tasks in a fixed order (shape, then position) cut into rounds of at most
-        ``bucket_bytes`` of whole float32 matrices (at least one matrix per round)."""
-        order = sorted(range(len(tasks)), key=lambda i: (tasks[i].view.rows, tasks[i].view.cols, i))
-        rounds: list[list[_Task]] = []
-        cur: list[_Task] = []
-        size = 0
-        for i in order:
-            nbytes = tasks[i].numel * 4
-            if cur and size + nbytes > self.bucket_bytes:
-                rounds.append(cur)
-                cur, size = [], 0
-            cur.append(tasks[i])
-            size += nbytes
-        if cur:
-            rounds.append(cur)
-        return rounds
+        """The ``gather`` design's rounds: tasks in :func:`~rootopt.distributed.plan.round_order`
+        (shape, then position) cut into runs of at most ``bucket_bytes`` of whole float32
+        matrices (at least one per round) by :func:`~rootopt.distributed.plan.cut_rounds`,
+        as the cost model cuts them."""
+        order = round_order([(t.view.rows, t.view.cols) for t in tasks])
+        runs = cut_rounds([4 * tasks[i].numel for i in order], self.bucket_bytes)
+        return [[tasks[order[j]] for j in run] for run in runs]
 
     def _root_replicated(self, tasks: list[_Task], rank: int, world_size: int) -> None:
         """Owners orthogonalize; ``all_gather_single`` of the updates, one per round;
