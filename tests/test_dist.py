@@ -382,6 +382,26 @@ def test_four_ranks_match_single_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_nccl_one_gpu_sharded_path_matches_single_process(tmp_path: Path) -> None:
+    """FSDP2 at world size 1 on NCCL: the sharded path's collectives on CUDA (the flag
+    all-reduce and one round's two all-to-alls), bfloat16 Newton–Schulz (``auto`` on
+    CUDA) with the updates returned in bfloat16, equal to single-process ROOT on the same
+    GPU. Written without a GPU to run it on; its logic ran on gloo/CPU."""
+    rc, out = finish(torchrun("nccl_one.py", 1, str(tmp_path)))
+    assert rc == 0, out[-6000:]
+    (r,) = results(tmp_path, "nccl_one", 1)
+    assert (r["world"], r["backend"], r["sharded"]) == (1, "nccl", True)
+    assert r["moved"] > 1e-2
+    assert r["param_diff"] < TOL, r["param_diff"]
+    assert r["ns_matrices"] == 6  # w4, w1, the two of w3, w2, w5 (`unused` has no gradient)
+    c = r["counts"]
+    # one round's two all-to-alls (no flag all-reduce at world size 1); nothing leaves
+    assert c["by_op"] == {"all_to_all_single": 2} and c["bytes_sent"] == 0
+    assert c["full_tensor"] == 0
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
 def test_nccl_two_gpus_match_single_process(tmp_path: Path) -> None:
     rc, out = finish(torchrun("parity.py", 2, str(tmp_path), "nccl"))
