@@ -179,8 +179,10 @@ class DistributedROOT(ROOT):
         params, **kwargs: as :class:`rootopt.ROOT`.
         process_group: the group to work in (default: the default group; none started →
             the plain single-process step).
-        bucket_bytes: most bytes of whole float32 matrices handled per collective round;
-            bounds the extra memory of a step (default 32 MiB).
+        bucket_bytes: bounds the extra memory of a step (default 32 MiB): the bytes of
+            one ``owner`` bucket; of whole float32 matrices in one ``gather`` round; of
+            whole float32 matrices one owner receives in one FSDP2 round
+            (:func:`~rootopt.distributed.plan.owner_rounds`).
         average_grads: all-reduce and average the gradients of plain (non-DTensor)
             parameters here (``owner``: reduce-scatter them to their owners); leave False
             when the model is wrapped in DDP (which already averages them).
