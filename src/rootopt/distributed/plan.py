@@ -48,6 +48,7 @@ from numpy.typing import NDArray
 
 from rootopt.distributed.counters import collective_bytes_ranks
 from rootopt.distributed.owners import assign_owners, ns_cost
+from rootopt.distributed.split import RADIX_BINS, RADIX_PASSES
 from rootopt.optim.functional import matrix_view
 
 Design = Literal["replicated", "gather", "owner", "fsdp", "gram"]
@@ -68,9 +69,10 @@ MIN_PIECE = 4096
 # not grow with the number of shapes or matrices.
 OVERLAP_GROUPS = 2
 # The exact quantile of a matrix that stays split (``gram``): radix select on the 32-bit
-# keys, 8 bits per pass, each pass an all-reduce of a 256-bin int64 histogram.
-QUANTILE_PASSES = 4
-QUANTILE_BINS = 256
+# keys, 8 bits per pass, each pass an all-reduce of a 256-bin int64 histogram
+# (split.split_abs_quantile, which also runs one count and one minimum after them).
+QUANTILE_PASSES = RADIX_PASSES
+QUANTILE_BINS = RADIX_BINS
 # float32 passes over each ROOT element its owner thresholds that are not streaming passes
 # counted in Estimate.traffic: the quantile selection (~4) and the clamp (2). The
 # streaming passes (momentum, Nesterov, decay and update, AdamW, copies) are counted per

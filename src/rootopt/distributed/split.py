@@ -1,0 +1,158 @@
+"""Building blocks of a matrix split over several ranks: the cost model's ``gram`` design
+(docs/distributed.md, "What implementing `gram` takes"). Not yet used by
+:class:`~rootopt.distributed.DistributedROOT`.
+
+A matrix too large for one owner is held as slabs of its long side, one per rank of a
+process group. Two steps of ROOT then need the whole matrix, and both work without
+gathering it:
+
+* :func:`split_abs_quantile` — the exact ``q``-quantile of ``|M|`` over every slab, the
+  same value as :func:`rootopt.optim.quantile.abs_quantile` on the whole matrix, bit for
+  bit. It runs a radix selection on the 32-bit keys of ``|m|`` (a non-negative float's bit
+  pattern orders like the float): one all-reduced 256-bin histogram per 8-bit digit, then
+  one count and one minimum for the neighbouring order statistic that the linear
+  interpolation needs.
+* :func:`split_newton_schulz` — the plain Newton–Schulz iteration of
+  :func:`rootopt.ortho.newton_schulz.newton_schulz` on the wide orientation ``X`` (rows <=
+  columns) split by columns. ``A = X Xᵀ`` is the sum of the slabs' ``Xⱼ Xⱼᵀ``, one
+  all-reduce of the small rows x rows matrix per iteration; the update
+  ``X ← a X + (b A + c A²) X`` is local to each slab. The Frobenius norm is folded in
+  through A's trace as the one-process iteration folds it. Equal to the one-process
+  iteration up to the order of the sums.
+
+Both are collectives over ``group``: every rank of it calls them in the same order, and a
+rank may hold an empty slab.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rootopt.distributed.group import collective
+from rootopt.ortho.newton_schulz import NORM_EPS
+
+# the dtypes whose one-process iteration folds the norm into the Gram matrix
+# (newton_schulz._FOLD_DTYPES), the only ones this split iteration mirrors
+FOLDED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+RADIX_BITS = 8
+RADIX_BINS = 1 << RADIX_BITS
+RADIX_PASSES = 32 // RADIX_BITS  # = plan.QUANTILE_PASSES
+
+
+def _all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
+    collective("all_reduce split matrix", dist.all_reduce, t, op=op, group=group)
+    return t
+
+
+def split_abs_quantile(local: Tensor, q: float, group: dist.ProcessGroup | None = None) -> Tensor:
+    """The ``q``-quantile of ``|M|`` where ``M``'s entries are the union of every rank's
+    ``local`` (any shape, any floating dtype; read as float32, as ``abs_quantile`` reads
+    them): linear interpolation between the order statistics at ``floor(q (N - 1))`` and
+    the next one. Returns a float32 tensor of shape ``(1, 1)``, the same on every rank
+    and the same bits as ``abs_quantile`` of the whole matrix."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q!r}")
+    v = local.detach().float().reshape(-1).abs()
+    if bool(torch.isnan(v).any()):
+        raise ValueError("split_abs_quantile of a matrix with NaN entries")
+    dev = v.device
+    # non-negative floats: the bit pattern orders like the value (int64: room for masks)
+    keys = v.view(torch.int32).to(torch.int64)
+    count_n = torch.tensor([v.numel()], dtype=torch.int64, device=dev)
+    n = int(_all_reduce(count_n, dist.ReduceOp.SUM, group).item())
+    if n == 0:
+        raise ValueError("split_abs_quantile of an empty matrix")
+    pos = q * (n - 1)
+    lo = min(math.floor(pos), n - 1)
+    frac = pos - lo
+    # radix selection of the key of rank `lo` (0-based), most significant digit first
+    rank = lo
+    prefix, mask = 0, 0
+    for p in range(RADIX_PASSES):
+        shift = 32 - RADIX_BITS * (p + 1)
+        cand = keys if mask == 0 else keys[(keys & mask) == prefix]
+        digits = (cand >> shift) & (RADIX_BINS - 1)
+        hist = torch.bincount(digits, minlength=RADIX_BINS)
+        hist = _all_reduce(hist, dist.ReduceOp.SUM, group)
+        cum = torch.cumsum(hist, 0).tolist()
+        d = next(i for i, c in enumerate(cum) if c > rank)
+        rank -= cum[d - 1] if d > 0 else 0
+        prefix |= d << shift
+        mask |= (RADIX_BINS - 1) << shift
+    v_lo = torch.tensor([prefix], dtype=torch.int32, device=dev).view(torch.float32)
+    if frac == 0.0 or lo + 1 >= n:
+        return v_lo.reshape(1, 1)
+    # the order statistic after v_lo: v_lo itself when more than lo + 1 entries are <=
+    # it (ties), otherwise the smallest entry above it (as quantile._next_above)
+    at_or_below = v <= v_lo
+    stats = torch.stack(
+        [
+            at_or_below.sum().to(torch.float64),
+            v.masked_fill(at_or_below, math.inf).amin().to(torch.float64)
+            if v.numel()
+            else torch.tensor(math.inf, dtype=torch.float64, device=dev),
+        ]
+    )
+    count = _all_reduce(stats[:1].clone(), dist.ReduceOp.SUM, group)
+    above = _all_reduce(stats[1:].clone(), dist.ReduceOp.MIN, group).to(torch.float32)
+    v_hi = v_lo if int(count.item()) > lo + 1 else above
+    return (v_lo + frac * (v_hi - v_lo)).reshape(1, 1)
+
+
+def split_newton_schulz(
+    local: Tensor,
+    coefficients: Sequence[tuple[float, float, float]],
+    *,
+    dtype: torch.dtype = torch.float32,
+    eps: float = NORM_EPS,
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """The Newton–Schulz iteration of ``coefficients`` on the wide matrix ``X`` (rows <=
+    columns in all) whose columns are split over the ranks of ``group``; ``local`` is this
+    rank's ``rows x cols_j`` slab (``cols_j`` may be 0). Returns this rank's slab of the
+    result, in ``dtype`` (float32, float64 or bfloat16). The rows x rows Gram matrix is summed in float32 (float64 for
+    float64) across the slabs and rounded to ``dtype`` once, as one matrix product would
+    round it."""
+    if local.ndim != 2:
+        raise ValueError(f"split_newton_schulz expects a 2-D slab, got shape {tuple(local.shape)}")
+    if dtype not in FOLDED_DTYPES:
+        raise ValueError(
+            f"split_newton_schulz runs in {', '.join(map(str, FOLDED_DTYPES))}, got {dtype}"
+        )
+    sched: list[tuple[float, float, float]] = []
+    for t in coefficients:
+        if len(t) != 3:
+            raise ValueError(f"each Newton–Schulz step needs (a, b, c), got {t!r}")
+        sched.append((float(t[0]), float(t[1]), float(t[2])))
+    if not sched:
+        raise ValueError("split_newton_schulz needs at least one (a, b, c) step")
+    X = local.to(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def gram(X: Tensor) -> Tensor:
+        """Σⱼ Xⱼ Xⱼᵀ over the slabs, summed in ``acc``, rounded to ``dtype`` once."""
+        A = torch.mm(X.to(acc), X.to(acc).mT)
+        return _all_reduce(A, dist.ReduceOp.SUM, group).to(dtype)
+
+    # as newton_schulz: the norm from A's trace (``_first_gram``), folded into A and into
+    # the first polynomial instead of a pass over X
+    A = gram(X)
+    sq = torch.diagonal(A).sum(dtype=acc)
+    inv = sq.sqrt().add_(eps).reciprocal_()
+    A = A.mul_(inv.square())
+    for k, (a, b, c) in enumerate(sched):
+        if k == 0:
+            Z = torch.addmm(A, A, A, beta=b, alpha=c)
+            Z.diagonal().add_(a)
+            Z = Z.mul_(inv) if Z.dtype == inv.dtype else (Z * inv).to(X.dtype)
+            X = torch.mm(Z, X)
+        else:
+            A = gram(X)
+            B = torch.addmm(A, A, A, beta=b, alpha=c)
+            X = torch.addmm(X, B, X, beta=a)
+    return X.contiguous()
