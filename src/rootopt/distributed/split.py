@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rootopt.distributed.group import collective
-from rootopt.ortho.newton_schulz import NORM_EPS
+from rootopt.ortho.newton_schulz import FOLD_DTYPES, NORM_EPS, schedule_tuples
 
-# the dtypes whose one-process iteration folds the norm into the Gram matrix
-# (newton_schulz._FOLD_DTYPES), the only ones this split iteration mirrors
-FOLDED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+# the dtypes whose one-process iteration folds the norm into the Gram matrix, the only
+# ones this split iteration mirrors
+FOLDED_DTYPES = FOLD_DTYPES
 RADIX_BITS = 8
 RADIX_BINS = 1 << RADIX_BITS
 RADIX_PASSES = 32 // RADIX_BITS  # = plan.QUANTILE_PASSES
@@ -124,13 +124,7 @@ def split_newton_schulz(
         raise ValueError(
             f"split_newton_schulz runs in {', '.join(map(str, FOLDED_DTYPES))}, got {dtype}"
         )
-    sched: list[tuple[float, float, float]] = []
-    for t in coefficients:
-        if len(t) != 3:
-            raise ValueError(f"each Newton–Schulz step needs (a, b, c), got {t!r}")
-        sched.append((float(t[0]), float(t[1]), float(t[2])))
-    if not sched:
-        raise ValueError("split_newton_schulz needs at least one (a, b, c) step")
+    sched = schedule_tuples(coefficients)
     X = local.to(dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
 

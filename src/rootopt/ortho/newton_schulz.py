@@ -52,7 +52,7 @@ Coefficients = Sequence[Coeff] | Tensor
 
 # Dtypes in which the normalisation is folded into the small matrix (their range holds
 # the un-normalised Gram matrix); float16 normalises X first.
-_FOLD_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+FOLD_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 # Below this short side the Gram form saves too little to pay for its extra launches.
 GRAM_MIN_SIDE = 64
@@ -107,7 +107,7 @@ def _wide(G: Tensor, dtype: torch.dtype, eps: float, name: str) -> tuple[Tensor,
     X = G.to(dtype)
     if transpose:
         X = X.mT
-    if dtype in _FOLD_DTYPES:
+    if dtype in FOLD_DTYPES:
         return X, transpose, True
     # Norm in fp32 at least: a low-precision sum over millions of squares loses digits.
     norm = torch.linalg.vector_norm(X.float(), dim=(-2, -1), keepdim=True)
@@ -146,6 +146,11 @@ def _coefficient_rows(coefficients: Coefficients, A: Tensor) -> Sequence[Coeff] 
                 f"{C.dtype} {tuple(C.shape)}"
             )
         return C.to(device=A.device)
+    return schedule_tuples(coefficients)
+
+
+def schedule_tuples(coefficients: Sequence[Sequence[float]]) -> list[Coeff]:
+    """A schedule as a list of ``(a, b, c)`` float tuples (at least one), checked."""
     sched: list[Coeff] = []
     for t in coefficients:
         if len(t) != 3:
