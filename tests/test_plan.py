@@ -706,3 +706,32 @@ def test_owner_path_follows_the_schedule_of_the_step() -> None:
     off = P.estimate(specs, 64, "owner", replace(P.SCALE_OPTIONS, overlap=False))
     assert e.critical_flops <= e.path_flops < off.path_flops
     assert off.path_flops > 5 * e.critical_flops
+
+
+def test_owner_rounds_keep_the_slabs_of_a_split_matrix_together() -> None:
+    """``together``: tasks of one group (a split matrix's slabs, gram) land in one round,
+    the latest any of them was cut into; the others stay where the per-owner cut put them,
+    and no owner changes."""
+    # 6 equal tasks on 2 owners, one per round per owner (budget = one task): rounds
+    # [0, 1], [2, 3], [4, 5] by LPT; group tasks 0 and 5 (rounds 0 and 2) -> both in round 2
+    costs = [1.0] * 6
+    sizes = [100] * 6
+    shapes = [(4, 4)] * 6
+    plain = P.owner_rounds(costs, sizes, shapes, 2, 100)
+    assert len(plain) == 3
+    where = {i: k for k, rnd in enumerate(plain) for i, _ in rnd}
+    a, b = plain[0][0][0], plain[-1][-1][0]
+    assert where[a] == 0 and where[b] == 2
+    groups = [-1] * 6
+    groups[a] = groups[b] = 7
+    got = P.owner_rounds(costs, sizes, shapes, 2, 100, groups)
+    at = {i: k for k, rnd in enumerate(got) for i, _ in rnd}
+    assert sorted(at) == list(range(6))
+    assert at[a] == at[b] == 2
+    assert all(at[i] == where[i] for i in range(6) if i not in (a, b))
+    assert all(rnd for rnd in got)
+    assert dict((i, o) for rnd in got for i, o in rnd) == dict(
+        (i, o) for rnd in plain for i, o in rnd
+    )  # owners unchanged
+    with pytest.raises(ValueError, match="1 group ids for 6 tasks"):
+        P.owner_rounds(costs, sizes, shapes, 2, 100, [0])

@@ -416,6 +416,7 @@ def owner_rounds(
     shapes: Sequence[tuple[int, int]],
     world: int,
     bucket_bytes: int,
+    together: Sequence[int] | None = None,
 ) -> list[list[tuple[int, int]]]:
     """The rounds of the ``fsdp`` design as ``(task, owner)`` pairs.
 
@@ -428,11 +429,17 @@ def owner_rounds(
     rank's, not a sum over rounds that each wait for their busiest rank
     (docs/distributed.md, "The step's path"). Every rank sends 1/W of each matrix in a
     round, at most ``bucket_bytes`` in all when the rows divide evenly. Deterministic, so
-    every rank computes the same rounds."""
+    every rank computes the same rounds.
+
+    ``together``: per task, a group id (>= 0) or -1; the tasks of one group (the slabs of
+    one split matrix, ``gram``: their holders iterate together) all go to the latest
+    round any of them was cut into, which may take an owner past ``bucket_bytes`` there."""
     if not len(costs) == len(sizes_bytes) == len(shapes):
         raise ValueError(
             f"owner_rounds: {len(costs)} costs, {len(sizes_bytes)} sizes, {len(shapes)} shapes"
         )
+    if together is not None and len(together) != len(costs):
+        raise ValueError(f"owner_rounds: {len(together)} group ids for {len(costs)} tasks")
     owners = assign_owners(costs, world)
     mine: list[list[int]] = [[] for _ in range(world)]
     for i in round_order(shapes):
@@ -445,9 +452,27 @@ def owner_rounds(
         for tasks in mine
     ]
     n = max((len(r) for r in runs), default=0)
-    return [
+    rounds = [
         [(i, o) for o in range(world) if k < len(runs[o]) for i in runs[o][k]] for k in range(n)
     ]
+    if together is None or all(g < 0 for g in together):
+        return rounds
+    at = {i: k for k, rnd in enumerate(rounds) for i, _ in rnd}
+    latest: dict[int, int] = {}
+    for i, g in enumerate(together):
+        if g >= 0:
+            latest[g] = max(latest.get(g, 0), at[i])
+    moved = [
+        [(i, o) for i, o in rnd if together[i] < 0 or latest[together[i]] == k]
+        for k, rnd in enumerate(rounds)
+    ]
+    for k, rnd in enumerate(rounds):
+        for i, o in rnd:
+            if together[i] >= 0 and latest[together[i]] != k:
+                moved[latest[together[i]]].append((i, o))
+    for rnd in moved:  # owner by owner, as the cut lists them
+        rnd.sort(key=lambda x: x[1])
+    return [rnd for rnd in moved if rnd]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1004,6 +1029,7 @@ def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> 
         [(views[i][1], views[i][2]) for i, _ in tasks],
         W,
         o.bucket_bytes,
+        [i if split[i] > 1 else -1 for i, _ in tasks],  # a split matrix's slabs: one round
     )
     ws = np.zeros(W)
     peak = np.zeros(W)
@@ -1040,8 +1066,7 @@ def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> 
         peak = np.maximum(peak, 3 * held)  # gathered matrices, updates, send buffer
         est.path_flops += float((est.flops - before).max())
     est.buckets = len(rounds)
-    # the slabs of a split matrix are charged as if their holders ran Newton–Schulz
-    # together (a real implementation would put them in one round: the model does not)
+    # the holders of a split matrix's slabs (one round, above) all-reduce its Gram matrix
     for i, hs in holders.items():
         if split[i] == 1:
             continue
