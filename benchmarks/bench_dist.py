@@ -246,7 +246,6 @@ def worker(args: argparse.Namespace) -> None:
             backend=args.backend,
             average_grads=args.design != "fsdp",
             overlap_groups=1 if args.no_overlap else P.OVERLAP_GROUPS,
-            overlap=not args.no_overlap,
         )
         est = P.estimate(specs, W, args.design, opts)  # type: ignore[arg-type]
         model_sent, model_received = est.step_sent[info.rank], est.step_received[info.rank]
@@ -544,7 +543,6 @@ def calibrate(args: argparse.Namespace) -> int:
                 backend="gloo",
                 average_grads=True,
                 overlap_groups=1 if args.no_overlap else P.OVERLAP_GROUPS,
-                overlap=not args.no_overlap,
             )
             est = P.estimate(specs, W, design, opts)  # type: ignore[arg-type]
             t = P.step_time(est, hw)

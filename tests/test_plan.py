@@ -703,7 +703,7 @@ def test_owner_path_follows_the_schedule_of_the_step() -> None:
     # in the model: the 8B shapes at W = 64, where buckets hold a few matrices each
     specs = P.llama3_params("llama3-8b")
     e = P.estimate(specs, 64, "owner", P.SCALE_OPTIONS)
-    off = P.estimate(specs, 64, "owner", replace(P.SCALE_OPTIONS, overlap=False))
+    off = P.estimate(specs, 64, "owner", replace(P.SCALE_OPTIONS, overlap_groups=1))
     assert e.critical_flops <= e.path_flops < off.path_flops
     assert off.path_flops > 5 * e.critical_flops
 

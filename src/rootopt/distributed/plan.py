@@ -462,15 +462,11 @@ def owner_rounds(
     for i, g in enumerate(together):
         if g >= 0:
             latest[g] = max(latest.get(g, 0), at[i])
-    moved = [
-        [(i, o) for i, o in rnd if together[i] < 0 or latest[together[i]] == k]
-        for k, rnd in enumerate(rounds)
-    ]
-    for k, rnd in enumerate(rounds):
+    moved: list[list[tuple[int, int]]] = [[] for _ in rounds]
+    for rnd in rounds:
         for i, o in rnd:
-            if together[i] >= 0 and latest[together[i]] != k:
-                moved[latest[together[i]]].append((i, o))
-    for rnd in moved:  # owner by owner, as the cut lists them
+            moved[latest[together[i]] if together[i] >= 0 else at[i]].append((i, o))
+    for rnd in moved:  # owner by owner, as the cut lists them (a stable sort)
         rnd.sort(key=lambda x: x[1])
     return [rnd for rnd in moved if rnd]
 
@@ -491,9 +487,8 @@ class Options:
     backward, hidden like DDP's all-reduce, instead of at the start of the step.
     ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
     ``overlap_groups``: the fewest buckets the ``owner`` step is cut into
-    (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without);
-    ``overlap``: ``DistributedROOT(overlap=...)``, whether an ``owner`` all-gather is in
-    flight while the next bucket is updated (:func:`owner_path`).
+    (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without,
+    when no all-gather is in flight while the next bucket is updated: :func:`owner_path`).
     """
 
     ns_steps: int = 5
@@ -509,7 +504,6 @@ class Options:
     fsdp_reshard_after_forward: bool = True
     gpus_per_node: int = 8
     overlap_groups: int = OVERLAP_GROUPS
-    overlap: bool = True
 
 
 @dataclass
@@ -895,8 +889,10 @@ def _owner(
     gb, pb = o.grad_bytes, o.param_bytes
     peaks: list[tuple[float, Vec]] = []
     last = len(layout.buckets) - 1
+    held = np.zeros(W)  # summed gradient segments, all held from the reduce-scatters on
     for k, b in enumerate(layout.buckets):
         seg = np.asarray(b.segments, dtype=np.float64)
+        held += seg
         if W > 1:
             # DistributedROOT._owner_bucket: the owner's parameters copied into ``send``,
             # and after the all-gather every other owner's copied into the parameters;
@@ -953,7 +949,8 @@ def _owner(
     buf = sum((row for _, row in peaks[:2]), np.zeros(W)) if W > 1 else np.zeros(W)
     state = np.zeros(W)
     ws = np.zeros(W)
-    for it, ow in zip(layout.items, layout.owner):
+    item_flops = np.zeros(len(layout.items))  # a ROOT matrix is never cut into pieces
+    for n, (it, ow) in enumerate(zip(layout.items, layout.owner)):
         p = specs[it.index]
         state[ow] += _state_bytes(p, o) * it.numel / p.numel
         # the owner's update: _momentum_local + _apply_local, or _adamw_local/_adamw_piece
@@ -961,22 +958,18 @@ def _owner(
             root_state_bytes(o) if p.algorithm == "root" else adamw_bytes(o)
         )
         if p.algorithm == "root":
-            est.flops[ow] += ns_flops(p, o.ns_steps)
+            item_flops[n] = ns_flops(p, o.ns_steps)
+            est.flops[ow] += item_flops[n]
             est.elements[ow] += p.numel
             ws[ow] = max(ws[ow], _ns_workspace(*_view(p), o.ns_bytes))
     per_bucket = []
     for b in layout.buckets:
         per = np.zeros(W)
-        for i, ow in zip(b.items, b.owners):
-            p = specs[layout.items[i].index]
-            if p.algorithm == "root":  # a ROOT matrix is never cut into pieces
-                per[ow] += ns_flops(p, o.ns_steps)
+        np.add.at(per, list(b.owners), item_flops[list(b.items)])
         per_bucket.append(per)
-    est.path_flops = owner_path(per_bucket, o.overlap)
+    est.path_flops = owner_path(per_bucket, overlap=o.overlap_groups > 1)
     if o.average_grads and W > 1:
-        # every summed segment is held from the reduce-scatters (all first) to its update
-        segs = sum((np.asarray(b.segments, dtype=np.float64) for b in layout.buckets), np.zeros(W))
-        buf = buf + o.grad_bytes * segs
+        buf = buf + o.grad_bytes * held
     est.memory += state + ws + buf
 
 

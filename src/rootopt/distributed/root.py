@@ -930,11 +930,8 @@ class DistributedROOT(ROOT):
         """The averaged gradient of every item of bucket ``b`` this rank owns (by position
         in the bucket): one reduce-scatter with ``average_grads``, else the local gradient
         (already averaged by DDP)."""
-        items = [layout.items[i] for i in b.items]
-        params = [flat[it.index][2] for it in items]
-        start = b.segment_start(rank)
+        items, params, start, mine = _bucket_view(layout, b, flat, rank)
         dtype, dev = params[0].dtype, params[0].device
-        mine = [j for j, o in enumerate(b.owners) if o == rank]
         owned: dict[int, Tensor] = {}  # item position in the bucket -> its summed gradient
         if self.average_grads:
             buf = torch.zeros(b.numel, dtype=dtype, device=dev)
@@ -970,12 +967,9 @@ class DistributedROOT(ROOT):
         """Update what this rank owns in bucket ``b`` from its averaged gradients
         ``owned`` (:meth:`_owned_grads`), start the all-gather of the new parameters;
         returns what waits for it and copies them in."""
-        items = [layout.items[i] for i in b.items]
-        params = [flat[it.index][2] for it in items]
-        start = b.segment_start(rank)
+        items, params, start, mine = _bucket_view(layout, b, flat, rank)
         seg = b.segments[rank]
         dtype, dev = params[0].dtype, params[0].device
-        mine = [j for j, o in enumerate(b.owners) if o == rank]
         by_group: dict[int, list[tuple[int, Tensor, str, Tensor]]] = {}
         pieces: list[tuple[int, LayoutItem, Tensor]] = []
         for j, g in owned.items():
@@ -1065,8 +1059,7 @@ class DistributedROOT(ROOT):
         world_size: int,
         out: dict[int, dict[str, Tensor]],
     ) -> None:
-        items = [layout.items[i] for i in b.items]
-        params = [flat[it.index][2] for it in items]
+        items, params, _, _ = _bucket_view(layout, b, flat, rank)
         keys = [
             _state_keys(self.param_groups[flat[it.index][0]], p) for it, p in zip(items, params)
         ]
@@ -1117,6 +1110,17 @@ class DistributedROOT(ROOT):
                 self._plan_owners()
             else:
                 self._prune_state(world(self.process_group).rank)
+
+
+def _bucket_view(
+    layout: OwnerLayout, b: Bucket, flat: list[tuple[int, int, Tensor]], rank: int
+) -> tuple[list[LayoutItem], list[Tensor], int, list[int]]:
+    """Bucket ``b``'s items and their parameters in buffer order, where ``rank``'s segment
+    starts, and the positions of the items ``rank`` owns."""
+    items = [layout.items[i] for i in b.items]
+    params = [flat[it.index][2] for it in items]
+    mine = [j for j, o in enumerate(b.owners) if o == rank]
+    return items, params, b.segment_start(rank), mine
 
 
 def _update_dtype(tasks: Sequence[_Task], device: torch.device) -> torch.dtype:

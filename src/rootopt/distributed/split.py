@@ -36,9 +36,6 @@ from torch import Tensor
 from rootopt.distributed.group import collective
 from rootopt.ortho.newton_schulz import FOLD_DTYPES, NORM_EPS, schedule_tuples
 
-# the dtypes whose one-process iteration folds the norm into the Gram matrix, the only
-# ones this split iteration mirrors
-FOLDED_DTYPES = FOLD_DTYPES
 RADIX_BITS = 8
 RADIX_BINS = 1 << RADIX_BITS
 RADIX_PASSES = 32 // RADIX_BITS  # = plan.QUANTILE_PASSES
@@ -61,8 +58,7 @@ def split_abs_quantile(local: Tensor, q: float, group: dist.ProcessGroup | None 
     if bool(torch.isnan(v).any()):
         raise ValueError("split_abs_quantile of a matrix with NaN entries")
     dev = v.device
-    # non-negative floats: the bit pattern orders like the value (int64: room for masks)
-    keys = v.view(torch.int32).to(torch.int64)
+    keys = v.view(torch.int32)  # non-negative floats: the bit pattern orders like the value
     count_n = torch.tensor([v.numel()], dtype=torch.int64, device=dev)
     n = int(_all_reduce(count_n, dist.ReduceOp.SUM, group).item())
     if n == 0:
@@ -70,36 +66,29 @@ def split_abs_quantile(local: Tensor, q: float, group: dist.ProcessGroup | None 
     pos = q * (n - 1)
     lo = min(math.floor(pos), n - 1)
     frac = pos - lo
-    # radix selection of the key of rank `lo` (0-based), most significant digit first
-    rank = lo
-    prefix, mask = 0, 0
+    # radix selection of the key of rank `lo` (0-based), most significant digit first;
+    # each pass keeps only the candidates whose digit matched
+    rank, prefix, cand = lo, 0, keys
     for p in range(RADIX_PASSES):
         shift = 32 - RADIX_BITS * (p + 1)
-        cand = keys if mask == 0 else keys[(keys & mask) == prefix]
         digits = (cand >> shift) & (RADIX_BINS - 1)
-        hist = torch.bincount(digits, minlength=RADIX_BINS)
-        hist = _all_reduce(hist, dist.ReduceOp.SUM, group)
-        cum = torch.cumsum(hist, 0).tolist()
+        hist = torch.bincount(digits.long(), minlength=RADIX_BINS)
+        cum = torch.cumsum(_all_reduce(hist, dist.ReduceOp.SUM, group), 0).tolist()
         d = next(i for i, c in enumerate(cum) if c > rank)
         rank -= cum[d - 1] if d > 0 else 0
         prefix |= d << shift
-        mask |= (RADIX_BINS - 1) << shift
+        cand = cand[digits == d]
     v_lo = torch.tensor([prefix], dtype=torch.int32, device=dev).view(torch.float32)
     if frac == 0.0 or lo + 1 >= n:
         return v_lo.reshape(1, 1)
     # the order statistic after v_lo: v_lo itself when more than lo + 1 entries are <=
     # it (ties), otherwise the smallest entry above it (as quantile._next_above)
     at_or_below = v <= v_lo
-    stats = torch.stack(
-        [
-            at_or_below.sum().to(torch.float64),
-            v.masked_fill(at_or_below, math.inf).amin().to(torch.float64)
-            if v.numel()
-            else torch.tensor(math.inf, dtype=torch.float64, device=dev),
-        ]
-    )
-    count = _all_reduce(stats[:1].clone(), dist.ReduceOp.SUM, group)
-    above = _all_reduce(stats[1:].clone(), dist.ReduceOp.MIN, group).to(torch.float32)
+    count = _all_reduce(at_or_below.sum().reshape(1), dist.ReduceOp.SUM, group)
+    above = torch.full((1,), math.inf, device=dev)
+    if v.numel():
+        above = v.masked_fill(at_or_below, math.inf).amin().reshape(1)
+    above = _all_reduce(above, dist.ReduceOp.MIN, group)
     v_hi = v_lo if int(count.item()) > lo + 1 else above
     return (v_lo + frac * (v_hi - v_lo)).reshape(1, 1)
 
@@ -115,14 +104,15 @@ def split_newton_schulz(
     """The Newton–Schulz iteration of ``coefficients`` on the wide matrix ``X`` (rows <=
     columns in all) whose columns are split over the ranks of ``group``; ``local`` is this
     rank's ``rows x cols_j`` slab (``cols_j`` may be 0). Returns this rank's slab of the
-    result, in ``dtype`` (float32, float64 or bfloat16). The rows x rows Gram matrix is summed in float32 (float64 for
-    float64) across the slabs and rounded to ``dtype`` once, as one matrix product would
-    round it."""
+    result, in ``dtype`` (float32, float64 or bfloat16: the dtypes whose one-process
+    iteration folds the norm into the Gram matrix). The rows x rows Gram matrix is summed
+    in float32 (float64 for float64) across the slabs and rounded to ``dtype`` once, as
+    one matrix product would round it."""
     if local.ndim != 2:
         raise ValueError(f"split_newton_schulz expects a 2-D slab, got shape {tuple(local.shape)}")
-    if dtype not in FOLDED_DTYPES:
+    if dtype not in FOLD_DTYPES:
         raise ValueError(
-            f"split_newton_schulz runs in {', '.join(map(str, FOLDED_DTYPES))}, got {dtype}"
+            f"split_newton_schulz runs in {', '.join(map(str, FOLD_DTYPES))}, got {dtype}"
         )
     sched = schedule_tuples(coefficients)
     X = local.to(dtype)
@@ -130,7 +120,8 @@ def split_newton_schulz(
 
     def gram(X: Tensor) -> Tensor:
         """Σⱼ Xⱼ Xⱼᵀ over the slabs, summed in ``acc``, rounded to ``dtype`` once."""
-        A = torch.mm(X.to(acc), X.to(acc).mT)
+        Xa = X.to(acc)
+        A = torch.mm(Xa, Xa.mT)
         return _all_reduce(A, dist.ReduceOp.SUM, group).to(dtype)
 
     # as newton_schulz: the norm from A's trace (``_first_gram``), folded into A and into
