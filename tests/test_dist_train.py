@@ -306,3 +306,25 @@ def test_two_nodes_on_localhost_train_like_one_process(shards: Path, tmp_path: P
         assert p.returncode == 0, out[-2000:] + err[-3000:]
     _assert_same_losses(logged_losses(ref), logged_losses(run))
     _assert_same(_model(ref), _model(run))
+
+
+def test_fsdp_run_with_tensorboard_histograms(shards: Path, tmp_path: Path) -> None:
+    """FSDP2 with TensorBoard histograms on (the embedded default writes them every 100
+    steps): rank 0 summarises each sharded parameter by its own shard instead of calling
+    ``.numpy()`` on a DTensor, which stopped the run at its first histogram step."""
+    run = tmp_path / "tb"
+    over = [
+        *CFG,
+        "run.max_steps=4",
+        "distributed.parallel=fsdp",
+        "monitoring.tensorboard=true",
+        "monitoring.histogram_every=2",
+    ]
+    torchrun(2, run, shards, over)
+    assert (run / "checkpoints" / "dcp-00000004").is_dir()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"histograms": 0}).Reload()
+    tags = acc.Tags()["histograms"]
+    assert "param_shard/embed.weight" in tags and "grad_shard/embed.weight" in tags
+    assert [e.step for e in acc.Histograms("param_shard/embed.weight")] == [2, 4]

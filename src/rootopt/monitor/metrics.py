@@ -184,12 +184,23 @@ class Monitor:
             self.prom.nonfinite.inc()
 
     def histograms(self, step: int, model: torch.nn.Module) -> None:
+        """Parameter and gradient histograms. A sharded parameter (an FSDP2 ``DTensor``)
+        is summarised by this rank's shard, under ``param_shard/`` and ``grad_shard/``:
+        the whole tensor would need a collective on every rank (this runs on rank 0 only)
+        and a full copy here."""
         if self.tb is None:
             return
         for name, p in model.named_parameters():
-            self.tb.add_histogram(f"param/{name}", p.detach().float().cpu(), step)
-            if p.grad is not None and torch.isfinite(p.grad).all():
-                self.tb.add_histogram(f"grad/{name}", p.grad.detach().float().cpu(), step)
+            value, grad, kind = p.detach(), p.grad, ""
+            if hasattr(value, "to_local"):  # DTensor
+                value = value.to_local()
+                grad = grad.to_local() if grad is not None else None  # type: ignore[attr-defined]
+                kind = "_shard"
+            if value.numel() == 0:
+                continue
+            self.tb.add_histogram(f"param{kind}/{name}", value.float().cpu(), step)
+            if grad is not None and bool(torch.isfinite(grad).all()):
+                self.tb.add_histogram(f"grad{kind}/{name}", grad.detach().float().cpu(), step)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Notable events (resume, skipped step, checkpoint, OOM, timeout) for the report."""
