@@ -15,6 +15,8 @@ Designs compared, each in its own torchrun launch (so peak memory is per design)
   * ``fsdp``      DistributedROOT on FSDP2-sharded parameters: shards to owners and
                   updates back with all_to_all_single (FSDP2's own gradient reduce-scatter
                   is not part of the step).
+  * ``gram``      ``fsdp`` with ``fsdp_design="gram"``: matrices larger than a rank's share
+                  split over several ranks (the same as ``fsdp`` where none is).
   * ``broadcast`` rank 0 thresholds + orthogonalizes every matrix and broadcasts the
                   updates; the other ranks wait (no gradient synchronisation in the step).
 The bytes and collectives are what the step issues, counted by
@@ -51,7 +53,7 @@ model of the GPU verdicts, with this machine's constants) against measured gloo 
    counted with ``TrafficCounter`` beside ``Estimate.traffic``.
 
 Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner gather adamw fsdp
-       broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
+       gram broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
        [--no-overlap] [--calibrate [--repeats 3] [--constants alone|together]]
        (--json must name a new file)
 """
@@ -80,7 +82,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_step import transformer_matrices  # noqa: E402
 
-DESIGNS = ("owner", "gather", "adamw", "fsdp", "broadcast")
+DESIGNS = ("owner", "gather", "adamw", "fsdp", "gram", "broadcast")
+SHARDED = ("fsdp", "gram")
 DDP_BUCKET_BYTES = 25 << 20  # torch DistributedDataParallel(bucket_cap_mb=25)
 
 
@@ -113,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = transformer_matrices(args.d_model, args.layers, args.vocab).to(dev)
     full_grads = {n: torch.randn_like(p) * 1e-2 for n, p in model.named_parameters()}
-    if args.design == "fsdp":
+    if args.design in SHARDED:
         model = wrap_model(model, "fsdp")
     params = dict(model.named_parameters())
     p_root = sum(p.numel() for g in _groups(model)[:1] for p in g["params"])
@@ -128,16 +131,18 @@ def worker(args: argparse.Namespace) -> None:
     def set_grads() -> None:
         for n, p in params.items():
             g = full_grads[n]
-            if args.design == "fsdp":
+            if args.design in SHARDED:
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)
             else:
                 p.grad = g.clone()
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    if args.design in ("owner", "gather", "fsdp"):
+    if args.design in ("owner", "gather", *SHARDED):
         kw: dict[str, Any] = {}
-        if args.design != "fsdp":
+        if args.design not in SHARDED:
             kw = {"average_grads": True, "ddp_design": args.design}
+        if args.design == "gram":
+            kw = {"fsdp_design": "gram"}
         if args.design == "owner":
             kw["overlap"] = not args.no_overlap
         opt: torch.optim.Optimizer = DistributedROOT(groups, lr=1e-3, **kw)
@@ -241,10 +246,11 @@ def worker(args: argparse.Namespace) -> None:
             step()
         traffic = float(counted.bytes)
     W = info.world_size
-    if args.design in ("owner", "gather", "fsdp"):
+    if args.design in ("owner", "gather", *SHARDED):
         opts = P.Options(
             backend=args.backend,
-            average_grads=args.design != "fsdp",
+            average_grads=args.design not in SHARDED,
+            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", W)),
             overlap_groups=1 if args.no_overlap else P.OVERLAP_GROUPS,
         )
         est = P.estimate(specs, W, args.design, opts)  # type: ignore[arg-type]

@@ -208,6 +208,9 @@ def test_state_is_created_eagerly_and_lr0_is_a_noop() -> None:
         ({"bucket_bytes": 1.5}, "bucket_bytes"),
         ({"average_grads": "yes"}, "average_grads"),
         ({"ddp_design": "ring"}, "Invalid ddp_design: 'ring' \\(choose gather or owner\\)"),
+        ({"fsdp_design": "split"}, "Invalid fsdp_design: 'split' \\(choose whole or gram\\)"),
+        ({"gpus_per_node": 0}, "Invalid gpus_per_node: 0"),
+        ({"gpus_per_node": True}, "Invalid gpus_per_node: True"),
     ],
 )
 def test_bad_options(kwargs: dict[str, Any], match: str) -> None:

@@ -116,6 +116,19 @@ def test_ddp_design_reaches_distributed_root_and_is_validated() -> None:
         load_config(None, ["distributed.ddp_design=ring"])
 
 
+def test_fsdp_design_reaches_distributed_root_and_is_validated() -> None:
+    """``distributed.fsdp_design`` picks how sharded matrices are orthogonalized under
+    ``parallel=fsdp`` (default ``whole``); a wrong value is one config line."""
+    from rootopt.distributed import DistributedROOT
+
+    for override, design in (([], "whole"), (["distributed.fsdp_design=gram"], "gram")):
+        cfg = load_config(None, ["distributed.parallel=fsdp", *override])
+        opt, _ = build_optimizer(cfg, Mixed(), world_size=2)
+        assert isinstance(opt, DistributedROOT) and opt.fsdp_design == design
+    with pytest.raises(ConfigError, match="distributed.fsdp_design: expected one of whole, gram"):
+        load_config(None, ["distributed.fsdp_design=split"])
+
+
 def test_muon_routes_like_root_and_schedules_reach_children() -> None:
     model = Mixed()
     opt, report = make_optimizer("muon", model, lr=1e-2)

@@ -220,8 +220,8 @@ def main(argv: list[str]) -> int:
         "path: on the step's path, each round waiting for its busiest rank (the time uses it); "
         "opt GiB: optimizer state + buffers per rank; %fwd/bwd: optimizer time with nothing "
         "overlapped, %ovl: with the communication that can overlap compute overlapped "
-        "(all but what precedes the first Newton–Schulz or follows the last); gram: "
-        "model only, not implemented"
+        "(all but what precedes the first Newton–Schulz or follows the last); fsdp: "
+        "DistributedROOT(fsdp_design='whole'), gram: fsdp_design='gram'"
     )
     if judge is not None:
         v = P.verdict(judge[0], judge[1], a.designs, options, hw, work)

@@ -94,6 +94,12 @@ class DistributedConfig:
         "and all-gathers the new parameters) or gather (every rank keeps all state; owners' "
         "updates all-gathered); the same numbers either way",
     )
+    fsdp_design: Literal["whole", "gram"] = _f(
+        "whole",
+        "how ROOT orthogonalizes sharded matrices under fsdp: whole (each matrix on one "
+        "owner) or gram (a matrix larger than a rank's share of the parameters split over "
+        "up to one node's ranks, which iterate together on its Gram matrix)",
+    )
 
 
 @dataclass

@@ -21,11 +21,11 @@ Designs (``DESIGNS``):
   :class:`rootopt.distributed.DistributedROOT`'s default DDP-mode design.
 * ``fsdp`` — FSDP2-sharded parameters: FSDP2's own reduce-scatter / all-gathers, and two
   all-to-alls per round that move each matrix's shards to its owner and the update back.
-* ``gram`` — the ``fsdp`` design where a matrix larger than a rank's share (P/W elements)
-  goes to k ranks of one node instead of one owner, each holding 1/k of its long side;
-  they run Newton–Schulz together, all-reducing the s×s Gram matrix ``X Xᵀ`` once per
-  iteration, and find the exact quantile with a 4-pass radix histogram. Not implemented:
-  a model of what it would cost when the largest matrices set the critical path.
+* ``gram`` — the ``fsdp`` design where a 2-D matrix larger than a rank's share (P/W
+  elements) goes to k distinct ranks of one node instead of one owner, each holding a
+  slab of its long side; they run Newton–Schulz together, all-reducing the s×s Gram
+  matrix ``X Xᵀ`` once per iteration, and find the exact quantile with a 4-pass radix
+  histogram (``DistributedROOT(fsdp_design="gram")``; :mod:`rootopt.distributed.split`).
 
 Byte formulas are those of :func:`rootopt.distributed.counters.collective_bytes` (ring algorithms
 on NCCL; gloo's own algorithms on gloo), so a measured run with a
@@ -41,20 +41,27 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
 from rootopt.distributed.counters import collective_bytes_ranks
-from rootopt.distributed.owners import assign_owners, ns_cost
-from rootopt.distributed.split import RADIX_BINS, RADIX_PASSES
+from rootopt.distributed.owners import assign_grouped, assign_owners, ns_cost
+from rootopt.distributed.split import (
+    QUANTILE_COLLECTIVES,
+    RADIX_BINS,
+    RADIX_PASSES,
+    slab_pieces,
+    split_count,
+)
 from rootopt.optim.functional import matrix_view
 
 Design = Literal["replicated", "gather", "owner", "fsdp", "gram"]
 DESIGNS: tuple[Design, ...] = ("replicated", "gather", "owner", "fsdp", "gram")
-# Designs the cost model prices but DistributedROOT does not implement.
-MODEL_ONLY: tuple[Design, ...] = ("gram",)
+# Designs the cost model prices but DistributedROOT does not implement (none since
+# ``gram`` landed as ``DistributedROOT(fsdp_design="gram")``).
+MODEL_ONLY: tuple[Design, ...] = ()
 Vec = NDArray[np.float64]
 MiB = 1 << 20
 GiB = 1 << 30
@@ -172,11 +179,7 @@ def ns_flops(p: ParamSpec, ns_steps: int, split: int = 1) -> float:
     products with ``X`` divide, ``A·A`` does not."""
     if p.algorithm != "root" or p.numel == 0:
         return 0.0
-    b, r, c = _view(p)
-    s, l = min(r, c), max(r, c)
-    if split == 1:
-        return 2.0 * ns_cost(b, r, c, ns_steps)
-    return float(b) * ns_steps * (4.0 * s * s * (l / split) + 2.0 * s**3)
+    return 2.0 * ns_cost(*_view(p), ns_steps, split)
 
 
 # ---------------------------------------------------------------------------------------
@@ -417,6 +420,7 @@ def owner_rounds(
     world: int,
     bucket_bytes: int,
     together: Sequence[int] | None = None,
+    node: int | None = None,
 ) -> list[list[tuple[int, int]]]:
     """The rounds of the ``fsdp`` design as ``(task, owner)`` pairs.
 
@@ -432,15 +436,21 @@ def owner_rounds(
     every rank computes the same rounds.
 
     ``together``: per task, a group id (>= 0) or -1; the tasks of one group (the slabs of
-    one split matrix, ``gram``: their holders iterate together) all go to the latest
-    round any of them was cut into, which may take an owner past ``bucket_bytes`` there."""
+    one split matrix, ``gram``: their holders iterate together) go to distinct ranks of one
+    node of ``node`` consecutive ranks (default: all of them;
+    :func:`~rootopt.distributed.owners.assign_grouped`) and all to the latest round any of
+    them was cut into, which may take an owner past ``bucket_bytes`` there."""
     if not len(costs) == len(sizes_bytes) == len(shapes):
         raise ValueError(
             f"owner_rounds: {len(costs)} costs, {len(sizes_bytes)} sizes, {len(shapes)} shapes"
         )
     if together is not None and len(together) != len(costs):
         raise ValueError(f"owner_rounds: {len(together)} group ids for {len(costs)} tasks")
-    owners = assign_owners(costs, world)
+    grouped = together is not None and any(g >= 0 for g in together)
+    if grouped:
+        owners = assign_grouped(costs, world, cast(Sequence[int], together), node or world)
+    else:
+        owners = assign_owners(costs, world)
     mine: list[list[int]] = [[] for _ in range(world)]
     for i in round_order(shapes):
         mine[owners[i]].append(i)
@@ -455,7 +465,7 @@ def owner_rounds(
     rounds = [
         [(i, o) for o in range(world) if k < len(runs[o]) for i in runs[o][k]] for k in range(n)
     ]
-    if together is None or all(g < 0 for g in together):
+    if together is None or not grouped:
         return rounds
     at = {i: k for k, rnd in enumerate(rounds) for i, _ in rnd}
     latest: dict[int, int] = {}
@@ -486,6 +496,8 @@ class Options:
     ``sync_in_backward``: the ``owner`` reduce-scatter starts from gradient hooks during
     backward, hidden like DDP's all-reduce, instead of at the start of the step.
     ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
+    ``threshold``: the outlier threshold is on (``outlier_quantile`` set; ``gram`` then
+    finds a split matrix's quantile with :data:`QUANTILE_COLLECTIVES` all-reduces).
     ``overlap_groups``: the fewest buckets the ``owner`` step is cut into
     (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without,
     when no all-gather is in flight while the next bucket is updated: :func:`owner_path`).
@@ -504,6 +516,7 @@ class Options:
     fsdp_reshard_after_forward: bool = True
     gpus_per_node: int = 8
     overlap_groups: int = OVERLAP_GROUPS
+    threshold: bool = True
 
 
 @dataclass
@@ -999,34 +1012,47 @@ def owner_path(per_bucket: Sequence[Vec], overlap: bool = True) -> float:
 
 def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> None:
     """Shards to owners and updates back, one pair of all-to-alls per round; with
-    ``gram``, a matrix larger than P/W goes to k ranks of one node as slabs of its long
-    side, which all-reduce the Gram matrix once per Newton–Schulz iteration."""
+    ``gram``, a 2-D matrix larger than P/W goes to k distinct ranks of one node as slabs
+    of its long side, which all-reduce the Gram matrix once per Newton–Schulz iteration
+    (``DistributedROOT(fsdp_design="gram")``: the same split counts, slabs, pieces, holders
+    and rounds, from :mod:`rootopt.distributed.split` and :func:`owner_rounds`)."""
     W = est.world
     roots = [p for p in specs if p.algorithm == "root"]
     _flags(est, len(specs), o.backend)
     views = [_view(p) for p in roots]
-    share = max(1, math.ceil(est.params / W))
     node = max(1, min(o.gpus_per_node, W))
     split = [
-        min(node, math.ceil(p.numel / share)) if gram and W > 1 and p.numel > share else 1
+        split_count(p.numel, max(p.shape), est.params, W, node) if gram and len(p.shape) == 2 else 1
         for p in roots
     ]
-    shard_elems = [_chunks(p.shape[0], W) * (p.numel // max(p.shape[0], 1)) for p in roots]
-    # one task per matrix, or per slab of a split matrix (LPT puts the k equal slabs of
-    # one matrix on the k least loaded ranks); owners over the whole step, rounds cut by
-    # what each owner receives (owner_rounds, as DistributedROOT._root_sharded)
+    shard_rows = [[int(x) for x in _chunks(p.shape[0], W)] for p in roots]
+    # elements rank s sends for each task: the whole shard, or its piece of one slab
+    pieces = [
+        [
+            np.array(row, dtype=np.float64)
+            for row in (
+                slab_pieces(p.shape[0], p.shape[1], shard_rows[i], split[i])
+                if split[i] > 1
+                else [[n * (p.numel // max(p.shape[0], 1)) for n in shard_rows[i]]]
+            )
+        ]
+        for i, p in enumerate(roots)
+    ]
+    # one task per matrix, or per slab of a split matrix (on k distinct ranks of one
+    # node); owners over the whole step, rounds cut by what each owner receives
+    # (owner_rounds, as DistributedROOT._root_sharded)
     tasks = [(i, j) for i in range(len(roots)) for j in range(split[i])]
     rounds = owner_rounds(
         [ns_flops(roots[i], o.ns_steps, split[i]) / 2 for i, _ in tasks],
-        [4 * roots[i].numel // split[i] for i, _ in tasks],
+        [4 * int(pieces[i][j].sum()) for i, j in tasks],
         [(views[i][1], views[i][2]) for i, _ in tasks],
         W,
         o.bucket_bytes,
         [i if split[i] > 1 else -1 for i, _ in tasks],  # a split matrix's slabs: one round
+        node,
     )
     ws = np.zeros(W)
     peak = np.zeros(W)
-    gram_groups = 0
     holders: dict[int, list[int]] = {}
     ret_bytes = min(4, o.ns_bytes)  # the updates' element size on their way back
     for k, rnd in enumerate(rounds):
@@ -1035,17 +1061,16 @@ def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> 
         received = np.zeros(W)
         held = np.zeros(W)
         for t, ow in rnd:
-            i = tasks[t][0]
+            i, j = tasks[t]
             p, k_ = roots[i], split[i]
             holders.setdefault(i, []).append(ow)
             est.flops[ow] += ns_flops(p, o.ns_steps, k_)
-            est.elements[ow] += p.numel / k_
+            piece = 4.0 * pieces[i][j]
+            est.elements[ow] += piece.sum() / 4
             b_, r_, c_ = views[i]
             s_, l_ = min(r_, c_), max(r_, c_)
-            ws[ow] = max(ws[ow], _ns_workspace(b_, max(1, l_ // k_), s_, o.ns_bytes))
-            held[ow] += 4.0 * p.numel / k_
-            # every rank's shard: 1/k of it goes to this slab's owner
-            piece = 4.0 * shard_elems[i] / k_
+            ws[ow] = max(ws[ow], _ns_workspace(b_, max(1, -(-l_ // k_)), s_, o.ns_bytes))
+            held[ow] += piece.sum()
             mine = piece[ow]
             sent += piece
             sent[ow] -= mine
@@ -1059,22 +1084,33 @@ def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> 
         peak = np.maximum(peak, 3 * held)  # gathered matrices, updates, send buffer
         est.path_flops += float((est.flops - before).max())
     est.buckets = len(rounds)
-    # the holders of a split matrix's slabs (one round, above) all-reduce its Gram matrix
+    # the holders of a split matrix (one round, above) all-reduce, one matrix after
+    # another: its quantile's 4 histograms of 256 int64, a count (int64) and a minimum
+    # (float32), then its s x s float32 Gram matrix once per iteration (split.py)
+    held_split = np.zeros(W)
+    gram_groups = 0
     for i, hs in holders.items():
         if split[i] == 1:
             continue
         gram_groups += 1
         b_, r_, c_ = views[i]
         s_ = min(r_, c_)
-        k_ = split[i]
-        per = 2 * (k_ - 1) / k_ * (b_ * s_ * s_ * 4 * o.ns_steps)
-        per += 2 * (k_ - 1) / k_ * QUANTILE_BINS * 8 * QUANTILE_PASSES
+        k_ = len(hs)
+        payload = o.ns_steps * s_ * s_ * 4
+        if o.threshold:
+            payload += QUANTILE_PASSES * QUANTILE_BINS * 8 + 8 + 4
+        per = 2 * (k_ - 1) / k_ * payload
         for h in hs:
             est.node[h] += per
+            est.step_sent[h] += per
+            est.step_received[h] += per
+            est.opt_sent[h] += per
+            est.opt_received[h] += per
+            held_split[h] += 1
     if gram_groups:
-        # per Newton–Schulz iteration and per histogram pass, one launch that coalesces
-        # every split matrix's all-reduce
-        n = o.ns_steps + QUANTILE_PASSES
+        # a rank's split matrices run one after another, each issuing its own
+        # collectives: the busiest holder issues this many, none of them hidden
+        n = int(held_split.max()) * (o.ns_steps + (QUANTILE_COLLECTIVES if o.threshold else 0))
         est.collectives["all_reduce"] = est.collectives.get("all_reduce", 0) + n
         est.exposed_collectives += n
         est.collectives_kind["all_reduce"] = est.collectives_kind.get("all_reduce", 0) + n
@@ -1251,7 +1287,8 @@ def step_time(
     comm_r = wire + np.clip(rest, 0, None) / hw.link
     comm = float(comm_r.max())
     # what no schedule hides behind compute (Estimate.serial_kind), per rank
-    serial_r = np.zeros(W)
+    # the split matrices' all-reduces (``gram``): each iteration waits for its own
+    serial_r = est.node / hw.node_link
     for kind, nbytes in est.serial_kind.items():
         serial_r = serial_r + nbytes / hw.link_of(kind)[1]
     serial = float(serial_r[int(comm_r.argmax())]) if W > 1 else 0.0

@@ -45,6 +45,7 @@ the per-matrix reference at world sizes 1 and 2, replicated and sharded.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from rootopt.distributed.group import (
     PendingCollective,
     blocked_seconds,
     collective,
+    collective_timeout_s,
     start_collective,
     world,
 )
@@ -72,11 +74,20 @@ from rootopt.distributed.plan import (
     owner_rounds,
     round_order,
 )
+from rootopt.distributed.split import (
+    slab_axis,
+    slab_bounds,
+    slab_pieces,
+    split_abs_quantile,
+    split_count,
+    split_newton_schulz,
+)
 from rootopt.optim._coefficients import coefficients_for, group_matrices
 from rootopt.optim._finite import finite_flags
 from rootopt.optim._options import DTYPES, ns_dtype_name, root_options
 from rootopt.optim.adamw import adamw_
 from rootopt.optim.functional import (
+    THRESHOLD_EPS,
     Matrix,
     MatrixView,
     _directions,
@@ -94,8 +105,10 @@ from rootopt.optim.root import (
     algorithm_of,
     state_dtype,
 )
+from rootopt.ortho.newton_schulz import FOLD_DTYPES
 
 DDP_DESIGNS = ("gather", "owner")
+FSDP_DESIGNS = ("whole", "gram")
 
 
 def _dtensor_types() -> tuple[type, type] | None:
@@ -171,6 +184,78 @@ class _Task:
         return self.numel // max(int(self.p.shape[0]), 1)
 
 
+@dataclass
+class _Unit:
+    """What one owner receives of a sharded task: the whole matrix (``k == 1``) or slab
+    ``j`` of ``k`` along its long side (``fsdp_design="gram"``; split.py). ``counts[s]``:
+    elements of it rank ``s`` holds (and sends)."""
+
+    task: _Task
+    j: int
+    k: int
+    counts: list[int]
+    cost: float
+
+    @property
+    def split(self) -> bool:
+        return self.k > 1
+
+    def _bounds(self) -> tuple[int, int, int]:
+        rows, cols = int(self.task.p.shape[0]), int(self.task.p.shape[1])
+        lo, hi = slab_bounds(rows, cols, self.k)[self.j]
+        return slab_axis(rows, cols), lo, hi
+
+    def piece(self, x: Tensor, rank: int) -> Tensor:
+        """This unit's part of ``x``, a tensor shaped like ``rank``'s shard (or, from
+        :meth:`back`'s side, the owner's result cut for ``rank``), flat."""
+        t = self.task
+        if not self.split:
+            return x.reshape(-1)
+        axis, lo, hi = self._bounds()
+        n, r0 = t.splits[rank], sum(t.splits[:rank])
+        x = x.reshape(n, int(t.p.shape[1]))
+        if axis == 0:  # rows of the shard inside the slab
+            a, b = max(r0, lo), min(r0 + n, hi)
+            return x[max(0, a - r0) : max(0, b - r0)].reshape(-1)
+        return x[:, lo:hi].reshape(-1)
+
+    def rebuild(self, pieces: list[Tensor]) -> Tensor:
+        """The whole matrix (shaped like the parameter) or the slab (``hi - lo`` rows of a
+        tall matrix, ``hi - lo`` columns of a wide one) from every rank's piece."""
+        flat = torch.cat(pieces)
+        if not self.split:
+            return flat.reshape(self.task.p.shape)
+        axis, lo, hi = self._bounds()
+        rows, cols = int(self.task.p.shape[0]), int(self.task.p.shape[1])
+        return flat.reshape(hi - lo, cols) if axis == 0 else flat.reshape(rows, hi - lo)
+
+    def back(self, U: Tensor, rank: int) -> Tensor:
+        """The owner's result for rank ``rank``: the rows of its shard (whole) or their
+        part of the slab, flat."""
+        t = self.task
+        n, r0 = t.splits[rank], sum(t.splits[:rank])
+        if not self.split:
+            return U.reshape(t.p.shape)[r0 : r0 + n].reshape(-1)
+        axis, lo, hi = self._bounds()
+        if axis == 0:
+            a, b = max(r0, lo), min(r0 + n, hi)
+            return U[max(0, a - lo) : max(0, b - lo)].reshape(-1) if b > a else U[:0].reshape(-1)
+        return U[r0 : r0 + n].reshape(-1)
+
+
+def _assemble(t: _Task, parts: list[tuple[_Unit, Tensor]], rank: int) -> Tensor:
+    """A task's update on ``rank``'s shard from the pieces its units' owners sent back."""
+    if len(parts) == 1 and not parts[0][0].split:
+        return parts[0][1]
+    parts = sorted(parts, key=lambda x: x[0].j)
+    if slab_axis(int(t.p.shape[0]), int(t.p.shape[1])) == 0:
+        return torch.cat([x for _, x in parts])
+    n = t.splits[rank]
+    if n == 0:
+        return parts[0][1]  # no rows here: every piece is empty
+    return torch.cat([x.reshape(n, -1) for _, x in parts], dim=1).reshape(-1)
+
+
 class DistributedROOT(ROOT):
     """:class:`rootopt.ROOT` whose Newton–Schulz work is spread over the ranks of a
     process group (docs/distributed.md).
@@ -196,6 +281,15 @@ class DistributedROOT(ROOT):
             and start each bucket's all-gather asynchronously, so that it is in flight
             while the next bucket is updated (default True; False: one all-gather after
             each bucket's update, waited for at once).
+        fsdp_design: how sharded (FSDP2) matrices are orthogonalized: ``"whole"``
+            (default: each on one owner) or ``"gram"`` (a 2-D matrix larger than a rank's
+            share of all parameters is held as slabs of its long side by up to
+            ``gpus_per_node`` ranks of one node, which run the exact quantile and the
+            plain Newton–Schulz iteration together, all-reducing the Gram matrix;
+            docs/distributed.md, "Split matrices"). Needs the device mesh to span every
+            process.
+        gpus_per_node: ranks per node for ``gram``'s holder sets (consecutive ranks);
+            default ``LOCAL_WORLD_SIZE`` (torchrun sets it), else the world size.
 
     ``self.stats`` (:class:`StepStats`) describes this rank's last step.
     """
@@ -209,6 +303,8 @@ class DistributedROOT(ROOT):
         average_grads: bool = False,
         ddp_design: str = "owner",
         overlap: bool = True,
+        fsdp_design: str = "whole",
+        gpus_per_node: int | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -221,16 +317,32 @@ class DistributedROOT(ROOT):
             raise ValueError(
                 f"Invalid ddp_design: {ddp_design!r} (choose {' or '.join(DDP_DESIGNS)})"
             )
+        if fsdp_design not in FSDP_DESIGNS:
+            raise ValueError(
+                f"Invalid fsdp_design: {fsdp_design!r} (choose {' or '.join(FSDP_DESIGNS)})"
+            )
+        if gpus_per_node is not None and (
+            isinstance(gpus_per_node, bool)
+            or not isinstance(gpus_per_node, int)
+            or gpus_per_node < 1
+        ):
+            raise ValueError(f"Invalid gpus_per_node: {gpus_per_node!r} (must be an integer >= 1)")
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
         self.average_grads = average_grads
         self.ddp_design = ddp_design
         self.overlap = overlap
+        self.fsdp_design = fsdp_design
+        self.gpus_per_node = gpus_per_node
+        # gram: one process group per set of holders (new_group is collective over every
+        # process; created in one order on every rank, kept for the optimizer's life)
+        self._holder_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.stats = StepStats()
         self._layout: OwnerLayout | None = None
         self._ready = False
         super().__init__(params, **kwargs)
         self._ready = True
+        self._check_gram_mesh()
         if ddp_design == "owner":
             self._plan_owners()
 
@@ -249,6 +361,8 @@ class DistributedROOT(ROOT):
                         "turn it off or use DDP"
                     )
                 self._init_state(group, p)  # ROOT's own: the same dtypes and keys
+        if self._ready:
+            self._check_gram_mesh()
         if self._ready and self.ddp_design == "owner":
             self._plan_owners()  # ownership may move: gather the state, plan, keep own
 
@@ -582,27 +696,36 @@ class DistributedROOT(ROOT):
                     f"{t.splits[rank]} (dim 0 split like torch.chunk)"
                 )
         dev = _local(tasks[0].p).device
+        units = self._units(tasks, world_size)
         # owners over the whole step, rounds cut by the bytes each owner receives
         # (plan.owner_rounds: at a world size no smaller than the number of matrices, one
-        # round, so no round waits for another's busiest rank)
+        # round, so no round waits for another's busiest rank); a split matrix's slabs on
+        # distinct ranks of one node, all in one round
+        index = {id(t): i for i, t in enumerate(tasks)}
         rounds = owner_rounds(
-            [t.cost for t in tasks],
-            [4 * t.numel for t in tasks],
-            [(t.view.rows, t.view.cols) for t in tasks],
+            [u.cost for u in units],
+            [4 * sum(u.counts) for u in units],
+            [(u.task.view.rows, u.task.view.cols) for u in units],
             world_size,
             self.bucket_bytes,
+            [index[id(u.task)] if u.split else -1 for u in units],
+            self._node_size(world_size),
         )
+        holders: dict[int, list[int]] = {}
         for rnd in rounds:
-            by_owner: list[list[_Task]] = [[] for _ in range(world_size)]
-            for i, o in rnd:
-                by_owner[o].append(tasks[i])
+            for ui, o in rnd:
+                if units[ui].split:
+                    holders.setdefault(index[id(units[ui].task)], []).append(o)
+        groups = self._holder_process_groups(group, holders)
+        for rnd in rounds:
+            by_owner: list[list[_Unit]] = [[] for _ in range(world_size)]
+            for ui, o in rnd:
+                by_owner[o].append(units[ui])
             mine = by_owner[rank]
-            # shards → owners: to rank d, my shard of every matrix d owns
-            in_splits = [
-                sum(t.splits[rank] * t.rest for t in by_owner[d]) for d in range(world_size)
-            ]
-            out_splits = [sum(t.splits[s] * t.rest for t in mine) for s in range(world_size)]
-            parts = [t.v.reshape(-1) for d in range(world_size) for t in by_owner[d]]
+            # shards → owners: to rank d, my piece of every matrix or slab d owns
+            in_splits = [sum(u.counts[rank] for u in by_owner[d]) for d in range(world_size)]
+            out_splits = [sum(u.counts[s] for u in mine) for s in range(world_size)]
+            parts = [u.piece(u.task.v, rank) for d in range(world_size) for u in by_owner[d]]
             send = torch.cat(parts) if parts else torch.zeros(0, device=dev)
             recv = torch.empty(sum(out_splits), dtype=torch.float32, device=dev)
             collective(
@@ -619,25 +742,40 @@ class DistributedROOT(ROOT):
                 4 * (sum(in_splits) - in_splits[rank]),
                 4 * (sum(out_splits) - out_splits[rank]),
             )
-            # rebuild each owned matrix from the W shards (exact sizes: no padding)
+            # rebuild each owned matrix or slab from the W pieces (exact sizes: no padding)
             pieces: list[list[Tensor]] = [[] for _ in mine]
             off = 0
             for s in range(world_size):
-                for j, t in enumerate(mine):
-                    n = t.splits[s] * t.rest
+                for j, u in enumerate(mine):
+                    n = u.counts[s]
                     pieces[j].append(recv[off : off + n])
                     off += n
-            full = [torch.cat(pc).reshape(t.p.shape) for pc, t in zip(pieces, mine)]
-            Us = self._orthogonalize(mine, full)
-            # updates → shards: to rank s, rows of every matrix I own that s holds, in the
+            built = [u.rebuild(pc) for pc, u in zip(pieces, mine)]
+            Us: list[Tensor | None] = [None] * len(mine)
+            # slabs first, one split matrix after another in task order on every rank
+            # (their holders wait for each other; one global order rules out a deadlock
+            # between overlapping holder sets), then the whole matrices
+            split_at = sorted(
+                (j for j, u in enumerate(mine) if u.split), key=lambda j: index[id(mine[j].task)]
+            )
+            for j in split_at:
+                u = mine[j]
+                Us[j] = self._orthogonalize_slab(
+                    u, built[j], groups[tuple(sorted(holders[index[id(u.task)]]))]
+                )
+            whole = [j for j, u in enumerate(mine) if not u.split]
+            done = self._orthogonalize([mine[j].task for j in whole], [built[j] for j in whole])
+            for j, Uw in zip(whole, done):
+                Us[j] = Uw
+            # updates → shards: to rank s, its part of every matrix or slab I own, in the
             # dtype the round's updates are exact in (every rank computes the same one)
-            back_dtype = _update_dtype([tasks[i] for i, _ in rnd], dev)
+            back_dtype = _update_dtype(
+                list({id(units[ui].task): units[ui].task for ui, _ in rnd}.values()), dev
+            )
             back: list[Tensor] = []
             for s in range(world_size):
-                for t, U in zip(mine, Us):
-                    row0 = sum(t.splits[:s])
-                    rows = U.reshape(t.p.shape)[row0 : row0 + t.splits[s]]
-                    back.append(rows.reshape(-1).to(back_dtype))
+                for u, Uo in zip(mine, Us):
+                    back.append(u.back(cast(Tensor, Uo), s).to(back_dtype))
             send2 = torch.cat(back) if back else torch.zeros(0, dtype=back_dtype, device=dev)
             recv2 = torch.empty(sum(in_splits), dtype=back_dtype, device=dev)
             work = start_collective(
@@ -657,25 +795,128 @@ class DistributedROOT(ROOT):
             )
             self._finish_scatter(work, recv2, by_owner, rank)
 
+    # ----------------------------------------------------------------------------------
+    # split matrices (fsdp_design="gram"; split.py, docs/distributed.md "Split matrices")
+    # ----------------------------------------------------------------------------------
+    def _node_size(self, world_size: int) -> int:
+        if self.gpus_per_node is not None:
+            return min(self.gpus_per_node, world_size)
+        return max(1, min(world(self.process_group).local_world_size, world_size))
+
+    def _splittable(self, t: _Task) -> bool:
+        """Only the plain iteration of one 2-D matrix is split: not a fused weight's
+        blocks, a 3-D stack, SVD/QR, or a Newton–Schulz dtype that does not fold its norm
+        into the Gram matrix (float16)."""
+        g = t.group
+        splits = g.get("ns_split")
+        return (
+            self.fsdp_design == "gram"
+            and t.p.ndim == 2
+            and len(t.mats) == 1
+            and t.mats[0].block is None
+            and not (splits and splits[t.pi])
+            and g["ortho_method"] == "newton_schulz"
+            and DTYPES[ns_dtype_name(g["ns_dtype"], _local(t.p).device)] in FOLD_DTYPES
+        )
+
+    def _units(self, tasks: list[_Task], world_size: int) -> list[_Unit]:
+        """Each task whole, or (``gram``) its slabs when it is larger than a rank's share
+        (:func:`~rootopt.distributed.split.split_count`, as the cost model splits)."""
+        total = sum(p.numel() for g in self.param_groups for p in g["params"])
+        node = self._node_size(world_size)
+        units: list[_Unit] = []
+        for t in tasks:
+            rows, cols = int(t.p.shape[0]), int(t.p.shape[-1])
+            k = 1
+            if self._splittable(t):
+                k = split_count(t.numel, max(rows, cols), total, world_size, node)
+            if k == 1:
+                units.append(_Unit(t, 0, 1, [n * t.rest for n in t.splits], t.cost))
+                continue
+            cost = ns_cost(1, rows, cols, int(t.group["ns_steps"]), k)
+            for j, counts in enumerate(slab_pieces(rows, cols, t.splits, k)):
+                units.append(_Unit(t, j, k, counts, cost))
+        return units
+
+    def _check_gram_mesh(self) -> None:
+        """``gram`` creates process groups of holders with ``new_group``, which every
+        process must join: refuse, before any step, a mesh that leaves processes out."""
+        if self.fsdp_design != "gram" or not (dist.is_available() and dist.is_initialized()):
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if _is_dtensor(p):
+                    size = p.device_mesh.size()  # type: ignore[attr-defined]
+                    if size != dist.get_world_size():
+                        raise ValueError(
+                            f"fsdp_design='gram' needs the device mesh to span every process "
+                            f"(mesh of {size}, world of {dist.get_world_size()}); use "
+                            "fsdp_design='whole'"
+                        )
+
+    def _holder_process_groups(
+        self, mesh_group: dist.ProcessGroup, holders: dict[int, list[int]]
+    ) -> dict[tuple[int, ...], dist.ProcessGroup]:
+        """The process group of each holder set (mesh ranks), created where missing: on
+        every rank, in sorted order (``new_group`` is collective over every process)."""
+        sets = sorted({tuple(sorted(h)) for h in holders.values()})
+        for hs in sets:
+            if hs not in self._holder_groups:
+                ranks = [dist.get_global_rank(mesh_group, r) for r in hs]
+                pg = dist.new_group(
+                    ranks=ranks, timeout=datetime.timedelta(seconds=collective_timeout_s())
+                )
+                self._holder_groups[hs] = cast(dist.ProcessGroup, pg)
+        return {hs: self._holder_groups[hs] for hs in sets}
+
+    def _orthogonalize_slab(self, u: _Unit, slab: Tensor, pg: dist.ProcessGroup) -> Tensor:
+        """Threshold + plain Newton–Schulz of this rank's slab of a split matrix, together
+        with its other holders: the exact whole-matrix quantile
+        (:func:`~rootopt.distributed.split.split_abs_quantile`) and the iteration on the
+        wide orientation's column slabs (:func:`~rootopt.distributed.split.split_newton_schulz`).
+        Returns the slab of ``U`` (before the step scale, as ``_orthogonalize``)."""
+        start = time.perf_counter()
+        t = u.task
+        group = t.group
+        dev = slab.device
+        o = root_options(group, dev, float(group["lr"]))
+        rows, cols = int(t.p.shape[0]), int(t.p.shape[1])
+
+        def count(op: str, nbytes: int) -> None:
+            self.stats.count(op, nbytes, nbytes)
+
+        if o.quantile is not None:
+            eps = split_abs_quantile(slab, o.quantile, pg, total=rows * cols, count=count)
+            e = float(eps.add_(THRESHOLD_EPS).item()) if dev.type == "cpu" else None
+            slab = slab.clamp_(-e, e) if e is not None else slab.clamp_(min=-eps, max=eps)
+        sched = coefficients_for(self._coeffs, group, dev)(rows, cols)
+        tall = slab_axis(rows, cols) == 0
+        X = slab.mT if tall else slab
+        U = split_newton_schulz(X, sched, dtype=o.ns_dtype, group=pg, count=count)
+        self.stats.ns_matrices += 1
+        self.stats.ns_cost += u.cost
+        self.stats.ns_seconds += time.perf_counter() - start
+        return U.mT.contiguous() if tall else U
+
     def _finish_scatter(
         self,
         work: PendingCollective,
         recv2: Tensor,
-        by_owner: list[list[_Task]],
+        by_owner: list[list[_Unit]],
         rank: int,
     ) -> None:
         work.wait()
         if recv2.dtype != torch.float32:  # the updates as the single-process step applies them
             recv2 = recv2.float()
         off = 0
-        done, Us = [], []
-        for tasks in by_owner:
-            for t in tasks:
-                n = t.splits[rank] * t.rest
-                done.append(t)
-                Us.append(recv2[off : off + n])
+        got: dict[int, tuple[_Task, list[tuple[_Unit, Tensor]]]] = {}
+        for units in by_owner:
+            for u in units:
+                n = u.counts[rank]
+                got.setdefault(id(u.task), (u.task, []))[1].append((u, recv2[off : off + n]))
                 off += n
-        self._apply_local(done, Us)
+        done = [t for t, _ in got.values()]
+        self._apply_local(done, [_assemble(t, parts, rank) for t, parts in got.values()])
 
     # ----------------------------------------------------------------------------------
     # the owner design: reduce-scatter → owner update → all-gather of parameters

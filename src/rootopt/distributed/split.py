@@ -1,6 +1,8 @@
 """Building blocks of a matrix split over several ranks: the cost model's ``gram`` design
-(docs/distributed.md, "What implementing `gram` takes"). Not yet used by
-:class:`~rootopt.distributed.DistributedROOT`.
+(docs/distributed.md, "Split matrices"), used by
+:class:`~rootopt.distributed.DistributedROOT` with ``fsdp_design="gram"`` and priced by
+:mod:`rootopt.distributed.plan` with the same geometry (:func:`split_count`,
+:func:`slab_bounds`, :func:`slab_pieces`).
 
 A matrix too large for one owner is held as slabs of its long side, one per rank of a
 process group. Two steps of ROOT then need the whole matrix, and both work without
@@ -27,7 +29,7 @@ rank may hold an empty slab.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,17 +43,92 @@ RADIX_BINS = 1 << RADIX_BITS
 RADIX_PASSES = 32 // RADIX_BITS  # = plan.QUANTILE_PASSES
 
 
-def _all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
+# collectives of one split_abs_quantile given the matrix's size: one histogram per pass,
+# then one count and one minimum (always run, so every call issues the same collectives)
+QUANTILE_COLLECTIVES = RADIX_PASSES + 2
+# Called after each collective with (operation, bytes of the tensor): how a caller counts them.
+Count = Callable[[str, int], None]
+
+
+def split_count(numel: int, long_side: int, total: int, world: int, node: int) -> int:
+    """How many ranks hold a matrix in the ``gram`` design: 1 unless it is larger than a
+    rank's share of all ``total`` parameter elements (``ceil(total / world)``); then
+    ``ceil(numel / share)`` of one node's ``node`` ranks, at most one per column of its
+    long side."""
+    share = max(1, math.ceil(total / max(world, 1)))
+    if world <= 1 or numel <= share:
+        return 1
+    return max(1, min(node, world, math.ceil(numel / share), long_side))
+
+
+def slab_axis(rows: int, cols: int) -> int:
+    """The dimension a ``rows x cols`` matrix is split along: its long side (rows of a
+    tall matrix, columns otherwise), so each slab is a block of columns of the wide
+    orientation ``X`` (``Mᵀ`` when tall) that the iteration runs on."""
+    return 0 if rows > cols else 1
+
+
+def slab_bounds(rows: int, cols: int, k: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` along the long side of each of the ``k`` slabs, cut like ``torch.chunk``."""
+    n = rows if slab_axis(rows, cols) == 0 else cols
+    c = -(-n // k) if n else 0
+    return [(min(n, j * c), min(n, (j + 1) * c)) for j in range(k)]
+
+
+def slab_pieces(rows: int, cols: int, shards: Sequence[int], k: int) -> list[list[int]]:
+    """``out[j][s]``: elements of slab ``j`` that rank ``s`` holds when the matrix's rows
+    are sharded ``shards`` (FSDP2's ``Shard(0)``: consecutive row ranges of these sizes):
+    the overlap of its rows with the slab's (tall) or its rows x the slab's columns
+    (wide). Every slab is the union of its pieces."""
+    axis = slab_axis(rows, cols)
+    starts = [sum(shards[:s]) for s in range(len(shards))]
+    out = []
+    for lo, hi in slab_bounds(rows, cols, k):
+        if axis == 0:
+            out.append(
+                [max(0, min(r0 + n, hi) - max(r0, lo)) * cols for r0, n in zip(starts, shards)]
+            )
+        else:
+            out.append([n * (hi - lo) for n in shards])
+    return out
+
+
+def _all_reduce(
+    t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None, count: Count | None
+) -> Tensor:
     collective("all_reduce split matrix", dist.all_reduce, t, op=op, group=group)
+    if count is not None:
+        count("all_reduce", t.numel() * t.element_size())
     return t
 
 
-def split_abs_quantile(local: Tensor, q: float, group: dist.ProcessGroup | None = None) -> Tensor:
+def _gram_fp32(X: Tensor) -> Tensor:
+    """``X Xᵀ`` with float32 accumulation and output: bf16 inputs keep the tensor cores on a
+    GPU (``out_dtype``), elsewhere (or where that overload is missing) through float32."""
+    if X.dtype == torch.bfloat16 and X.is_cuda:
+        try:
+            return torch.mm(X, X.mT, out_dtype=torch.float32)  # type: ignore[call-overload]
+        except (RuntimeError, TypeError):  # pragma: no cover - depends on the torch build
+            pass
+    Xa = X.float()
+    return torch.mm(Xa, Xa.mT)
+
+
+def split_abs_quantile(
+    local: Tensor,
+    q: float,
+    group: dist.ProcessGroup | None = None,
+    *,
+    total: int | None = None,
+    count: Count | None = None,
+) -> Tensor:
     """The ``q``-quantile of ``|M|`` where ``M``'s entries are the union of every rank's
     ``local`` (any shape, any floating dtype; read as float32, as ``abs_quantile`` reads
     them): linear interpolation between the order statistics at ``floor(q (N - 1))`` and
     the next one. Returns a float32 tensor of shape ``(1, 1)``, the same on every rank
-    and the same bits as ``abs_quantile`` of the whole matrix."""
+    and the same bits as ``abs_quantile`` of the whole matrix. ``total``: the number of
+    entries N when the caller knows it (saves one all-reduce); ``count``: told of every
+    collective."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be in [0, 1], got {q!r}")
     v = local.detach().float().reshape(-1).abs()
@@ -59,8 +136,11 @@ def split_abs_quantile(local: Tensor, q: float, group: dist.ProcessGroup | None 
         raise ValueError("split_abs_quantile of a matrix with NaN entries")
     dev = v.device
     keys = v.view(torch.int32)  # non-negative floats: the bit pattern orders like the value
-    count_n = torch.tensor([v.numel()], dtype=torch.int64, device=dev)
-    n = int(_all_reduce(count_n, dist.ReduceOp.SUM, group).item())
+    if total is None:
+        count_n = torch.tensor([v.numel()], dtype=torch.int64, device=dev)
+        n = int(_all_reduce(count_n, dist.ReduceOp.SUM, group, count).item())
+    else:
+        n = total
     if n == 0:
         raise ValueError("split_abs_quantile of an empty matrix")
     pos = q * (n - 1)
@@ -73,23 +153,25 @@ def split_abs_quantile(local: Tensor, q: float, group: dist.ProcessGroup | None 
         shift = 32 - RADIX_BITS * (p + 1)
         digits = (cand >> shift) & (RADIX_BINS - 1)
         hist = torch.bincount(digits.long(), minlength=RADIX_BINS)
-        cum = torch.cumsum(_all_reduce(hist, dist.ReduceOp.SUM, group), 0).tolist()
+        cum = torch.cumsum(_all_reduce(hist, dist.ReduceOp.SUM, group, count), 0).tolist()
         d = next(i for i, c in enumerate(cum) if c > rank)
         rank -= cum[d - 1] if d > 0 else 0
         prefix |= d << shift
         cand = cand[digits == d]
     v_lo = torch.tensor([prefix], dtype=torch.int32, device=dev).view(torch.float32)
-    if frac == 0.0 or lo + 1 >= n:
-        return v_lo.reshape(1, 1)
     # the order statistic after v_lo: v_lo itself when more than lo + 1 entries are <=
-    # it (ties), otherwise the smallest entry above it (as quantile._next_above)
+    # it (ties), otherwise the smallest entry above it (as quantile._next_above); run
+    # even when the interpolation does not need it, so every call issues the same
+    # collectives (plan.py counts QUANTILE_COLLECTIVES)
     at_or_below = v <= v_lo
-    count = _all_reduce(at_or_below.sum().reshape(1), dist.ReduceOp.SUM, group)
+    below = _all_reduce(at_or_below.sum().reshape(1), dist.ReduceOp.SUM, group, count)
     above = torch.full((1,), math.inf, device=dev)
     if v.numel():
         above = v.masked_fill(at_or_below, math.inf).amin().reshape(1)
-    above = _all_reduce(above, dist.ReduceOp.MIN, group)
-    v_hi = v_lo if int(count.item()) > lo + 1 else above
+    above = _all_reduce(above, dist.ReduceOp.MIN, group, count)
+    if frac == 0.0 or lo + 1 >= n:
+        return v_lo.reshape(1, 1)
+    v_hi = v_lo if int(below.item()) > lo + 1 else above
     return (v_lo + frac * (v_hi - v_lo)).reshape(1, 1)
 
 
@@ -100,6 +182,7 @@ def split_newton_schulz(
     dtype: torch.dtype = torch.float32,
     eps: float = NORM_EPS,
     group: dist.ProcessGroup | None = None,
+    count: Count | None = None,
 ) -> Tensor:
     """The Newton–Schulz iteration of ``coefficients`` on the wide matrix ``X`` (rows <=
     columns in all) whose columns are split over the ranks of ``group``; ``local`` is this
@@ -107,7 +190,8 @@ def split_newton_schulz(
     result, in ``dtype`` (float32, float64 or bfloat16: the dtypes whose one-process
     iteration folds the norm into the Gram matrix). The rows x rows Gram matrix is summed
     in float32 (float64 for float64) across the slabs and rounded to ``dtype`` once, as
-    one matrix product would round it."""
+    one matrix product would round it. ``count``: told of every collective (one per
+    iteration)."""
     if local.ndim != 2:
         raise ValueError(f"split_newton_schulz expects a 2-D slab, got shape {tuple(local.shape)}")
     if dtype not in FOLD_DTYPES:
@@ -120,9 +204,8 @@ def split_newton_schulz(
 
     def gram(X: Tensor) -> Tensor:
         """Σⱼ Xⱼ Xⱼᵀ over the slabs, summed in ``acc``, rounded to ``dtype`` once."""
-        Xa = X.to(acc)
-        A = torch.mm(Xa, Xa.mT)
-        return _all_reduce(A, dist.ReduceOp.SUM, group).to(dtype)
+        A = torch.mm(X, X.mT) if acc == torch.float64 else _gram_fp32(X)
+        return _all_reduce(A, dist.ReduceOp.SUM, group, count).to(dtype)
 
     # as newton_schulz: the norm from A's trace (``_first_gram``), folded into A and into
     # the first polynomial instead of a pass over X

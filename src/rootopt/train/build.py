@@ -202,6 +202,8 @@ def _distributed_root(
     )
     if cfg.distributed.parallel == "ddp":
         opts["ddp_design"] = cfg.distributed.ddp_design
+    else:
+        opts["fsdp_design"] = cfg.distributed.fsdp_design
     opt = DistributedROOT(
         groups,
         lr=o.base_lr,
