@@ -26,11 +26,14 @@ Two layouts, chosen per parameter:
     either design. Every rank hashes its layout at construction and compares it with the
     others' (one line on a mismatch instead of mismatched collectives).
 * **sharded** (``DTensor`` with ``Shard(0)`` on a 1-D mesh; FSDP2's ``fully_shard``):
-  momentum and AdamW state stay sharded like the parameter. Per bucket, one
+  momentum and AdamW state stay sharded like the parameter. Per round, one
   ``all_to_all_single`` moves each matrix's shards to its owner (exact split sizes; empty
   shards send zero bytes but still join the collective), the owner rebuilds the whole
   matrix, thresholds and orthogonalizes it, and a second ``all_to_all_single`` returns
-  the update as shards.
+  the update as shards. With ``fsdp_design="gram"`` a matrix larger than a rank's share
+  goes as slabs of its long side to several ranks of one node instead, which find its
+  exact quantile and run the plain iteration together (:mod:`rootopt.distributed.split`;
+  docs/distributed.md, "Split matrices").
 
 Owners balance Newton–Schulz cost, not matrix count (:mod:`rootopt.distributed.owners`). State is
 created eagerly for every parameter, is identical (replicated) or identically placed
