@@ -191,36 +191,45 @@ class _Task:
 class _Unit:
     """What one owner receives of a sharded task: the whole matrix (``k == 1``) or slab
     ``j`` of ``k`` along its long side (``fsdp_design="gram"``; split.py). ``counts[s]``:
-    elements of it rank ``s`` holds (and sends)."""
+    elements of it rank ``s`` holds (and sends); ``ti``: the task's position in the step
+    (the order split matrices run in on every rank)."""
 
     task: _Task
     j: int
     k: int
     counts: list[int]
     cost: float
+    ti: int = 0
+    # the slab along the long side (split.slab_axis / slab_bounds), set once
+    axis: int = field(init=False, default=0)
+    lo: int = field(init=False, default=0)
+    hi: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.split:
+            rows, cols = int(self.task.p.shape[0]), int(self.task.p.shape[1])
+            self.axis = slab_axis(rows, cols)
+            self.lo, self.hi = slab_bounds(rows, cols, self.k)[self.j]
 
     @property
     def split(self) -> bool:
         return self.k > 1
 
-    def _bounds(self) -> tuple[int, int, int]:
-        rows, cols = int(self.task.p.shape[0]), int(self.task.p.shape[1])
-        lo, hi = slab_bounds(rows, cols, self.k)[self.j]
-        return slab_axis(rows, cols), lo, hi
+    def _rows(self, rank: int) -> tuple[int, int, int]:
+        """``rank``'s shard: its first row, and the rows of it inside a row slab
+        (``[a, b)``, empty when ``b <= a``)."""
+        n, r0 = self.task.splits[rank], sum(self.task.splits[:rank])
+        return r0, max(r0, self.lo), min(r0 + n, self.hi)
 
     def piece(self, x: Tensor, rank: int) -> Tensor:
-        """This unit's part of ``x``, a tensor shaped like ``rank``'s shard (or, from
-        :meth:`back`'s side, the owner's result cut for ``rank``), flat."""
-        t = self.task
+        """This unit's part of ``x``, a tensor shaped like ``rank``'s shard, flat."""
         if not self.split:
             return x.reshape(-1)
-        axis, lo, hi = self._bounds()
-        n, r0 = t.splits[rank], sum(t.splits[:rank])
-        x = x.reshape(n, int(t.p.shape[1]))
-        if axis == 0:  # rows of the shard inside the slab
-            a, b = max(r0, lo), min(r0 + n, hi)
-            return x[max(0, a - r0) : max(0, b - r0)].reshape(-1)
-        return x[:, lo:hi].reshape(-1)
+        x = x.reshape(self.task.splits[rank], int(self.task.p.shape[1]))
+        if self.axis == 0:  # rows of the shard inside the slab
+            r0, a, b = self._rows(rank)
+            return x[a - r0 : max(a, b) - r0].reshape(-1)
+        return x[:, self.lo : self.hi].reshape(-1)
 
     def rebuild(self, pieces: list[Tensor]) -> Tensor:
         """The whole matrix (shaped like the parameter) or the slab (``hi - lo`` rows of a
@@ -228,21 +237,19 @@ class _Unit:
         flat = torch.cat(pieces)
         if not self.split:
             return flat.reshape(self.task.p.shape)
-        axis, lo, hi = self._bounds()
-        rows, cols = int(self.task.p.shape[0]), int(self.task.p.shape[1])
-        return flat.reshape(hi - lo, cols) if axis == 0 else flat.reshape(rows, hi - lo)
+        if self.axis == 0:
+            return flat.reshape(self.hi - self.lo, int(self.task.p.shape[1]))
+        return flat.reshape(int(self.task.p.shape[0]), self.hi - self.lo)
 
     def back(self, U: Tensor, rank: int) -> Tensor:
         """The owner's result for rank ``rank``: the rows of its shard (whole) or their
         part of the slab, flat."""
-        t = self.task
-        n, r0 = t.splits[rank], sum(t.splits[:rank])
+        n, r0 = self.task.splits[rank], sum(self.task.splits[:rank])
         if not self.split:
-            return U.reshape(t.p.shape)[r0 : r0 + n].reshape(-1)
-        axis, lo, hi = self._bounds()
-        if axis == 0:
-            a, b = max(r0, lo), min(r0 + n, hi)
-            return U[max(0, a - lo) : max(0, b - lo)].reshape(-1) if b > a else U[:0].reshape(-1)
+            return U.reshape(self.task.p.shape)[r0 : r0 + n].reshape(-1)
+        if self.axis == 0:
+            _, a, b = self._rows(rank)
+            return U[a - self.lo : max(a, b) - self.lo].reshape(-1)
         return U[r0 : r0 + n].reshape(-1)
 
 
@@ -251,12 +258,10 @@ def _assemble(t: _Task, parts: list[tuple[_Unit, Tensor]], rank: int) -> Tensor:
     if len(parts) == 1 and not parts[0][0].split:
         return parts[0][1]
     parts = sorted(parts, key=lambda x: x[0].j)
-    if slab_axis(int(t.p.shape[0]), int(t.p.shape[1])) == 0:
+    if parts[0][0].axis == 0:
         return torch.cat([x for _, x in parts])
     n = t.splits[rank]
-    if n == 0:
-        return parts[0][1]  # no rows here: every piece is empty
-    return torch.cat([x.reshape(n, -1) for _, x in parts], dim=1).reshape(-1)
+    return torch.cat([x.reshape(n, u.hi - u.lo) for u, x in parts], dim=1).reshape(-1)
 
 
 class DistributedROOT(ROOT):
@@ -704,21 +709,20 @@ class DistributedROOT(ROOT):
         # (plan.owner_rounds: at a world size no smaller than the number of matrices, one
         # round, so no round waits for another's busiest rank); a split matrix's slabs on
         # distinct ranks of one node, all in one round
-        index = {id(t): i for i, t in enumerate(tasks)}
         rounds = owner_rounds(
             [u.cost for u in units],
             [4 * sum(u.counts) for u in units],
             [(u.task.view.rows, u.task.view.cols) for u in units],
             world_size,
             self.bucket_bytes,
-            [index[id(u.task)] if u.split else -1 for u in units],
+            [u.ti if u.split else -1 for u in units],
             self._node_size(world_size),
         )
-        holders: dict[int, list[int]] = {}
+        holders: dict[int, list[int]] = {}  # split task -> its holders
         for rnd in rounds:
             for ui, o in rnd:
                 if units[ui].split:
-                    holders.setdefault(index[id(units[ui].task)], []).append(o)
+                    holders.setdefault(units[ui].ti, []).append(o)
         groups = self._holder_process_groups(group, holders)
         for rnd in rounds:
             by_owner: list[list[_Unit]] = [[] for _ in range(world_size)]
@@ -758,23 +762,15 @@ class DistributedROOT(ROOT):
             # slabs first, one split matrix after another in task order on every rank
             # (their holders wait for each other; one global order rules out a deadlock
             # between overlapping holder sets), then the whole matrices
-            split_at = sorted(
-                (j for j, u in enumerate(mine) if u.split), key=lambda j: index[id(mine[j].task)]
-            )
-            for j in split_at:
-                u = mine[j]
-                Us[j] = self._orthogonalize_slab(
-                    u, built[j], groups[tuple(sorted(holders[index[id(u.task)]]))]
-                )
+            for j in sorted((j for j, u in enumerate(mine) if u.split), key=lambda j: mine[j].ti):
+                Us[j] = self._orthogonalize_slab(mine[j], built[j], groups[mine[j].ti])
             whole = [j for j, u in enumerate(mine) if not u.split]
             done = self._orthogonalize([mine[j].task for j in whole], [built[j] for j in whole])
             for j, Uw in zip(whole, done):
                 Us[j] = Uw
             # updates → shards: to rank s, its part of every matrix or slab I own, in the
             # dtype the round's updates are exact in (every rank computes the same one)
-            back_dtype = _update_dtype(
-                list({id(units[ui].task): units[ui].task for ui, _ in rnd}.values()), dev
-            )
+            back_dtype = _update_dtype([units[ui].task for ui, _ in rnd], dev)
             back: list[Tensor] = []
             for s in range(world_size):
                 for u, Uo in zip(mine, Us):
@@ -813,8 +809,7 @@ class DistributedROOT(ROOT):
         g = t.group
         splits = g.get("ns_split")
         return (
-            self.fsdp_design == "gram"
-            and t.p.ndim == 2
+            t.p.ndim == 2
             and len(t.mats) == 1
             and t.mats[0].block is None
             and not (splits and splits[t.pi])
@@ -825,20 +820,21 @@ class DistributedROOT(ROOT):
     def _units(self, tasks: list[_Task], world_size: int) -> list[_Unit]:
         """Each task whole, or (``gram``) its slabs when it is larger than a rank's share
         (:func:`~rootopt.distributed.split.split_count`, as the cost model splits)."""
-        total = sum(p.numel() for g in self.param_groups for p in g["params"])
+        gram = self.fsdp_design == "gram"
+        total = sum(p.numel() for g in self.param_groups for p in g["params"]) if gram else 0
         node = self._node_size(world_size)
         units: list[_Unit] = []
-        for t in tasks:
+        for ti, t in enumerate(tasks):
             rows, cols = int(t.p.shape[0]), int(t.p.shape[-1])
             k = 1
-            if self._splittable(t):
+            if gram and self._splittable(t):
                 k = split_count(t.numel, max(rows, cols), total, world_size, node)
             if k == 1:
-                units.append(_Unit(t, 0, 1, [n * t.rest for n in t.splits], t.cost))
+                units.append(_Unit(t, 0, 1, [n * t.rest for n in t.splits], t.cost, ti))
                 continue
             cost = ns_cost(1, rows, cols, int(t.group["ns_steps"]), k)
             for j, counts in enumerate(slab_pieces(rows, cols, t.splits, k)):
-                units.append(_Unit(t, j, k, counts, cost))
+                units.append(_Unit(t, j, k, counts, cost, ti))
         return units
 
     def _check_gram_mesh(self) -> None:
@@ -859,18 +855,18 @@ class DistributedROOT(ROOT):
 
     def _holder_process_groups(
         self, mesh_group: dist.ProcessGroup, holders: dict[int, list[int]]
-    ) -> dict[tuple[int, ...], dist.ProcessGroup]:
-        """The process group of each holder set (mesh ranks), created where missing: on
-        every rank, in sorted order (``new_group`` is collective over every process)."""
-        sets = sorted({tuple(sorted(h)) for h in holders.values()})
-        for hs in sets:
-            if hs not in self._holder_groups:
-                ranks = [dist.get_global_rank(mesh_group, r) for r in hs]
-                pg = dist.new_group(
-                    ranks=ranks, timeout=datetime.timedelta(seconds=collective_timeout_s())
-                )
-                self._holder_groups[hs] = cast(dist.ProcessGroup, pg)
-        return {hs: self._holder_groups[hs] for hs in sets}
+    ) -> dict[int, dist.ProcessGroup]:
+        """Each split task's process group of its holders (mesh ranks), created where
+        missing: on every rank, in sorted order (``new_group`` is collective over every
+        process)."""
+        sets = {ti: tuple(sorted(h)) for ti, h in holders.items()}
+        for hs in sorted(set(sets.values()) - set(self._holder_groups)):
+            ranks = [dist.get_global_rank(mesh_group, r) for r in hs]
+            pg = dist.new_group(
+                ranks=ranks, timeout=datetime.timedelta(seconds=collective_timeout_s())
+            )
+            self._holder_groups[hs] = cast(dist.ProcessGroup, pg)
+        return {ti: self._holder_groups[hs] for ti, hs in sets.items()}
 
     def _orthogonalize_slab(self, u: _Unit, slab: Tensor, pg: dist.ProcessGroup) -> Tensor:
         """Threshold + plain Newton–Schulz of this rank's slab of a split matrix, together
@@ -893,7 +889,7 @@ class DistributedROOT(ROOT):
             e = float(eps.add_(THRESHOLD_EPS).item()) if dev.type == "cpu" else None
             slab = slab.clamp_(-e, e) if e is not None else slab.clamp_(min=-eps, max=eps)
         sched = coefficients_for(self._coeffs, group, dev)(rows, cols)
-        tall = slab_axis(rows, cols) == 0
+        tall = u.axis == 0
         X = slab.mT if tall else slab
         U = split_newton_schulz(X, sched, dtype=o.ns_dtype, group=pg, count=count)
         self.stats.ns_matrices += 1
