@@ -18,6 +18,7 @@ E2E_MODULES = frozenset(
     {
         "test_bench.py",  # the benchmark pipeline's --quick suite
         "test_dist_edge.py",  # gloo edge cases under torchrun
+        "test_dist_backward.py",  # sync_in_backward against one process and the model, under torchrun
         "test_dist_gram.py",  # fsdp_design="gram" against one process and the model, under torchrun
         "test_dist_split.py",  # a matrix split over ranks, under torchrun
         "test_dist_train.py",  # rootopt.train under torchrun

@@ -143,7 +143,8 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--sync-in-backward", action="store_true",
-        help="owner: the reduce-scatter starts in backward (hidden like DDP's all-reduce)",
+        help="owner: the reduce-scatter starts in backward, hidden like DDP's all-reduce "
+        "(DistributedROOT(sync_in_backward=True))",
     )  # fmt: skip
     ap.add_argument("--tokens", type=int, default=P.LLAMA3_WORKLOAD.tokens, help="tokens per step")
     ap.add_argument("--seq-len", type=int, default=P.LLAMA3_WORKLOAD.seq_len)

@@ -494,7 +494,8 @@ class Options:
     ``average_grads``: the optimizer synchronises the gradients (``gather`` all-reduces
     them itself in float32; ``owner`` reduce-scatters them) instead of DDP.
     ``sync_in_backward``: the ``owner`` reduce-scatter starts from gradient hooks during
-    backward, hidden like DDP's all-reduce, instead of at the start of the step.
+    backward, hidden like DDP's all-reduce, instead of at the start of the step
+    (``DistributedROOT(sync_in_backward=True)``).
     ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
     ``threshold``: the outlier threshold is on (``outlier_quantile`` set; ``gram`` then
     finds a split matrix's quantile with :data:`QUANTILE_COLLECTIVES` all-reduces).
@@ -916,7 +917,7 @@ def _owner(
                 est.traffic += pb * seg * (1 + W)
         if o.average_grads and W > 1:
             # the flat bucket zeroed and every gradient copied in, then this rank's segment
-            # divided by W; on gloo the W received segments summed (_reduce_scatter_flat)
+            # divided by W; on gloo the W received segments summed (_start_reduce_scatter_flat)
             est.traffic += 3 * gb * b.numel + 2 * gb * seg
             if gloo:
                 est.traffic += (W + 1) * gb * seg

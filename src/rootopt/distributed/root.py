@@ -19,7 +19,9 @@ Two layouts, chosen per parameter:
     Newton–Schulz for ROOT, AdamW ZeRO-1 style for the rest — and one all-gather of the
     new parameters, started asynchronously and in flight while the next bucket is
     updated (``overlap``; a step has at least ``OVERLAP_GROUPS`` buckets), brings every
-    rank up to date: DDP AdamW's bytes (Moonlight, arXiv
+    rank up to date. With ``sync_in_backward`` the reduce-scatters start from gradient
+    hooks during backward instead, bucket by bucket in one fixed order, as DDP's
+    all-reduce does (:class:`_BackwardSync`). The design moves DDP AdamW's bytes (Moonlight, arXiv
     2502.16982 §2.3), a constant number of collectives per step, and momentum / AdamW
     moments only on their owner. ``state_dict()`` gathers them (a collective: call it on
     every rank), so checkpoints hold the full state and load at any world size and in
@@ -49,8 +51,12 @@ the per-matrix reference at world sizes 1 and 2, replicated and sharded.
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -151,6 +157,9 @@ class StepStats:
     collectives: dict[str, int] = field(default_factory=dict)
     # owner design: buckets updated while the all-gather of an earlier one was in flight
     overlapped: int = 0
+    # owner design with sync_in_backward: buckets whose reduce-scatter started during
+    # backward (the others started when the step began)
+    in_backward: int = 0
 
     def count(self, op: str, sent: int, received: int) -> None:
         self.collectives[op] = self.collectives.get(op, 0) + 1
@@ -264,6 +273,51 @@ def _assemble(t: _Task, parts: list[tuple[_Unit, Tensor]], rank: int) -> Tensor:
     return torch.cat([x.reshape(n, u.hi - u.lo) for u, x in parts], dim=1).reshape(-1)
 
 
+@dataclass
+class _BackwardSync:
+    """The owner design's reduce-scatters started from gradient hooks
+    (``DistributedROOT(sync_in_backward=True)``), for one layout.
+
+    Bucket ``k`` starts when every parameter in it has had its gradient accumulated in
+    this backward (``have[k] == need[k]``) *and* buckets ``0 .. k-1`` have started: one
+    fixed order on every rank, so the ranks issue the same collectives in the same
+    sequence however their backward passes interleave. The layout lists buckets in reverse
+    optimizer order (:func:`~rootopt.distributed.plan.owner_layout`), about the order
+    backward produces the gradients, so the first buckets start while backward still runs.
+    What has not started when the step begins (a parameter without a gradient on this
+    rank, one that does not require grad) starts then, before any other collective."""
+
+    rank: int
+    world: int
+    need: list[frozenset[int]]  # per bucket: the parameters (optimizer positions) in it
+    buckets_of: dict[int, list[int]]  # parameter position -> the buckets holding it
+    params: list[Tensor]  # by optimizer position
+    have: list[set[int]] = field(default_factory=list)
+    started: dict[int, Callable[[], Tensor]] = field(default_factory=dict)
+    next: int = 0  # the first bucket not started
+    in_backward: int = 0  # of ``started``: started from a hook
+    muted: int = 0  # > 0 inside ``no_sync()``
+    late: str = ""  # a parameter whose gradient grew after its bucket had started
+
+    def __post_init__(self) -> None:
+        self.have = [set() for _ in self.need]
+
+    def reset(self) -> None:
+        """Forget this step's buckets (what started is waited for by the caller)."""
+        self.have = [set() for _ in self.need]
+        self.started.clear()
+        self.next = 0
+        self.in_backward = 0
+        self.late = ""
+
+
+def _on_grad(ref: weakref.ReferenceType[Any], index: int, _p: Tensor) -> None:
+    """The post-accumulate-grad hook of one parameter (holds the optimizer weakly)."""
+    opt = ref()
+    if opt is not None:
+        opt._grad_ready(index)
+
+
 class DistributedROOT(ROOT):
     """:class:`rootopt.ROOT` whose Newton–Schulz work is spread over the ranks of a
     process group (docs/distributed.md).
@@ -298,6 +352,16 @@ class DistributedROOT(ROOT):
             process.
         gpus_per_node: ranks per node for ``gram``'s holder sets (consecutive ranks);
             default ``LOCAL_WORLD_SIZE`` (torchrun sets it), else the world size.
+        sync_in_backward: ``owner`` design with ``average_grads=True`` only: start each
+            bucket's gradient reduce-scatter from gradient hooks during backward, as soon
+            as every parameter of the bucket has its gradient (buckets in one fixed order
+            on every rank), so that it runs behind the rest of backward as DDP's
+            all-reduce does; the step waits for them (default False). A bucket's
+            gradients are read when it starts: a change made to them after backward
+            (clipping, unscaling) is not seen. To accumulate gradients over several
+            backward passes, run all but the last inside ``with opt.no_sync():``; a
+            gradient that grows after its bucket started makes the step stop with one
+            line and update nothing. docs/distributed.md, "Reduce-scatter in backward".
 
     ``self.stats`` (:class:`StepStats`) describes this rank's last step.
     """
@@ -313,6 +377,7 @@ class DistributedROOT(ROOT):
         overlap: bool = True,
         fsdp_design: str = "whole",
         gpus_per_node: int | None = None,
+        sync_in_backward: bool = False,
         **kwargs: Any,
     ) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -335,6 +400,15 @@ class DistributedROOT(ROOT):
             or gpus_per_node < 1
         ):
             raise ValueError(f"Invalid gpus_per_node: {gpus_per_node!r} (must be an integer >= 1)")
+        if not isinstance(sync_in_backward, bool):
+            raise ValueError(
+                f"Invalid sync_in_backward: {sync_in_backward!r} (must be True or False)"
+            )
+        if sync_in_backward and not (ddp_design == "owner" and average_grads):
+            raise ValueError(
+                "Invalid sync_in_backward: True needs ddp_design='owner' and "
+                "average_grads=True (otherwise the optimizer reduces no gradients)"
+            )
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
         self.average_grads = average_grads
@@ -342,6 +416,9 @@ class DistributedROOT(ROOT):
         self.overlap = overlap
         self.fsdp_design = fsdp_design
         self.gpus_per_node = gpus_per_node
+        self.sync_in_backward = sync_in_backward
+        self._bsync: _BackwardSync | None = None
+        self._hooks: list[Any] = []  # post-accumulate-grad hook handles (sync_in_backward)
         # gram: one process group per set of holders (new_group is collective over every
         # process; created in one order on every rank, kept for the optimizer's life)
         self._holder_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -402,10 +479,17 @@ class DistributedROOT(ROOT):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        per_group = self._collect_dist(info.rank, info.world_size)
-        if self._owner_on(info.world_size):
-            self._step_owner(per_group, info.rank, info.world_size)
-            per_group = [[e for e in entries if _is_dtensor(e[1])] for entries in per_group]
+        owner = self._owner_on(info.world_size)
+        try:
+            # sync_in_backward: what backward did not start, before anything else
+            late = self._start_rest(info.world_size) if owner else ""
+            per_group = self._collect_dist(info.rank, info.world_size, late)
+            if owner:
+                self._step_owner(per_group, info.rank, info.world_size)
+                per_group = [[e for e in entries if _is_dtensor(e[1])] for entries in per_group]
+        finally:
+            if self._bsync is not None:  # consumed by the update, or dropped on an error
+                self._bsync.reset()
         replicated: list[_Task] = []
         sharded: list[_Task] = []
         for gi, (group, entries) in enumerate(zip(self.param_groups, per_group)):
@@ -441,13 +525,16 @@ class DistributedROOT(ROOT):
                         self.stats.ns_cost += ns_cost(m.batch, m.rows, m.cols, group["ns_steps"])
 
     def _collect_dist(
-        self, rank: int, world_size: int
+        self, rank: int, world_size: int, late: str = ""
     ) -> list[list[tuple[int, Tensor, str, Tensor]]]:
         """Per group: ``(index, param, name, local gradient)`` of the parameters every rank will
         update. One all-reduce (MAX) of two flags per parameter makes the decision the
         same everywhere: a parameter with a gradient on any rank is updated on all ranks
         (a rank without one contributes zeros, so no rank skips a collective), and a
-        NaN/Inf gradient on any rank is handled as ``nonfinite`` says on all of them."""
+        NaN/Inf gradient on any rank is handled as ``nonfinite`` says on all of them.
+        ``late`` (``sync_in_backward``): a parameter whose gradient grew after its bucket
+        had started on this rank; carried in the same all-reduce (the first "has a
+        gradient" flag set to 2), so that every rank refuses the step together."""
         entries: list[tuple[int, int, Tensor, str]] = []
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -468,6 +555,8 @@ class DistributedROOT(ROOT):
         flags = torch.zeros(len(entries), 2, dtype=torch.int32, device=dev)
         has_grad = [p.grad is not None for _, _, p, _ in entries]
         flags[:, 0] = torch.tensor(has_grad, device=dev)
+        if late:
+            flags[0, 0] = 2
         held = [i for i, h in enumerate(has_grad) if h]  # positions, not a mask: no sync
         grads = [cast(Tensor, entries[i][2].grad) for i in held]
         if grads:  # ROOT's own check (one read of each gradient; optim/_finite.py)
@@ -487,6 +576,13 @@ class DistributedROOT(ROOT):
             )
             self.stats.count("all_reduce", nbytes, nbytes)
         has, bad = flags[:, 0].tolist(), flags[:, 1].tolist()  # the one host sync
+        if has[0] >= 2:
+            raise ValueError(
+                f"the gradient of {late or 'a parameter on another rank'} grew after its "
+                "bucket's reduce-scatter had started (sync_in_backward): run every backward "
+                "but the last of an accumulation inside `with opt.no_sync():`; nothing was "
+                "updated"
+            )
         bad_names = [e[3] for e, b in zip(entries, bad) if b]
         if bad_names and self.nonfinite == "error":
             more = f" (and {len(bad_names) - 1} more)" if len(bad_names) > 1 else ""
@@ -920,6 +1016,113 @@ class DistributedROOT(ROOT):
     # ----------------------------------------------------------------------------------
     # the owner design: reduce-scatter → owner update → all-gather of parameters
     # ----------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------
+    # owner design, sync_in_backward: reduce-scatters started from gradient hooks
+    # ----------------------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Like ``DistributedDataParallel.no_sync``: backward passes inside the block
+        accumulate gradients without starting any reduce-scatter (``sync_in_backward``);
+        the next backward outside it starts them with the accumulated gradients. Without
+        ``sync_in_backward`` it does nothing, so a loop may use it either way."""
+        s = self._bsync
+        if s is None:
+            yield
+            return
+        s.muted += 1
+        try:
+            yield
+        finally:
+            s.muted -= 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As :meth:`torch.optim.Optimizer.zero_grad`. With ``sync_in_backward``, a
+        backward that ran since the last step (a hook saw a gradient) had its step skipped:
+        its remaining buckets are started and every one waited for, as the step would
+        have (the ranks issue the same collectives whichever of them started early), and
+        the sums are dropped."""
+        s = self._bsync
+        if s is not None and (s.started or any(s.have)):
+            self._start_ready(final=True)
+            pending = list(s.started.values())
+            s.reset()
+            for finish in pending:
+                finish()
+        elif s is not None:
+            s.reset()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _arm_backward(self, layout: OwnerLayout | None, rank: int, world_size: int) -> None:
+        """(Re)register the gradient hooks of ``layout``'s parameters (sync_in_backward)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._bsync = None
+        if layout is None or not self.sync_in_backward:
+            return
+        flat = self._flat()
+        need = [frozenset(layout.items[i].index for i in b.items) for b in layout.buckets]
+        buckets_of: dict[int, list[int]] = {}
+        for k, ids in enumerate(need):
+            for i in sorted(ids):
+                buckets_of.setdefault(i, []).append(k)
+        ref = weakref.ref(self)
+        for i in buckets_of:
+            p = flat[i][2]
+            if p.requires_grad:  # the others' buckets start with the step
+                hook = functools.partial(_on_grad, ref, i)
+                handle = p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                self._hooks.append(handle)
+        params = [p for _, _, p in flat]
+        self._bsync = _BackwardSync(rank, world_size, need, buckets_of, params)
+
+    def _grad_ready(self, index: int) -> None:
+        """Parameter ``index`` has its gradient for this backward: start every bucket that
+        is now complete and next in order."""
+        s = self._bsync
+        if s is None or s.muted:
+            return
+        for k in s.buckets_of.get(index, ()):
+            if k < s.next:
+                if not s.late:
+                    gi, pi, _ = self._flat()[index]
+                    s.late = self._name(gi, self.param_groups[gi], pi)
+            else:
+                s.have[k].add(index)
+        with torch.no_grad():
+            self._start_ready(final=False)
+
+    def _start_ready(self, final: bool) -> None:
+        """Start buckets in order while the next one is complete (``final``: all that are
+        left, with the gradients there are; a missing one counts as zeros)."""
+        s, layout = self._bsync, self._layout
+        if s is None or layout is None:
+            return
+        while s.next < len(layout.buckets) and (
+            final or len(s.have[s.next]) == len(s.need[s.next])
+        ):
+            k = s.next
+            s.started[k] = self._start_owned_sum(
+                layout, layout.buckets[k], lambda i: s.params[i].grad, s.rank, s.world
+            )
+            s.next += 1
+            if not final:
+                s.in_backward += 1
+
+    def _start_rest(self, world_size: int) -> str:
+        """At the start of the step: start every bucket backward did not; returns the
+        name of a parameter whose gradient grew after its bucket had started ("" if
+        none; the step refuses it on every rank, :meth:`_collect_dist`)."""
+        s = self._bsync
+        if s is None:
+            return ""
+        if s.world != world_size:  # a new group: what started belongs to the old one
+            self._plan_owners()
+            return ""
+        self.stats.in_backward = s.in_backward
+        self._start_ready(final=True)
+        return s.late
+
     @property
     def owner_layout(self) -> OwnerLayout | None:
         """The owner design's buckets and owners (None in the gather design or at world
@@ -971,10 +1174,12 @@ class DistributedROOT(ROOT):
         that changes (a new parameter group) first gathers the state it had spread."""
         info = world(self.process_group)
         if not self._owner_on(info.world_size):
+            self._arm_backward(None, info.rank, info.world_size)
             return
         items = self._owner_items()
         if not items:
             self._layout = None
+            self._arm_backward(None, info.rank, info.world_size)
             return
         if self._layout is not None:
             full = self._gather_state()
@@ -986,12 +1191,15 @@ class DistributedROOT(ROOT):
         self._check_plan(layout, info.rank, info.world_size)
         self._layout = layout
         self._prune_state(info.rank)
+        self._arm_backward(layout, info.rank, info.world_size)
 
     def _check_plan(self, layout: OwnerLayout, rank: int, world_size: int) -> None:
         """All-gather every rank's layout digest; on any difference every rank stops with
         one line (different layouts would issue collectives of different sizes: a hang or
         garbage)."""
-        digest = layout.digest()
+        # sync_in_backward changes where the reduce-scatters are issued: part of the plan
+        mode = f"{layout.digest()} sync_in_backward={self.sync_in_backward}"
+        digest = hashlib.sha256(mode.encode()).hexdigest()
         raw = bytes.fromhex(digest)
         dev = self._flat()[layout.items[0].index][2].device
         words = torch.tensor(
@@ -1011,7 +1219,7 @@ class DistributedROOT(ROOT):
                 f"rank {rank}/{world_size}: the owner plan (digest {digest[:12]}) differs from "
                 f"that of rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))}; "
                 "build DistributedROOT with the same parameters (names, shapes, dtypes), "
-                "groups, bucket_bytes and overlap on every rank"
+                "groups, bucket_bytes, overlap and sync_in_backward on every rank"
             )
 
     def _prune_state(self, rank: int) -> None:
@@ -1075,34 +1283,66 @@ class DistributedROOT(ROOT):
         work.keep += (send,)  # read by the collective until it completes
         return out, work
 
-    def _reduce_scatter_flat(
+    def _start_reduce_scatter_flat(
         self, flat: Tensor, segments: Sequence[int], rank: int, world_size: int
-    ) -> Tensor:
-        """This rank's segment of the sum of every rank's ``flat``: ``reduce_scatter_tensor``
-        when the segments are equal, the uneven ``reduce_scatter`` otherwise (NCCL); on gloo,
-        whose reduce-scatter all-reduces the whole input (docs/distributed.md, "Cost
-        model"), an ``all_to_all_single`` of the segments and a local sum."""
+    ) -> Callable[[], Tensor]:
+        """Start reducing every rank's ``flat`` to this rank's segment of the sum; returns
+        what waits and gives that segment divided by the world size (the mean gradient).
+        ``reduce_scatter_tensor`` when the segments are equal, the uneven
+        ``reduce_scatter`` otherwise (NCCL); on gloo, whose reduce-scatter all-reduces the
+        whole input (docs/distributed.md, "Cost model"), an ``all_to_all_single`` of the
+        segments and a local sum. The bytes are counted when it is waited for (the step's
+        own statistics)."""
         seg = segments[rank]
         e = flat.element_size()
         name = "reduce_scatter gradients to owners"
-        if self._backend() == "gloo":
-            recv = torch.empty(world_size * seg, dtype=flat.dtype, device=flat.device)
-            collective(
-                name, dist.all_to_all_single, recv, flat, [seg] * world_size, list(segments),
-                group=self.process_group,
+        group = self.process_group
+        gloo = self._backend() == "gloo"
+        if gloo:
+            out = torch.empty(world_size * seg, dtype=flat.dtype, device=flat.device)
+            work = start_collective(
+                name, dist.all_to_all_single, out, flat, [seg] * world_size, list(segments),
+                group=group,
             )  # fmt: skip
-            self.stats.count("all_to_all", e * (flat.numel() - seg), e * seg * (world_size - 1))
-            return recv.view(world_size, seg).sum(0)
-        out = torch.empty(seg, dtype=flat.dtype, device=flat.device)
-        if len(set(segments)) == 1:
-            collective(name, dist.reduce_scatter_tensor, out, flat, group=self.process_group)
+            counted = ("all_to_all", e * (flat.numel() - seg), e * seg * (world_size - 1))
         else:
-            collective(
-                name, dist.reduce_scatter, out, list(flat.split_with_sizes(list(segments))),
-                group=self.process_group,
-            )  # fmt: skip
-        self.stats.count("reduce_scatter", e * (flat.numel() - seg), e * (flat.numel() - seg))
-        return out
+            out = torch.empty(seg, dtype=flat.dtype, device=flat.device)
+            if len(set(segments)) == 1:
+                work = start_collective(name, dist.reduce_scatter_tensor, out, flat, group=group)
+            else:
+                work = start_collective(
+                    name, dist.reduce_scatter, out, list(flat.split_with_sizes(list(segments))),
+                    group=group,
+                )  # fmt: skip
+            counted = ("reduce_scatter", e * (flat.numel() - seg), e * (flat.numel() - seg))
+        work.keep = (flat,)  # read by the collective until it completes
+
+        def finish() -> Tensor:
+            work.wait()
+            self.stats.count(*counted)
+            summed = out.view(world_size, seg).sum(0) if gloo else out
+            return summed.div_(world_size)
+
+        return finish
+
+    def _start_owned_sum(
+        self,
+        layout: OwnerLayout,
+        b: Bucket,
+        grad_of: Callable[[int], Tensor | None],
+        rank: int,
+        world_size: int,
+    ) -> Callable[[], Tensor]:
+        """Copy bucket ``b``'s gradients (``grad_of(optimizer position)``; None: zeros)
+        into one flat buffer in owner order and start its reduce-scatter."""
+        items = [layout.items[i] for i in b.items]
+        ref = self._flat()[items[0].index][2]  # one flat buffer holds one dtype and device
+        buf = torch.zeros(b.numel, dtype=ref.dtype, device=ref.device)
+        for it, off in zip(items, b.offsets):
+            g = grad_of(it.index)
+            if g is not None:
+                buf[off : off + it.numel].copy_(g.reshape(-1)[it.start : it.start + it.numel])
+        return self._start_reduce_scatter_flat(buf, b.segments, rank, world_size)
 
     def _step_owner(
         self,
@@ -1139,7 +1379,8 @@ class DistributedROOT(ROOT):
         if others:
             torch._foreach_add_(others, 1)
         owned = [
-            self._owned_grads(layout, b, flat, grads, rank, world_size) for b in layout.buckets
+            self._owned_grads(layout, k, b, flat, grads, rank, world_size)
+            for k, b in enumerate(layout.buckets)
         ]
         # overlap: the all-gather of bucket k is in flight while bucket k + 1 is updated and
         # orthogonalized; at most two are in flight (the memory the cost model plans for),
@@ -1161,6 +1402,7 @@ class DistributedROOT(ROOT):
     def _owned_grads(
         self,
         layout: OwnerLayout,
+        k: int,
         b: Bucket,
         flat: list[tuple[int, int, Tensor]],
         grads: dict[int, tuple[str, Tensor]],
@@ -1169,19 +1411,18 @@ class DistributedROOT(ROOT):
     ) -> dict[int, Tensor]:
         """The averaged gradient of every item of bucket ``b`` this rank owns (by position
         in the bucket): one reduce-scatter with ``average_grads``, else the local gradient
-        (already averaged by DDP)."""
-        items, params, start, mine = _bucket_view(layout, b, flat, rank)
-        dtype, dev = params[0].dtype, params[0].device
+        (already averaged by DDP). With ``sync_in_backward`` the reduce-scatter of bucket
+        ``k`` started earlier (:class:`_BackwardSync`) and is waited for here; the
+        gradients it carries of parameters the step skips (non-finite) are not used."""
+        items, _, start, mine = _bucket_view(layout, b, flat, rank)
         owned: dict[int, Tensor] = {}  # item position in the bucket -> its summed gradient
         if self.average_grads:
-            buf = torch.zeros(b.numel, dtype=dtype, device=dev)
-            for it, off in zip(items, b.offsets):
-                if it.index in grads:
-                    g = grads[it.index][1].reshape(-1)[it.start : it.start + it.numel]
-                    buf[off : off + it.numel].copy_(g)
-            summed = self._reduce_scatter_flat(buf, b.segments, rank, world_size)
-            del buf
-            summed.div_(world_size)
+            early = self._bsync.started.pop(k, None) if self._bsync is not None else None
+            if early is None:
+                early = self._start_owned_sum(
+                    layout, b, lambda i: grads[i][1] if i in grads else None, rank, world_size
+                )
+            summed = early()
             for j in mine:
                 if items[j].index in grads:
                     off = b.offsets[j] - start
