@@ -863,3 +863,25 @@ def test_slab_moves_round_trip_between_row_shards_and_slabs(
         assert [p.numel() for _, p in parts] == [u.counts[s] for u in units]
         got = _assemble(t, parts[::-1], s)  # any order: assembled by slab index
         assert torch.equal(got, shards[s].reshape(-1))
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_owner_sync_in_backward_moves_the_same_bytes_hidden_and_holds_the_gradient_copy(
+    world: int,
+) -> None:
+    """``DistributedROOT(sync_in_backward=True)``: the same bytes and collectives; the
+    reduce-scatter no longer exposed; every bucket's flat gradient copy held from backward
+    to the step (at least all gradients' bytes more per rank)."""
+    params = P.llama3_params(P.LlamaShape("tiny", 2, 256, 512, 4, 2, 1000))
+    base = P.Options(backend="nccl", bucket_bytes=1 << 20)
+    a = P.estimate(params, world, "owner", base)
+    b = P.estimate(params, world, "owner", replace(base, sync_in_backward=True))
+    assert a.buckets == b.buckets > 2
+    assert np.array_equal(a.step_sent, b.step_sent)
+    assert np.array_equal(a.step_received, b.step_received)
+    assert a.exposed_collectives == b.exposed_collectives
+    scattered = sum(bk.numel for bk in P.owner_layout(
+        P.items_from_specs(params, base.ns_steps, base.grad_bytes), world, base.bucket_bytes,
+        base.overlap_groups).buckets) * base.grad_bytes  # fmt: skip
+    assert float((a.exposed - b.exposed).min()) > 0
+    assert float((b.memory - a.memory).min()) >= scattered

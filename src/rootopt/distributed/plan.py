@@ -984,6 +984,12 @@ def _owner(
     est.path_flops = owner_path(per_bucket, overlap=o.overlap_groups > 1)
     if o.average_grads and W > 1:
         buf = buf + o.grad_bytes * held
+    if o.sync_in_backward and o.average_grads and W > 1:
+        # every bucket's flat gradient copy (and on gloo its W received segments) is alive
+        # from backward until the step waits for it (DistributedROOT._start_owned_sum)
+        for b in layout.buckets:
+            seg = np.asarray(b.segments, dtype=np.float64)
+            buf = buf + o.grad_bytes * (b.numel + copies * seg)
     est.memory += state + ws + buf
 
 
