@@ -1019,6 +1019,14 @@ class DistributedROOT(ROOT):
     # ----------------------------------------------------------------------------------
     # owner design, sync_in_backward: reduce-scatters started from gradient hooks
     # ----------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """As ROOT's, without the gradient hooks and the started buckets
+        (``sync_in_backward``): they belong to this optimizer's parameters and process
+        group; a copy starts every bucket with its step until it is planned again."""
+        out = super().__getstate__()
+        out["_bsync"], out["_hooks"] = None, []
+        return out
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Like ``DistributedDataParallel.no_sync``: backward passes inside the block
