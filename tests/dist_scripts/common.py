@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,3 +68,12 @@ def write(out_dir: str, name: str, payload: dict[str, Any]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as fh:
         json.dump(payload, fh)
+
+
+def refused(build: Callable[[], object]) -> str:
+    """The one-line ValueError ``build()`` raises ("" when it does not)."""
+    try:
+        build()
+    except ValueError as exc:
+        return str(exc)
+    return ""
