@@ -987,9 +987,7 @@ def _owner(
     if o.sync_in_backward and o.average_grads and W > 1:
         # every bucket's flat gradient copy (and on gloo its W received segments) is alive
         # from backward until the step waits for it (DistributedROOT._start_owned_sum)
-        for b in layout.buckets:
-            seg = np.asarray(b.segments, dtype=np.float64)
-            buf = buf + o.grad_bytes * (b.numel + copies * seg)
+        buf = buf + o.grad_bytes * (sum(b.numel for b in layout.buckets) + copies * held)
     est.memory += state + ws + buf
 
 

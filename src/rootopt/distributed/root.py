@@ -287,11 +287,11 @@ class _BackwardSync:
     What has not started when the step begins (a parameter without a gradient on this
     rank, one that does not require grad) starts then, before any other collective."""
 
+    layout: OwnerLayout
     rank: int
-    world: int
+    flat: list[tuple[int, int, Tensor]]  # DistributedROOT._flat() for this layout
     need: list[frozenset[int]]  # per bucket: the parameters (optimizer positions) in it
     buckets_of: dict[int, list[int]]  # parameter position -> the buckets holding it
-    params: list[Tensor]  # by optimizer position
     have: list[set[int]] = field(default_factory=list)
     started: dict[int, Callable[[], Tensor]] = field(default_factory=dict)
     next: int = 0  # the first bucket not started
@@ -1014,10 +1014,8 @@ class DistributedROOT(ROOT):
         self._apply_local(done, [_assemble(t, parts, rank) for t, parts in got.values()])
 
     # ----------------------------------------------------------------------------------
-    # the owner design: reduce-scatter → owner update → all-gather of parameters
-    # ----------------------------------------------------------------------------------
-    # ----------------------------------------------------------------------------------
-    # owner design, sync_in_backward: reduce-scatters started from gradient hooks
+    # the owner design: reduce-scatter → owner update → all-gather of parameters; with
+    # sync_in_backward the reduce-scatters start from gradient hooks (_BackwardSync)
     # ----------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """As ROOT's, without the gradient hooks and the started buckets
@@ -1050,17 +1048,16 @@ class DistributedROOT(ROOT):
         have (the ranks issue the same collectives whichever of them started early), and
         the sums are dropped."""
         s = self._bsync
-        if s is not None and (s.started or any(s.have)):
-            self._start_ready(final=True)
+        if s is not None:
+            if s.started or any(s.have):
+                self._start_ready(final=True)
             pending = list(s.started.values())
             s.reset()
             for finish in pending:
                 finish()
-        elif s is not None:
-            s.reset()
         super().zero_grad(set_to_none=set_to_none)
 
-    def _arm_backward(self, layout: OwnerLayout | None, rank: int, world_size: int) -> None:
+    def _arm_backward(self, layout: OwnerLayout | None, rank: int) -> None:
         """(Re)register the gradient hooks of ``layout``'s parameters (sync_in_backward)."""
         for h in self._hooks:
             h.remove()
@@ -1081,8 +1078,7 @@ class DistributedROOT(ROOT):
                 hook = functools.partial(_on_grad, ref, i)
                 handle = p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
                 self._hooks.append(handle)
-        params = [p for _, _, p in flat]
-        self._bsync = _BackwardSync(rank, world_size, need, buckets_of, params)
+        self._bsync = _BackwardSync(layout, rank, flat, need, buckets_of)
 
     def _grad_ready(self, index: int) -> None:
         """Parameter ``index`` has its gradient for this backward: start every bucket that
@@ -1093,7 +1089,7 @@ class DistributedROOT(ROOT):
         for k in s.buckets_of.get(index, ()):
             if k < s.next:
                 if not s.late:
-                    gi, pi, _ = self._flat()[index]
+                    gi, pi, _ = s.flat[index]
                     s.late = self._name(gi, self.param_groups[gi], pi)
             else:
                 s.have[k].add(index)
@@ -1103,15 +1099,16 @@ class DistributedROOT(ROOT):
     def _start_ready(self, final: bool) -> None:
         """Start buckets in order while the next one is complete (``final``: all that are
         left, with the gradients there are; a missing one counts as zeros)."""
-        s, layout = self._bsync, self._layout
-        if s is None or layout is None:
+        s = self._bsync
+        if s is None:
             return
+        layout = s.layout
         while s.next < len(layout.buckets) and (
             final or len(s.have[s.next]) == len(s.need[s.next])
         ):
             k = s.next
             s.started[k] = self._start_owned_sum(
-                layout, layout.buckets[k], lambda i: s.params[i].grad, s.rank, s.world
+                layout, layout.buckets[k], s.flat, lambda i: s.flat[i][2].grad, s.rank
             )
             s.next += 1
             if not final:
@@ -1124,7 +1121,7 @@ class DistributedROOT(ROOT):
         s = self._bsync
         if s is None:
             return ""
-        if s.world != world_size:  # a new group: what started belongs to the old one
+        if s.layout.world != world_size:  # a new group: what started belongs to the old one
             self._plan_owners()
             return ""
         self.stats.in_backward = s.in_backward
@@ -1182,12 +1179,12 @@ class DistributedROOT(ROOT):
         that changes (a new parameter group) first gathers the state it had spread."""
         info = world(self.process_group)
         if not self._owner_on(info.world_size):
-            self._arm_backward(None, info.rank, info.world_size)
+            self._arm_backward(None, info.rank)
             return
         items = self._owner_items()
         if not items:
             self._layout = None
-            self._arm_backward(None, info.rank, info.world_size)
+            self._arm_backward(None, info.rank)
             return
         if self._layout is not None:
             full = self._gather_state()
@@ -1199,7 +1196,7 @@ class DistributedROOT(ROOT):
         self._check_plan(layout, info.rank, info.world_size)
         self._layout = layout
         self._prune_state(info.rank)
-        self._arm_backward(layout, info.rank, info.world_size)
+        self._arm_backward(layout, info.rank)
 
     def _check_plan(self, layout: OwnerLayout, rank: int, world_size: int) -> None:
         """All-gather every rank's layout digest; on any difference every rank stops with
@@ -1337,20 +1334,19 @@ class DistributedROOT(ROOT):
         self,
         layout: OwnerLayout,
         b: Bucket,
+        flat: list[tuple[int, int, Tensor]],
         grad_of: Callable[[int], Tensor | None],
         rank: int,
-        world_size: int,
     ) -> Callable[[], Tensor]:
         """Copy bucket ``b``'s gradients (``grad_of(optimizer position)``; None: zeros)
         into one flat buffer in owner order and start its reduce-scatter."""
-        items = [layout.items[i] for i in b.items]
-        ref = self._flat()[items[0].index][2]  # one flat buffer holds one dtype and device
-        buf = torch.zeros(b.numel, dtype=ref.dtype, device=ref.device)
+        items, params, _, _ = _bucket_view(layout, b, flat, rank)
+        buf = torch.zeros(b.numel, dtype=params[0].dtype, device=params[0].device)
         for it, off in zip(items, b.offsets):
             g = grad_of(it.index)
             if g is not None:
                 buf[off : off + it.numel].copy_(g.reshape(-1)[it.start : it.start + it.numel])
-        return self._start_reduce_scatter_flat(buf, b.segments, rank, world_size)
+        return self._start_reduce_scatter_flat(buf, b.segments, rank, layout.world)
 
     def _step_owner(
         self,
@@ -1387,8 +1383,7 @@ class DistributedROOT(ROOT):
         if others:
             torch._foreach_add_(others, 1)
         owned = [
-            self._owned_grads(layout, k, b, flat, grads, rank, world_size)
-            for k, b in enumerate(layout.buckets)
+            self._owned_grads(layout, k, b, flat, grads, rank) for k, b in enumerate(layout.buckets)
         ]
         # overlap: the all-gather of bucket k is in flight while bucket k + 1 is updated and
         # orthogonalized; at most two are in flight (the memory the cost model plans for),
@@ -1415,7 +1410,6 @@ class DistributedROOT(ROOT):
         flat: list[tuple[int, int, Tensor]],
         grads: dict[int, tuple[str, Tensor]],
         rank: int,
-        world_size: int,
     ) -> dict[int, Tensor]:
         """The averaged gradient of every item of bucket ``b`` this rank owns (by position
         in the bucket): one reduce-scatter with ``average_grads``, else the local gradient
@@ -1428,7 +1422,7 @@ class DistributedROOT(ROOT):
             early = self._bsync.started.pop(k, None) if self._bsync is not None else None
             if early is None:
                 early = self._start_owned_sum(
-                    layout, b, lambda i: grads[i][1] if i in grads else None, rank, world_size
+                    layout, b, flat, lambda i: grads[i][1] if i in grads else None, rank
                 )
             summed = early()
             for j in mine:
