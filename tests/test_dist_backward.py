@@ -109,3 +109,29 @@ def test_sync_in_backward_is_the_plain_step_at_world_size_one() -> None:
         ref.step()
     assert opt._hooks == [] and opt._bsync is None
     assert torch.equal(a, b)
+
+
+def test_bench_backward_sync_runs_both_ways_and_refuses_nonsense() -> None:
+    """benchmarks/bench_backward_sync.py, tiny, under torchrun at W = 2: both placements
+    measured, every bucket started in backward with the option; a nonsense size is one
+    line and status 2 before any process group starts."""
+    import subprocess
+    import sys
+
+    from test_dist import ROOT_DIR, finish, torchrun
+
+    script = str(ROOT_DIR / "benchmarks" / "bench_backward_sync.py")
+    args = ["--width", "16", "--layers", "2", "--batch", "8", "--steps", "1", "--rounds", "1"]
+    rc, out = finish(torchrun(script, 2, *args, "--bucket-kib", "1"))
+    assert rc == 0, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith("reduce-scatter in")]
+    assert len(lines) == 2, out[-3000:]
+    assert lines[0].endswith("started in backward 0")
+    buckets = int(lines[1].split("buckets ")[1].split(",")[0])
+    assert buckets >= 2 and lines[1].endswith(f"started in backward {buckets}")
+    assert "backward / step = " in out
+    bad = subprocess.run(
+        [sys.executable, script, "--width", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "must be an integer >= 1, got '0'" in bad.stderr
+    assert "Traceback" not in bad.stderr
