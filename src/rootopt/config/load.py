@@ -7,6 +7,7 @@ one line of :class:`ConfigError`; the command line prints them and exits with st
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from pathlib import Path
@@ -141,6 +142,7 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
             f"model.d_model: must be a multiple of 2·n_heads (even head size for RoPE); "
             f"got d_model={m.d_model}, n_heads={m.n_heads}"
         )
+    _model_files(m, problems)
     if o.optimizer.lower() not in OPTIMIZERS:
         problems.append(
             f"optimization.optimizer: expected one of {', '.join(OPTIMIZERS)}; got {o.optimizer!r}"
@@ -174,6 +176,82 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
         problems.append(
             f"run.loss_spike_factor: must be 0 (off) or > 1; got {cfg.run.loss_spike_factor}"
         )
+
+
+def hf_config_file(path: str | Path) -> Path:
+    """The ``config.json`` that ``model.hf_config`` (a file or a directory) names."""
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
+def read_hf_config(path: str | Path, where: str = "model.hf_config") -> dict[str, Any]:
+    """A transformers ``config.json`` as a mapping; :class:`ValueError` with one line naming
+    ``where`` when it is missing, not a JSON object or names no ``model_type``."""
+    p = hf_config_file(path)
+    if not p.exists():
+        what = "holds no config.json" if Path(path).is_dir() else "does not exist"
+        raise ValueError(f"{where}: {str(path)!r} {what}")
+    if not p.is_file():
+        raise ValueError(f"{where}: {str(p)!r} is not a regular file")
+    try:
+        raw = p.read_bytes()[: (16 << 20) + 1]
+    except OSError as exc:
+        raise ValueError(f"{where}: {str(p)!r} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > 16 << 20:
+        raise ValueError(f"{where}: {str(p)!r} is larger than 16 MiB; not a model config")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: {str(p)!r} is not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where}: {str(p)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+            f"{exc.msg})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: {str(p)!r} holds {short(data)}, not a JSON object")
+    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
+        raise ValueError(
+            f"{where}: {str(p)!r} names no model_type (a transformers config.json has one, "
+            'e.g. "llama" or "gpt2")'
+        )
+    return data
+
+
+def _model_files(m: Any, problems: list[str]) -> None:
+    """``model.kind`` / ``hf_config`` / ``init_from``: consistent, and the files they name
+    readable (the architecture itself is checked when the model is built, before any write)."""
+    if m.kind != "hf" and m.hf_config:
+        problems.append(f"model.hf_config: used with model.kind=hf only; got kind={m.kind}")
+    if m.kind == "mlp" and m.init_from:
+        problems.append("model.init_from: loads language models (kind llama or hf); got kind=mlp")
+    if m.kind == "hf" and not (m.hf_config or m.init_from):
+        problems.append(
+            "model.hf_config: model.kind=hf needs a transformers config.json (model.hf_config) "
+            "or a model directory (model.init_from)"
+        )
+    if m.kind == "hf":
+        try:
+            if m.hf_config:
+                read_hf_config(m.hf_config)
+            else:
+                read_hf_config(m.init_from, "model.init_from")
+        except ValueError as exc:
+            problems.append(str(exc))
+    if m.init_from:
+        d = Path(m.init_from)
+        if not d.is_dir():
+            what = "does not exist" if not d.exists() else "is not a directory"
+            problems.append(f"model.init_from: {str(d)!r} {what} (a Hugging Face model directory)")
+        elif not any((d / n).is_file() for n in SAFETENSORS_FILES):
+            problems.append(
+                f"model.init_from: {str(d)!r} holds no model.safetensors (or "
+                "model.safetensors.index.json); save the model with safetensors"
+            )
+
+
+# The weight files of a Hugging Face model directory (one file, or shards and their index).
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def from_dict(data: Any) -> Config:

@@ -36,6 +36,13 @@ class RunConfig:
         max=10**8,
     )
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "device; auto = cuda when available")
+    peak_tflops: float = _f(
+        0.0,
+        "peak dense TFLOP/s of one device in the training dtype, for the mfu metric; 0 = a "
+        "table of known GPUs, or measured once at start on a CPU (docs/training.md, Monitoring)",
+        min=0,
+        max=1e7,
+    )
     threads: int = _f(
         1,
         "torch intra-op threads; 0 = torch default. 1 stays fast on a shared CPU; keep it fixed across a resume for bit-identical results",
@@ -104,8 +111,28 @@ class DistributedConfig:
 
 @dataclass
 class ModelConfig:
-    kind: Literal["llama", "mlp"] = _f("llama", "llama: causal LM on byte tokens; mlp: classifier")
-    vocab_size: int = _f(256, "vocabulary size (256 = byte-level)", min=2, max=1 << 24)
+    kind: Literal["llama", "hf", "mlp"] = _f(
+        "llama",
+        "llama: the built-in causal LM; hf: a transformers causal LM (model.hf_config); "
+        "mlp: classifier",
+    )
+    hf_config: str = _f(
+        "",
+        "kind=hf: a transformers config.json (or a directory holding one); empty = "
+        "model.init_from's config.json",
+    )
+    init_from: str = _f(
+        "",
+        "a Hugging Face model directory whose safetensors weights a new run starts from "
+        "(ignored when resuming a checkpoint)",
+    )
+    vocab_size: int = _f(
+        0,
+        "vocabulary size; 0 = the data's tokenizer's (a larger one may be named, never a "
+        "smaller one)",
+        min=0,
+        max=1 << 24,
+    )
     d_model: int = _f(128, "hidden width", min=8, max=1 << 16)
     n_layers: int = _f(4, "transformer blocks", min=1, max=1024)
     n_heads: int = _f(4, "attention heads", min=1, max=1024)

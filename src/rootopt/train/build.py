@@ -132,14 +132,16 @@ def resolve_device(cfg: Config, info: ProcessInfo) -> torch.device:
 
 def parallelize(cfg: Config, model: nn.Module, info: ProcessInfo) -> nn.Module:
     """At world size > 1: ``distributed.parallel`` = ddp (DistributedDataParallel) or fsdp
-    (FSDP2 ``fully_shard`` per transformer block, then the whole model). World 1: unchanged."""
+    (FSDP2 ``fully_shard`` per transformer block, then the whole model). World 1: unchanged.
+    The blocks are the model's own repeated layers (:func:`rootopt.train.model.blocks_of`)."""
     if info.world_size == 1:
         return model
     from rootopt.distributed import wrap_model
-    from rootopt.train.model import Block
+    from rootopt.train.model import blocks_of
 
     mode = cfg.distributed.parallel
-    unit = (lambda m: isinstance(m, Block)) if mode == "fsdp" else None
+    units = {id(b) for b in blocks_of(model)}
+    unit = (lambda m: id(m) in units) if mode == "fsdp" else None
     # the models' buffers are constants (RoPE tables), identical on every rank: DDP need
     # not broadcast them before every forward
     return wrap_model(model, mode, shard_unit=unit, broadcast_buffers=False)

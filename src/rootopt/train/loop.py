@@ -43,7 +43,8 @@ from rootopt.train.build import (
     resolve_device,
 )
 from rootopt.train.data import batches, check_data
-from rootopt.train.model import build_model
+from rootopt.train.mfu import device_peak, flops_per_token
+from rootopt.train.model import build_model, with_vocab
 from rootopt.train.records import (
     Clock,
     Diverged,
@@ -95,15 +96,11 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _model(cfg: Config, manifest: dict[str, Any], device: torch.device) -> torch.nn.Module:
-    vocab = manifest.get("vocab_size")
-    if cfg.model.kind == "llama" and isinstance(vocab, int) and cfg.model.vocab_size < vocab:
-        raise ConfigError(
-            [
-                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's vocabulary "
-                f"({vocab} tokens); set model.vocab_size >= {vocab}"
-            ]
-        )
+def _model(
+    cfg: Config, manifest: dict[str, Any], device: torch.device, *, fresh: bool = True
+) -> torch.nn.Module:
+    """The model of ``cfg`` (vocabulary resolved) on ``device``; a new run (``fresh``)
+    starts from ``model.init_from``'s weights when set. Every refusal is one ConfigError line."""
     try:
         need = _training_bytes(cfg, manifest)
         have = _physical_memory()
@@ -116,7 +113,12 @@ def _model(cfg: Config, manifest: dict[str, Any], device: torch.device) -> torch
                     f"this machine has {have / 2**30:.1f} GiB"
                 ]
             )
-        return build_model(cfg.model, manifest, cfg.data.seq_len).to(device)
+        model = build_model(cfg.model, manifest, cfg.data.seq_len)
+        if fresh and cfg.model.init_from:
+            from rootopt.train.hf import load_init
+
+            load_init(model, cfg.model)
+        return model.to(device)
     except ValueError as exc:
         raise ConfigError([str(exc)]) from None
     except (MemoryError, RuntimeError) as exc:  # e.g. DefaultCPUAllocator: not enough memory
@@ -127,6 +129,15 @@ def _model(cfg: Config, manifest: dict[str, Any], device: torch.device) -> torch
                 f"vocab_size={m.vocab_size}): {str(exc).splitlines()[0][:100]}"
             ]
         ) from None
+
+
+def _resolved(cfg: Config, manifest: dict[str, Any]) -> Config:
+    """``cfg`` with the model's vocabulary resolved from the data's tokenizer: what the
+    run records (config.yaml, checkpoints)."""
+    try:
+        return with_vocab(cfg, manifest)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def _training_bytes(cfg: Config, manifest: dict[str, Any]) -> int:
@@ -218,7 +229,7 @@ def setup(
 
 
 def _build(
-    cfg: Config, info: ProcessInfo, plan: planning.Plan | None, say: Callable[[str], None]
+    cfg0: Config, info: ProcessInfo, plan: planning.Plan | None, say: Callable[[str], None]
 ) -> Run:
     public: dict[str, Any] = broadcast(info, plan.public() if plan else None, "run plan")
     run_dir, ckpt_dir = Path(public["run_dir"]), Path(public["ckpt_dir"])
@@ -226,6 +237,8 @@ def _build(
     if info.is_main:
         for line in plan.skipped if plan else []:
             say(f"skipping invalid checkpoint: {line}")
+
+    cfg = agreed(info, lambda: _resolved(cfg0, public["meta"]), what="building the model")
 
     def components() -> tuple[Any, torch.device, torch.nn.Module]:
         controller = None
@@ -249,11 +262,15 @@ def _build(
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)  # the same initial parameters on every rank
-        return controller, device, _model(cfg, public["meta"], device)
+        fresh = public["choice"] is None
+        return controller, device, _model(cfg, public["meta"], device, fresh=fresh)
 
     if public["prepared"]:  # data that exists already is checked before any write
         agreed(info, lambda: _validate(cfg, data_dir), what="checking the data")
     controller, device, bare = agreed(info, components, what="building the model")
+    flops_token = flops_per_token(
+        bare, cfg.data.seq_len if public["meta"].get("task") == "lm" else 1
+    )
     model = parallelize(cfg, bare, info)  # a collective at world size > 1 (DDP/FSDP2)
     optimizer, routing = agreed(
         info, lambda: build_optimizer(cfg, model, info.world_size), what="building the optimizer"
@@ -273,6 +290,11 @@ def _build(
         c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor
     )
     precision = Precision(cfg, device)
+    peak = (
+        device_peak(device, precision.name, configured_tflops=cfg.run.peak_tflops)
+        if info.is_main
+        else None
+    )
     if info.world_size > 1:
         precision.description += (
             f"; {info.world_size} processes ({cfg.distributed.parallel}, "
@@ -302,6 +324,8 @@ def _build(
         params=[p for p in model.parameters() if p.requires_grad],
         telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry and info.world_size == 1,
         controller=controller,
+        flops_per_token=flops_token,
+        peak=peak,
     )
     try:
         state = plan.choice.state if plan is not None and plan.choice is not None else None
@@ -329,9 +353,11 @@ def _validate(cfg: Config, data_dir: Path) -> int:
 def _write_run_files(run: Run) -> None:
     """The resolved config, the environment and the routing table (rank 0)."""
     (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg), encoding="utf-8")
-    (run.run_dir / "env.json").write_text(
-        json.dumps(environment(), indent=1) + "\n", encoding="utf-8"
-    )
+    env = environment()
+    if run.peak is not None:  # what the mfu metric divides by (rootopt.train.mfu)
+        env["peak"] = run.peak.record()
+        env["flops_per_token"] = run.flops_per_token
+    (run.run_dir / "env.json").write_text(json.dumps(env, indent=1) + "\n", encoding="utf-8")
     if run.routing:
         (run.run_dir / "routing.txt").write_text(run.routing + "\n", encoding="utf-8")
 

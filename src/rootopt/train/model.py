@@ -1,6 +1,7 @@
 """Models for the training system and the benchmarks — one definition per task.
 
-* :class:`LlamaLM`: byte-level causal LM (``rootopt train``, the LM benchmarks, the quickstart).
+* :class:`LlamaLM`: the built-in causal LM (``rootopt train``, the LM benchmarks, the quickstart).
+* ``model.kind=hf``: any ``transformers`` causal LM (:mod:`rootopt.train.hf`).
 * :class:`MLPClassifier`: feature-vector classifier (``model.kind=mlp``, BBC News topics).
 * :class:`DigitsCNN`: a small CNN for 8×8 digit images, so conv kernels (4-D) go through
   ROOT flattened to ``(out, in·kh·kw)``.
@@ -14,14 +15,19 @@ the internal AdamW.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rootopt.config import ModelConfig
+from rootopt.config import Config, ModelConfig
+
+# The vocabulary of byte tokens: the built-in model's when nothing else names one.
+BYTE_VOCAB = 256
 
 
 class RMSNorm(nn.Module):
@@ -107,11 +113,12 @@ class LlamaLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
         hidden = cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32)
+        vocab = cfg.vocab_size or BYTE_VOCAB
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = nn.Embedding(vocab, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, hidden) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
@@ -184,12 +191,88 @@ def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def build_model(cfg: ModelConfig, manifest: dict[str, object], seq_len: int) -> nn.Module:
-    if cfg.kind == "llama":
+def data_vocab(manifest: dict[str, Any]) -> int:
+    """The vocabulary of the data's tokenizer (byte tokens: 256)."""
+    v = manifest.get("vocab_size")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else BYTE_VOCAB
+
+
+def token_ids(manifest: dict[str, Any]) -> dict[str, int | None]:
+    """The tokenizer's special token ids a model config records (``eos``; None when the
+    tokenizer has none, as byte tokens)."""
+    tok = manifest.get("tokenizer")
+    eos = tok.get("eos_id") if isinstance(tok, dict) else None
+    ok = isinstance(eos, int) and not isinstance(eos, bool)
+    return {"bos": None, "eos": eos if ok else None, "pad": None}
+
+
+def resolve_vocab(cfg: ModelConfig, manifest: dict[str, Any]) -> int:
+    """The model's vocabulary: the data tokenizer's, unless the config names a larger one
+    (``model.vocab_size``, or for kind hf the ``vocab_size`` of its config.json); a
+    smaller one is a :class:`ValueError` naming where it was set."""
+    if cfg.kind == "mlp":
+        return cfg.vocab_size
+    have = data_vocab(manifest)
+    from rootopt.train.hf import named_vocab
+
+    named, where = named_vocab(cfg)
+    if named and named < have:
+        raise ValueError(
+            f"{where}: {named} is smaller than the data's vocabulary ({have} tokens, from "
+            f"its tokenizer); name {have} or more, or set model.vocab_size=0 for the tokenizer's"
+        )
+    return named or have
+
+
+def with_vocab(cfg: Config, manifest: dict[str, Any]) -> Config:
+    """``cfg`` with ``model.vocab_size`` resolved (:func:`resolve_vocab`): what the run's
+    config.yaml and every checkpoint record, so a checkpoint of the byte default (256)
+    resumes under a config that leaves the vocabulary to the tokenizer."""
+    if cfg.model.kind == "mlp":
+        return cfg
+    model = dataclasses.replace(cfg.model, vocab_size=resolve_vocab(cfg.model, manifest))
+    return dataclasses.replace(cfg, model=model)
+
+
+def resume_key(model: dict[str, Any]) -> dict[str, Any]:
+    """The model settings a checkpoint must match to be resumed: every key that shapes the
+    parameters or the function, with this build's default for keys an older checkpoint
+    lacks. Not part of it: recomputation (``activation_checkpointing``), the weights a new
+    run starts from (``init_from``), the path of ``hf_config`` (checkpoints of kind hf
+    record its content, compared separately), and the vocabulary of a classifier."""
+    out = {**dataclasses.asdict(ModelConfig()), **model}
+    for key in ("activation_checkpointing", "init_from", "hf_config"):
+        out.pop(key, None)
+    if out.get("kind") == "mlp":
+        out.pop("vocab_size", None)
+    return out
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a model (FSDP2 wraps each), [] for others."""
+    if isinstance(model, LlamaLM):
+        return list(model.blocks)
+    from rootopt.train.hf import HFCausalLM, decoder_blocks
+
+    if isinstance(model, HFCausalLM):
+        return decoder_blocks(model.hf)
+    return []
+
+
+def build_model(cfg: ModelConfig, manifest: dict[str, Any], seq_len: int) -> nn.Module:
+    """The model ``cfg`` describes for this data (its vocabulary resolved from the data's
+    tokenizer, :func:`resolve_vocab`); :class:`ValueError` with one line when they do not fit."""
+    if cfg.kind in ("llama", "hf"):
         if manifest.get("task") != "lm":
             raise ValueError(
-                f"model.kind=llama needs language-model shards; these are {manifest.get('task')!r}"
+                f"model.kind={cfg.kind} needs language-model shards; these are "
+                f"{manifest.get('task')!r}"
             )
+        cfg = dataclasses.replace(cfg, vocab_size=resolve_vocab(cfg, manifest))
+        if cfg.kind == "hf":
+            from rootopt.train.hf import build_hf
+
+            return build_hf(cfg, seq_len, token_ids(manifest))
         return LlamaLM(cfg, seq_len)
     if manifest.get("task") != "classify":
         raise ValueError(

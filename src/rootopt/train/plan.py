@@ -34,6 +34,7 @@ from rootopt.data import (
     write_plan,
 )
 from rootopt.train import ckpts, rundir
+from rootopt.train.model import resume_key
 
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
 RUN_OUTPUTS = (
@@ -159,7 +160,8 @@ def _check_locked(
         manifest = load_manifest(data_dir)
     identity = data_identity(manifest) if manifest is not None else shards.identity  # type: ignore[union-attr]
     if choice is not None:
-        _compatible(cfg, choice, identity, manifest)
+        meta = manifest if manifest is not None else shards.manifest  # type: ignore[union-attr]
+        _compatible(_with_vocab(cfg, meta), choice, identity, manifest)
     new_id = uuid.uuid4().hex if archive or not run_id else run_id
     return Plan(
         cfg=cfg,
@@ -273,14 +275,18 @@ def _compatible(
         saved_data = state["data"]
     except (KeyError, TypeError):
         raise CheckpointUnreadable(f"{name}: holds no config or data record") from None
-    saved_model = {k: v for k, v in saved_cfg["model"].items() if k != "activation_checkpointing"}
-    wanted = {k: v for k, v in to_dict(cfg)["model"].items() if k != "activation_checkpointing"}
-    if saved_model != wanted:
-        diff = [
-            f"model.{k}: {saved_model.get(k)!r} → {v!r}"
-            for k, v in wanted.items()
-            if saved_model.get(k) != v
-        ]
+    saved_model = resume_key(saved_cfg["model"])
+    wanted = resume_key(to_dict(cfg)["model"])
+    diff = [
+        f"model.{k}: {saved_model.get(k)!r} → {v!r}"
+        for k, v in wanted.items()
+        if saved_model.get(k) != v
+    ]
+    if cfg.model.kind == "hf" and not diff:
+        from rootopt.train.hf import spec_changes
+
+        diff = [f"hf config {d}" for d in spec_changes(state.get("hf_config"), cfg.model)]
+    if diff:
         raise CheckpointError(
             f"{name} was written for a different model ({'; '.join(diff)}); restore those "
             "settings to resume, or use a new --log_dir or checkpoint.resume=restart"
@@ -305,6 +311,16 @@ def _compatible(
             f"{name} was trained on other data ({what}); resume needs the same data: restore "
             "the setting or --data_path, or use a new --log_dir or checkpoint.resume=restart"
         )
+
+
+def _with_vocab(cfg: Config, meta: dict[str, Any]) -> Config:
+    """``cfg`` with its vocabulary resolved as the run will record it."""
+    from rootopt.train.model import with_vocab
+
+    try:
+        return with_vocab(cfg, meta)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:

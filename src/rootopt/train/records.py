@@ -13,6 +13,7 @@ from typing import Any
 
 from rootopt.monitor import memory_bytes
 from rootopt.train.build import TrainingError
+from rootopt.train.mfu import mfu
 from rootopt.train.state import Run, TrainState
 from rootopt.train.step import StepResult
 
@@ -109,6 +110,7 @@ def build_record(
     dt = max(now - clock.window, 1e-9)
     steps_here = max(clock.steps, 1)
     memory = memory_bytes()
+    tokens_per_s = st.window_tokens / dt if clock.steps == st.window_steps else None
     record: dict[str, Any] = {
         "step": st.step,
         "loss": st.window_loss_sum / st.window_finite if st.window_finite else None,
@@ -121,7 +123,10 @@ def build_record(
         },
         "grad_norm": out.grad_norm,
         "steps_per_s": clock.steps / dt,
-        "tokens_per_s": st.window_tokens / dt if clock.steps == st.window_steps else None,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(run.flops_per_token, tokens_per_s, run.world_size, run.peak)
+        if run.peak is not None
+        else None,
         "step_time_s": dt / steps_here,
         "loss_scale": run.precision.scale,
         "nonfinite_steps": st.nonfinite_steps,

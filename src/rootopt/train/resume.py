@@ -62,6 +62,8 @@ def _extra(run: Run, reason: str) -> dict[str, Any]:
         "state": run.state.to_dict(),
         "config": to_dict(run.cfg),
         "good_checkpoint": run.good_checkpoint,
+        # kind hf: the transformers config the model was built from (export, resume checks)
+        **_hf_record(run),
         "data": {
             "identity": data_identity(run.manifest),
             "manifest_sha256": manifest_digest(run.manifest),
@@ -70,6 +72,13 @@ def _extra(run: Run, reason: str) -> dict[str, Any]:
             "world_size": run.info.world_size,
         },
     }
+
+
+def _hf_record(run: Run) -> dict[str, Any]:
+    from rootopt.distributed import unwrap_model
+
+    spec = getattr(unwrap_model(run.model), "spec", None)
+    return {"hf_config": spec} if isinstance(spec, dict) else {}
 
 
 def save_checkpoint(run: Run, reason: str) -> Path:

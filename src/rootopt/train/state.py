@@ -107,6 +107,10 @@ class Run:
     # reduction, so every rank stops after the same step; "" = keep going
     vote: tuple[float, float] = (0.0, 0.0)
     stop_status: str = ""
+    # the mfu metric (rootopt.train.mfu): the model's training FLOPs per token and one
+    # device's peak (rank 0 measures or looks it up; None elsewhere)
+    flops_per_token: float = 0.0
+    peak: Any = None
 
     @property
     def world_size(self) -> int:
