@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "train": "train a model with ROOT (embedded default when no --config is given)",
     "data": "prepare WebDataset shards with checksums from a real corpus",
     "report": "check a run directory against the validation criteria",
+    "export": "write a run's newest checkpoint as a Hugging Face model directory",
     "diagnose": "gradient-range / update-ratio / loss-surface diagnostics",
     "coeffs": "fit, show and benchmark Newton–Schulz coefficients (AdaNewton)",
     "bench": "benchmark ROOT against the optimizer family (convergence, lr, robustness, overhead)",
@@ -36,6 +37,9 @@ OPTIONAL_DEPENDENCIES = frozenset(
         "sklearn",
         "pytorch_optimizer",
         "scipy",
+        "transformers",
+        "tokenizers",
+        "safetensors",
     }
 )
 

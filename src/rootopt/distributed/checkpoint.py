@@ -241,6 +241,39 @@ def load(path: str | Path, model: nn.Module, optimizer: Optimizer) -> tuple[int,
     return ck.step, read_extra(ck.path)
 
 
+def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state dict from checkpoint ``path``, in this process
+    alone (no process group; e.g. ``rootopt export``). The tensors are read whole, as
+    torch's own ``dcp_to_torch_save`` reads them, but only the model's: the optimizer
+    state stays on disk. :class:`DistCheckpointError` when it cannot be read."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    ck = inspect(path)
+    if not ck.valid:
+        raise DistCheckpointError(f"cannot read checkpoint {ck.path}: {ck.reason}")
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(ck.path),
+            planner=_EmptyStateDictLoadPlanner(keys={"model"}),  # type: ignore[no-untyped-call]
+            no_dist=True,
+        )
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise DistCheckpointError(
+            f"cannot read checkpoint {ck.path}: {type(exc).__name__}{': ' + first if first else ''}"
+        ) from None
+    model = state.get("model")
+    if not isinstance(model, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()
+    ):
+        raise DistCheckpointError(f"cannot read checkpoint {ck.path}: it holds no model tensors")
+    return model
+
+
 def prune(directory: str | Path, keep_last: int) -> list[Path]:
     """Remove all but the newest ``keep_last`` valid checkpoints; only directories that
     this module wrote (name pattern and marker) are ever removed. Rank 0 only."""

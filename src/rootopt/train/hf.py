@@ -89,7 +89,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
         for ml in model.modules()
         if isinstance(ml, nn.ModuleList) and len(ml) and len({type(c) for c in ml}) == 1
     ]
-    return list(max(lists, key=len)) if lists else []
+    sizes = [len(ml) for ml in lists]
+    return list(lists[sizes.index(max(sizes))]) if lists else []
 
 
 # --------------------------------------------------------------------------- building
