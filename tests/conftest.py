@@ -82,6 +82,13 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
+    "test_hf_train.py": frozenset(
+        {
+            "test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from",
+            "test_interrupted_hf_run_resumes_bit_identically",
+            "test_init_from_starts_at_that_models_loss_and_trains_on",
+        }
+    ),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),
     # the compiled step and the two-process paths; every other path stays in the fast tier
     "test_paths.py": frozenset(

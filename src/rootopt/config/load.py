@@ -230,7 +230,7 @@ def _model_files(m: Any, problems: list[str]) -> None:
             "model.hf_config: model.kind=hf needs a transformers config.json (model.hf_config) "
             "or a model directory (model.init_from)"
         )
-    if m.kind == "hf":
+    if m.kind == "hf" and (m.hf_config or m.init_from):
         try:
             if m.hf_config:
                 read_hf_config(m.hf_config)

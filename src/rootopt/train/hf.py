@@ -368,7 +368,8 @@ def load_init(model: nn.Module, cfg: ModelConfig) -> int:
             f"{where}: {cfg.init_from!r} does not match the configured model: {what}"
             + (f" (and {n - 1} more)" if n > 1 else "")
         )
-    for k, t in state.items():
+    for k in (k for k in own if k in state):  # the model's order: the first layer first
+        t = state[k]
         if tuple(t.shape) != tuple(own[k].shape):
             raise ValueError(
                 f"{where}: {k} has shape {tuple(t.shape)} in {cfg.init_from!r}, the configured "
