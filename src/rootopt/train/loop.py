@@ -27,6 +27,7 @@ import torch
 
 import rootopt
 from rootopt import checkpoint
+from rootopt._atomic import atomic_write
 from rootopt.config import Config, ConfigError, dump_yaml
 from rootopt.data import CorpusError, ShardError, load_manifest
 from rootopt.distributed import CollectiveError, CollectiveTimeoutError
@@ -224,6 +225,7 @@ def setup(
     try:
         return _build(cfg, info, plan, say), locks
     except BaseException:
+        planning.abandon(plan)  # the data it staged, when it stopped before writing
         locks.abandon()
         raise
 
@@ -357,9 +359,14 @@ def _write_run_files(run: Run) -> None:
     if run.peak is not None:  # what the mfu metric divides by (rootopt.train.mfu)
         env["peak"] = run.peak.record()
         env["flops_per_token"] = run.flops_per_token
-    (run.run_dir / "env.json").write_text(json.dumps(env, indent=1) + "\n", encoding="utf-8")
+    atomic_write(run.run_dir / "env.json", (json.dumps(env, indent=1) + "\n").encode())
     if run.routing:
         (run.run_dir / "routing.txt").write_text(run.routing + "\n", encoding="utf-8")
+    if run.manifest.get("task") == "lm":  # the tokenizer travels with the run (rootopt export)
+        from rootopt.data.tokenizer import hf_files
+        from rootopt.train.export import write_tokenizer_copy
+
+        write_tokenizer_copy(run.run_dir, hf_files(run.data_dir, run.manifest))
 
 
 # --------------------------------------------------------------------------- the loop

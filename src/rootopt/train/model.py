@@ -192,16 +192,18 @@ def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
 
 
 def data_vocab(manifest: dict[str, Any]) -> int:
-    """The vocabulary of the data's tokenizer (byte tokens: 256)."""
-    v = manifest.get("vocab_size")
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else BYTE_VOCAB
+    """The vocabulary of the data's tokenizer (byte tokens and older manifests: 256)."""
+    from rootopt.data.tokenizer import vocab_size_of
+
+    return vocab_size_of(manifest)
 
 
 def token_ids(manifest: dict[str, Any]) -> dict[str, int | None]:
-    """The tokenizer's special token ids a model config records (``eos``; None when the
-    tokenizer has none, as byte tokens)."""
-    tok = manifest.get("tokenizer")
-    eos = tok.get("eos_id") if isinstance(tok, dict) else None
+    """The tokenizer's special token ids a model config records (``eos``: the
+    end-of-document id; None when the tokenizer has none, as byte tokens)."""
+    from rootopt.data.tokenizer import record_of
+
+    eos = record_of(manifest).get("eos_id")
     ok = isinstance(eos, int) and not isinstance(eos, bool)
     return {"bos": None, "eos": eos if ok else None, "pad": None}
 
