@@ -60,6 +60,25 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def bpe_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny corpus with a byte-level BPE of 512 ids trained on it (bpe:512)."""
+    from rootopt.data import prepare
+
+    out = tmp_path_factory.mktemp("hf-bpe") / "d"
+    prepare(
+        "kjv",
+        out,
+        seq_len=32,
+        max_bytes=150_000,
+        samples_per_shard=400,
+        val_fraction=0.05,
+        seed=0,
+        tokenizer="bpe:512",
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
 def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("hf-configs")
     return {
@@ -551,16 +570,26 @@ def _model_tensors(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from(
-    shards: Path, configs: dict[str, Path], tmp_path: Path
+    bpe_shards: Path, configs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """W = 1, torchrun W = 2 DDP and W = 2 FSDP2 (gloo): the same logged losses (today's
-    tolerance, tests/test_dist_train.py) and parameters; the FSDP2 run's dcp checkpoint
-    exports to a transformers model whose logits equal the W = 1 model's; init_from that
-    export continues from it."""
+    """The example Llama config on a bpe:512 tokenizer: W = 1, torchrun W = 2 DDP and
+    W = 2 FSDP2 (gloo) log the same losses (today's tolerance, tests/test_dist_train.py)
+    and end with the same parameters; the FSDP2 run's dcp checkpoint exports to a
+    transformers model (with the BPE tokenizer) whose logits equal the W = 1 model's; a run
+    with init_from that export starts at its loss and continues from it."""
+    from rootopt.data import load_manifest
+    from rootopt.train.export import export
+    from rootopt.train.hf import HFCausalLM
+    from rootopt.train.model import build_model, loss_fn
+
+    shards = bpe_shards
+    manifest = load_manifest(shards)
+    assert manifest["tokenizer"]["kind"] == "bpe" and manifest["tokenizer"]["vocab_size"] == 512
     over = [*CFG, *_hf(configs["llama"])]
     ref = _run(shards, tmp_path / "w1", over)
     base, base_model = logged_losses(ref), _model_tensors(ref)
     assert sorted(base) == list(range(1, STEPS + 1)) and base[STEPS] < base[1] - 0.5
+    assert base_model["hf.model.embed_tokens.weight"].shape == (512, 32)  # the tokenizer's
     for name, extra in (("ddp2", []), ("fsdp2", ["distributed.parallel=fsdp"])):
         out = torchrun(2, tmp_path / name, shards, [*over, *extra])
         assert f"2 processes ({'fsdp' if extra else 'ddp'}, gloo)" in out.stdout
@@ -573,36 +602,24 @@ def test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from(
         for k in base_model:
             torch.testing.assert_close(model[k], base_model[k], rtol=1e-4, atol=2e-5, msg=k)
     assert (tmp_path / "fsdp2" / "checkpoints" / f"dcp-{STEPS:08d}").is_dir()
-    # export of the DCP checkpoint, compared with the one-process model
-    from rootopt.train.export import export
-    from rootopt.train.hf import HFCausalLM
-    from rootopt.train.model import build_model
 
-    out = export(tmp_path / "fsdp2", tmp_path / "exported", say=_quiet)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    ours = build_model(
-        ModelConfig(kind="hf", hf_config=str(configs["llama"])),
-        {"task": "lm", "vocab_size": 256},
-        32,
-    )
+    exported = export(tmp_path / "fsdp2", tmp_path / "exported", say=_quiet)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(exported))
+    assert len(tok) == 512 and tok.eos_token_id == manifest["tokenizer"]["eos_id"]
+    ours = build_model(ModelConfig(kind="hf", hf_config=str(configs["llama"])), manifest, 32)
     assert isinstance(ours, HFCausalLM)
     ours.load_state_dict(base_model)
-    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    x = tok("In the beginning God created the heaven", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         diff = float((ours.eval()(x) - loaded(input_ids=x).logits).abs().max())
-    assert diff <= 1e-4  # two runs agree to 2e-5 per tensor; the same run's export: below
-    # init_from the export: the first loss is the exported model's on the first batch
-    cfg = load_config(None, [*CFG, "model.kind=hf", f"model.init_from={out}", "run.max_steps=4"])
-    xb, yb = _first_batch(shards, cfg)
-    from rootopt.train.model import loss_fn
+    assert diff <= 1e-4  # the FSDP2 run equals the one-process run to 2e-5 per tensor
 
+    over_ft = [*CFG, "model.kind=hf", f"model.init_from={exported}", "run.max_steps=4"]
+    xb, yb = _first_batch(shards, load_config(None, over_ft))
     with torch.no_grad():
         want = float(loss_fn(loaded(input_ids=xb).logits, yb))
-    _run(
-        shards,
-        tmp_path / "continued",
-        [*CFG, "model.kind=hf", f"model.init_from={out}", "run.max_steps=4"],
-    )
+    _run(shards, tmp_path / "continued", over_ft)
     first = logged_losses(tmp_path / "continued")[1]
     assert first == pytest.approx(want, rel=1e-6)
     assert first < base[1] - 0.5  # it continues from the trained model, not from scratch
