@@ -3,10 +3,12 @@ PyTorch loop with the same model, optimizer, batch and precision, interleaved in
 
 The system arm is a real ``rootopt train`` run (in this process, config defaults for
 logging, evaluation, data loading and checkpoints; ``--config`` and overrides as for the
-command). Its ``after_step`` hook runs a round of the bare arm after every ``--steps``
-system steps, so both arms meet the same spells of a shared machine; a system step is timed
-from the end of the previous hook to the start of the next (the loop's own work: data,
-step, metrics, evaluation when due), a bare step by the wall clock around it.
+command). Its ``after_step`` hook runs one bare step after every system step, so both arms
+meet the same spells of a shared machine; a system step is timed from the end of the
+previous hook to the start of the next (the loop's own work: data, step, metrics,
+histograms, less the time of a validation pass when one is due: validation is the user's
+work, timed and reported apart), a bare step by the wall clock around it. A round is ``--steps``
+pairs (one logging window at the default ``--steps 10``).
 
 The bare arm: the same transformers model built from the same config and seed (no
 wrapper), the same optimizer (``rootopt.train.build.build_optimizer``: ROOT with its
@@ -184,43 +186,67 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bare = _bare_arm(cfg, manifest, _first_batches(cfg, data_dir, args.steps))
     bare()  # warm-up: first-call allocations of the bare arm
     rounds: list[dict[str, float]] = []
-    state = {"since": 0.0, "sys": 0.0, "steps": 0, "skip": args.warmup_steps}
+    state = {"since": 0.0, "sys": 0.0, "bare": 0.0, "steps": 0, "skip": args.warmup_steps}
+    state.update(eval=0.0, eval_in_step=0.0, evals=0)
+    from rootopt.train import loop
+
+    evaluate = loop.evaluate
+
+    def timed_evaluate(*a: Any, **k: Any) -> Any:
+        """Validation is the user's work, not the system's overhead: timed apart."""
+        t0 = time.perf_counter()
+        try:
+            return evaluate(*a, **k)
+        finally:
+            state["eval_in_step"] += time.perf_counter() - t0
+
+    loop.evaluate = timed_evaluate  # type: ignore[assignment]
 
     def after_step(step: int) -> bool:
         now = time.perf_counter()
+        took, state["eval_in_step"] = state["eval_in_step"], 0.0
+        if took:
+            state["eval"] += took
+            state["evals"] += 1
         if state["skip"] > 0:  # the system arm's first steps (allocations, first log)
             state["skip"] -= 1
         else:
-            state["sys"] += now - state["since"]
+            state["sys"] += now - state["since"] - took
+            t0 = time.perf_counter()
+            bare()  # one bare step after each system step: both meet the same spells
+            state["bare"] += time.perf_counter() - t0
             state["steps"] += 1
         if state["steps"] == args.steps:
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                bare()
-            b = time.perf_counter() - t0
-            rounds.append({"system_s": state["sys"], "bare_s": b, "ratio": state["sys"] / b})
-            state["sys"], state["steps"] = 0.0, 0
+            s, b = state["sys"], state["bare"]
+            rounds.append({"system_s": s, "bare_s": b, "ratio": s / b})
+            state["sys"] = state["bare"] = 0.0
+            state["steps"] = 0
         state["since"] = time.perf_counter()
         return False
 
     state["since"] = time.perf_counter()
     with _Paused():
-        summary = train(
-            cfg,
-            work / "run",
-            str(data_dir),
-            hooks=Hooks(after_step=after_step),
-            say=lambda _: None,
-        )
+        try:
+            summary = train(
+                cfg,
+                work / "run",
+                str(data_dir),
+                hooks=Hooks(after_step=after_step),
+                say=lambda _: None,
+            )
+        finally:
+            loop.evaluate = evaluate  # type: ignore[assignment]
         ck = _time_checkpoint(work / "run")
     ratios = [r["ratio"] for r in rounds]
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     sys_total = sum(r["system_s"] for r in rounds)
     bare_total = sum(r["bare_s"] for r in rounds)
     step_s = bare_total / (len(rounds) * args.steps)
-    # evaluations fall inside the timed rounds (every run.eval_every steps); checkpoints
-    # every checkpoint.every steps usually do not: their cost per step, from one timed write
+    # checkpoints every checkpoint.every steps (rarer than the run is long): their cost per
+    # step from one timed write; evaluations every run.eval_every steps, timed in the run
     amortized = ck / cfg.checkpoint.every / step_s
+    eval_s = state["eval"] / state["evals"] if state["evals"] else 0.0
+    eval_share = eval_s / cfg.run.eval_every / step_s if cfg.run.eval_every else 0.0
     return {
         "benchmark": "train_overhead",
         "commit": _commit(),
@@ -249,6 +275,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bare_step_s": step_s,
         "checkpoint_s": ck,
         "amortized_checkpoint": amortized,
+        "evaluation_s": eval_s,
+        "evaluations": state["evals"],
+        "evaluation_share": eval_share,
         "target": TARGET,
         "met": statistics.median(ratios) <= TARGET,
         "status": summary.status,
@@ -282,7 +311,7 @@ torch {data["torch"]}, {data["machine"]}, {data["cpu_count"]} cores, {data["thre
 torch thread(s)). `rootopt train` on `{Path(data["model"]).name}` (model.kind=hf), batch
 {data["batch"]} × {data["seq_len"]} tokens, {data["precision"]}, against a bare PyTorch loop
 with the same model, optimizer (ROOT with its routing), schedule, clipping and batches,
-interleaved: {len(data["rounds"])} rounds of {data["steps_per_round"]} steps per arm.
+alternating step by step; {len(data["rounds"])} rounds of {data["steps_per_round"]} steps per arm.
 Logging every {data["log_every"]} steps, evaluation every {data["eval_every"]}, checkpoints
 every {data["checkpoint_every"]} (the defaults).
 
@@ -291,7 +320,10 @@ every {data["checkpoint_every"]} (the defaults).
 the totals {data["total_ratio"]:.3f}. Target ≤ {data["target"]}: {verdict}. A bare step took
 {data["bare_step_s"] * 1e3:.1f} ms; one checkpoint write {data["checkpoint_s"] * 1e3:.0f} ms,
 which at the checkpoint interval adds {data["amortized_checkpoint"]:.2%} per step (the
-rounds hold the evaluations; not the checkpoints, which are rarer than the rounds are long).
+run is shorter than the interval). Validation, the user's own work rather than overhead, is
+timed apart and left out of the system steps: one pass ({data["evaluations"]} timed) took
+{data["evaluation_s"]:.2f} s, {data["evaluation_share"]:.1%} of the step time at evaluation
+every {data["eval_every"]} steps.
 
 | round | system (s) | bare (s) | ratio |
 |---|---|---|---|
