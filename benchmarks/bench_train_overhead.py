@@ -28,6 +28,7 @@ prints the results page (docs/results/train_overhead.md) from a JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -81,6 +82,16 @@ def _commit() -> str:
     return out + ("+dirty" if dirty else "")
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}".strip()
+
+
 class _Paused:
     """Pause a background study's process group (if one is announced) while timing."""
 
@@ -101,7 +112,8 @@ class _Paused:
 
     def __exit__(self, *exc: object) -> None:
         if self.pgid:
-            os.killpg(self.pgid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # the study ended meanwhile
+                os.killpg(self.pgid, signal.SIGCONT)
 
 
 def _bare_arm(cfg: Any, manifest: dict[str, Any], batches: list[tuple[torch.Tensor, ...]]) -> Any:
@@ -224,6 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state["since"] = time.perf_counter()
         return False
 
+    load_start = os.getloadavg()[0]
     state["since"] = time.perf_counter()
     with _Paused():
         try:
@@ -247,17 +260,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     amortized = ck / cfg.checkpoint.every / step_s
     eval_s = state["eval"] / state["evals"] if state["evals"] else 0.0
     eval_share = eval_s / cfg.run.eval_every / step_s if cfg.run.eval_every else 0.0
+    load_end = os.getloadavg()[0]
+
+    def here(text: str) -> str:  # paths inside the repository, relative to it
+        return text.replace(f"{ROOT_DIR}{os.sep}", "")
+
     return {
         "benchmark": "train_overhead",
+        "load_average": [round(load_start, 2), round(load_end, 2)],
         "commit": _commit(),
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "machine": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "config": args.config or "embedded default",
-        "overrides": over,
-        "model": cfg.model.hf_config,
+        "overrides": [here(o) for o in over],
+        "model": here(cfg.model.hf_config),
         "batch": cfg.data.batch_size,
         "seq_len": cfg.data.seq_len,
         "precision": "bf16" if cfg.mixed_precision.enabled else "fp32",
@@ -307,8 +326,9 @@ def render(data: dict[str, Any]) -> str:
     return f"""# Training-system overhead (`benchmarks/bench_train_overhead.py`)
 
 Generated from `docs/results/train_overhead.json` (commit {data["commit"]}, {data["date"]},
-torch {data["torch"]}, {data["machine"]}, {data["cpu_count"]} cores, {data["threads"]}
-torch thread(s)). `rootopt train` on `{Path(data["model"]).name}` (model.kind=hf), batch
+torch {data["torch"]}, {data["machine"]}, {data["cpu_count"]} cores shared with other jobs:
+load average {data["load_average"][0]} at the start, {data["load_average"][1]} at the end;
+{data["threads"]} torch thread). `rootopt train` on `{Path(data["model"]).name}` (model.kind=hf), batch
 {data["batch"]} × {data["seq_len"]} tokens, {data["precision"]}, against a bare PyTorch loop
 with the same model, optimizer (ROOT with its routing), schedule, clipping and batches,
 alternating step by step; {len(data["rounds"])} rounds of {data["steps_per_round"]} steps per arm.

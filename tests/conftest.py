@@ -93,6 +93,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from",
             "test_interrupted_hf_run_resumes_bit_identically",
             "test_init_from_starts_at_that_models_loss_and_trains_on",
+            "test_bench_train_overhead_tiny_run_and_refusal",
         }
     ),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),

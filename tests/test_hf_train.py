@@ -623,3 +623,53 @@ def test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from(
     first = logged_losses(tmp_path / "continued")[1]
     assert first == pytest.approx(want, rel=1e-6)
     assert first < base[1] - 0.5  # it continues from the trained model, not from scratch
+
+
+def test_bench_train_overhead_tiny_run_and_refusal(
+    shards: Path, configs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The benchmark script end to end on a tiny model: rounds of paired steps, the JSON it
+    writes and renders, and an existing --json refused before anything runs."""
+    import subprocess
+    import sys
+
+    from _faultkit import env
+
+    script = ROOT / "benchmarks" / "bench_train_overhead.py"
+    out = tmp_path / "o.json"
+    args = [
+        sys.executable,
+        str(script),
+        "--data_path",
+        str(shards),
+        "--rounds",
+        "2",
+        "--steps",
+        "3",
+        "--json",
+        str(out),
+        f"model.hf_config={configs['llama']}",
+        "data.seq_len=32",
+        "data.batch_size=8",
+        "monitoring.tensorboard=false",
+    ]
+    done = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert len(data["rounds"]) == 2 and all(
+        r["bare_s"] > 0 and r["system_s"] > 0 for r in data["rounds"]
+    )
+    assert data["median_ratio"] == pytest.approx(
+        sorted(r["ratio"] for r in data["rounds"])[0] / 2
+        + sorted(r["ratio"] for r in data["rounds"])[1] / 2
+    )
+    assert data["status"] == "completed" and data["checkpoint_s"] > 0
+    page = subprocess.run(
+        [sys.executable, str(script), "--render", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert page.returncode == 0 and "Median ratio system / bare" in page.stdout
+    again = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "exists" in again.stderr
