@@ -181,6 +181,19 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(
     assert (empty / "model.safetensors").is_file()
 
 
+def test_a_run_without_its_tokenizer_copy_exports_from_its_data(
+    trained: Path, tmp_path: Path
+) -> None:
+    """A run started before tokenizer/ existed: the tokenizer comes from the data its
+    checkpoint names."""
+    old = tmp_path / "old-run"
+    shutil.copytree(trained, old)
+    shutil.rmtree(old / "tokenizer")
+    assert export_main([str(old), str(tmp_path / "out")]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert tok("abc")["input_ids"] == [97, 98, 99]
+
+
 def test_a_failure_mid_export_leaves_nothing(
     trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

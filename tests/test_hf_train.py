@@ -606,7 +606,9 @@ def test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from(
     exported = export(tmp_path / "fsdp2", tmp_path / "exported", say=_quiet)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(exported))
-    assert len(tok) == 512 and tok.eos_token_id == manifest["tokenizer"]["eos_id"]
+    eos = manifest["tokenizer"]["eos_id"]
+    assert len(tok) == 512 and tok.eos_token_id == eos
+    assert loaded.config.eos_token_id == loaded.generation_config.eos_token_id == eos
     ours = build_model(ModelConfig(kind="hf", hf_config=str(configs["llama"])), manifest, 32)
     assert isinstance(ours, HFCausalLM)
     ours.load_state_dict(base_model)
