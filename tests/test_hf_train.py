@@ -220,6 +220,19 @@ def test_decoder_blocks_and_routing_come_from_the_model(configs: dict[str, Path]
     assert len(found) == 3 and all(isinstance(b, torch.nn.Sequential) for b in found)
 
 
+def test_activation_checkpointing_is_the_models_own_switch(configs: dict[str, Path]) -> None:
+    from rootopt.train.model import build_model
+
+    meta = {"task": "lm", "vocab_size": 256}
+    for on in (False, True):
+        m = build_model(
+            ModelConfig(kind="hf", hf_config=str(configs["gpt2"]), activation_checkpointing=on),
+            meta,
+            32,
+        )
+        assert m.hf.is_gradient_checkpointing is on  # type: ignore[union-attr]
+
+
 def test_untied_llama_head_is_routed_to_adamw(tmp_path: Path) -> None:
     from rootopt.optim import param_groups
     from rootopt.train.model import build_model

@@ -4,7 +4,8 @@
   ``from_config`` from ``model.hf_config`` (nothing is downloaded), so the loop still sees
   ``model(tokens) -> logits``; :func:`decoder_blocks` finds its decoder layers from the
   model's own structure (its ``_no_split_modules`` declaration, else its repeated-block
-  ``ModuleList``) for FSDP2, and activation checkpointing is the model's own switch.
+  ``ModuleList``) for FSDP2, and activation checkpointing is the model's own switch
+  (``activation_checkpointing_enable``).
 * The built-in byte Llama (:class:`rootopt.train.model.LlamaLM`) maps onto
   ``LlamaForCausalLM`` exactly (:func:`llama_to_hf`, :func:`hf_to_llama`).
 * :func:`load_init` reads the safetensors weights of a Hugging Face model directory
@@ -167,7 +168,14 @@ def build_hf(cfg: ModelConfig, seq_len: int, token_ids: dict[str, int | None]) -
                 f"model.activation_checkpointing: {type(model).__name__} does not support "
                 "gradient checkpointing in transformers; set it to false"
             )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers' own switch (named gradient_checkpointing_enable before v5.25)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     return HFCausalLM(model, spec)
 
 
