@@ -29,6 +29,7 @@ from typing import Any
 
 from rootopt.bench.runner import Corruption, RunSpec
 from rootopt.bench.stats import mean_ci, paired_ci
+from rootopt.bench.store import Store
 from rootopt.bench.suites import smoothness
 
 Result = dict[str, Any]
@@ -76,17 +77,13 @@ def root_arm(name: str, label: str, **opts: Any) -> Arm:
 
 # "official" is not a candidate: the paper's table has only 2048-wide shapes and falls back to
 # Muon's tuple for every other shape, so on every matrix of these tasks it *is* `root-muon`
-# (tests/test_study.py checks this for every shape the study trains).
+# (tests/test_study.py checks this for every shape the study trains). "adanewton-static" is an
+# alias of "adanewton" since the selector was removed (v1's decision), so it is no arm either.
 COEFFICIENT_CANDIDATES: tuple[Arm, ...] = (
     # Order matters only for exact ties: the current default first.
-    root_arm("root-adanewton", "ROOT, AdaNewton (per-shape table + per-matrix selector)"),
     root_arm("root-muon", "ROOT, Muon's coefficients", ns_coefficients="muon"),
+    root_arm("root-adanewton", "ROOT, AdaNewton (per-shape table)"),
     root_arm("root-polar", "ROOT, Polar Express", ns_coefficients="polar_express"),
-    root_arm(
-        "root-adanewton-static",
-        "ROOT, AdaNewton table without the selector",
-        ns_coefficients="adanewton-static",
-    ),
 )
 REFERENCES: tuple[Arm, ...] = (
     root_arm(
@@ -101,28 +98,48 @@ REFERENCES: tuple[Arm, ...] = (
 ABLATIONS: tuple[Arm, ...] = (
     root_arm("root-svd", "ROOT, exact polar factor (SVD)", ortho_method="svd"),
 )
+# ROOT as shipped when protocol v2 was written (Muon's coefficients, q = 0.9, float32): the arm
+# of the robustness family, the long horizon and the autocast cell, which do not wait for the
+# coefficient decision (docs/benchmarks.md, protocol v2).
+SHIPPED = "root-muon"
+# The robustness family's optimizers: ROOT, Muon at ROOT's Newton-Schulz precision,
+# torch.optim.Muon, AdamW.
+ROBUST_ARMS = (SHIPPED, "muon-fp32", "muon-bf16", "adamw")
+LONG_ARMS = (SHIPPED, "muon-fp32", "muon-bf16")
+AMP_ARMS = (SHIPPED, "muon-fp32", "muon-bf16", "adamw")
 DEFAULT_WD = 0.1
+
+
+def arm_by_name(name: str) -> Arm:
+    for a in (*COEFFICIENT_CANDIDATES, *REFERENCES, *ABLATIONS):
+        if a.name == name:
+            return a
+    raise KeyError(name)
 
 
 @dataclass(frozen=True)
 class Cell:
     """A task trained for ``steps`` steps. ``base``: the cell whose tuned setting this one
     starts from (its AdamW-side lr and decay are inherited, its lr grid is centred on the
-    base's optimum); None: tuned from scratch."""
+    base's optimum); None: tuned from scratch. ``precision``: "bf16" trains under bf16
+    autocast (the runner's RunSpec.precision)."""
 
     task: str
     steps: int
     base: str | None = None
+    precision: str = "fp32"
 
     @property
     def name(self) -> str:
-        return f"{self.task}@{self.steps}"
+        amp = "-amp" if self.precision != "fp32" else ""
+        return f"{self.task}{amp}@{self.steps}"
 
 
 @dataclass(frozen=True)
 class Protocol:
-    cells: tuple[Cell, ...]
+    cells: tuple[Cell, ...]  # the decision cells
     selection_seeds: tuple[int, ...]
+    decision_seeds: tuple[int, ...]
     report_seeds: tuple[int, ...]
     lr_grid: tuple[int, ...]  # exponents k of base_lr·10^(k/4)
     transfer_grid: tuple[int, ...]  # offsets of k around a base cell's optimum
@@ -131,11 +148,19 @@ class Protocol:
     wd_extension: float  # tried when the largest decay of the grid is best
     max_extensions: int
     ablation_cells: tuple[str, ...]
+    ablation_quantiles: tuple[float, ...]
     # A coefficient candidate worse (by the decision rule) on at least this many of the
     # default-horizon cells is screened out before the longer horizons and the larger model.
     screen_worse: int
-    robust_cell: str
-    robust_conditions: tuple[tuple[str, Corruption, float], ...]
+    robust_cells: tuple[str, ...]
+    robust_conditions: tuple[tuple[str, Corruption], ...]
+    robust_wd: float  # the family's common weight decay
+    sweep_k: tuple[int, int]  # first and last k of the common absolute lr grid
+    sweep_stop: int  # consecutive all-diverged points that end an optimizer's sweep
+    lr_region: tuple[int, ...]  # the k whose mean loss is the lr-stability degradation
+    long_cell: Cell | None
+    long_quantiles: tuple[float, ...]
+    amp_cell: Cell | None
     timing_steps: int
     timing_warmup: int
     cost_tie: float  # relative step-cost difference treated as equal
@@ -143,6 +168,12 @@ class Protocol:
 
     @staticmethod
     def full() -> Protocol:
+        """Protocol v2 (docs/benchmarks.md)."""
+        corruptions = (
+            ("t(2) noise ×2", Corruption("student_t", scale=2.0, df=2)),
+            ("outliers 0.1% ×100", Corruption("outliers", scale=100.0, rate=1e-3)),
+            ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2)),
+        )
         return Protocol(
             cells=(
                 Cell("stdlib", 150),
@@ -154,6 +185,7 @@ class Protocol:
                 Cell("stdlib-large", 200, base="stdlib@150"),
             ),
             selection_seeds=(100, 101),
+            decision_seeds=(200, 201, 202, 203, 204),
             report_seeds=(0, 1, 2, 3, 4),
             lr_grid=(-1, 0, 1, 2, 3, 4),
             transfer_grid=(-1, 0, 1),
@@ -162,15 +194,17 @@ class Protocol:
             wd_extension=1.0,
             max_extensions=4,
             ablation_cells=("stdlib@150",),
+            ablation_quantiles=(0.8, 0.95, 0.99),
             screen_worse=2,
-            robust_cell="stdlib@150",
-            robust_conditions=(
-                ("clean", Corruption(), 1.0),
-                ("t(2) noise ×2", Corruption("student_t", scale=2.0, df=2), 1.0),
-                ("outliers 0.1% ×100", Corruption("outliers", scale=100.0, rate=1e-3), 1.0),
-                ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2), 1.0),
-                ("lr ×10", Corruption(), 10.0),
-            ),
+            robust_cells=("stdlib@150", "kjv@150"),
+            robust_conditions=corruptions,
+            robust_wd=0.1,
+            sweep_k=(0, 14),
+            sweep_stop=2,
+            lr_region=(6, 7, 8, 9, 10),
+            long_cell=Cell("stdlib", 2400, base="stdlib@600"),
+            long_quantiles=(0.8, 0.95),
+            amp_cell=Cell("stdlib", 150, base="stdlib@150", precision="bf16"),
             timing_steps=100,
             timing_warmup=5,
             cost_tie=0.05,
@@ -182,6 +216,7 @@ class Protocol:
         return Protocol(
             cells=(Cell("digits", 6), Cell("digits", 12, base="digits@6")),
             selection_seeds=(100,),
+            decision_seeds=(200, 201),
             report_seeds=(0, 1),
             lr_grid=(0, 4),
             transfer_grid=(0,),
@@ -190,28 +225,31 @@ class Protocol:
             wd_extension=0.3,
             max_extensions=1,
             ablation_cells=(),
+            ablation_quantiles=(),
             screen_worse=1,
-            robust_cell="digits@6",
+            robust_cells=("digits@6",),
             robust_conditions=(
-                ("clean", Corruption(), 1.0),
-                ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2), 1.0),
+                ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2)),
             ),
+            robust_wd=0.1,
+            sweep_k=(2, 6),
+            sweep_stop=1,
+            lr_region=(4, 5, 6),
+            long_cell=Cell("digits", 24, base="digits@12"),
+            long_quantiles=(0.8,),
+            amp_cell=Cell("digits", 6, base="digits@6", precision="bf16"),
             timing_steps=3,
             timing_warmup=1,
             cost_tie=0.03,
         )
 
-    @staticmethod
-    def reduced() -> Protocol:
-        """:meth:`full` on its first four cells: the three default-horizon cells and stdlib@600.
-        A recorded deviation (docs/benchmarks.md, "What ran"): kjv@600, digits@800 and
-        stdlib-large@200 were dropped before any of their runs finished, because the shared
-        2-core machine could not finish them; everything else is the full protocol."""
-        full = Protocol.full()
-        return replace(full, cells=full.cells[:4])
+    @property
+    def all_cells(self) -> tuple[Cell, ...]:
+        extra = tuple(c for c in (self.long_cell, self.amp_cell) if c is not None)
+        return (*self.cells, *extra)
 
     def cell(self, name: str) -> Cell:
-        for c in self.cells:
+        for c in self.all_cells:
             if c.name == name:
                 return c
         raise KeyError(name)
@@ -274,7 +312,7 @@ def make_spec(
     seed: int,
     per_decade: int,
     *,
-    suite: str = "study",
+    suite: str = "study-select-v3",
     steps: int | None = None,
     clip: float | str | None = "arm",
     corruption: Corruption | None = None,
@@ -293,6 +331,7 @@ def make_spec(
         lr_mult=lr_mult,
         options=arm.options,
         side_lr_mult=_mult(s.j, per_decade) if arm.side else 1.0,
+        precision=cell.precision,
     )
 
 
@@ -434,7 +473,8 @@ class Tuner:
 @dataclass(frozen=True)
 class TimingSpec:
     """Per-step CPU time of ``arm`` relative to ``ref`` on ``task``, measured interleaved in one
-    process (one thread) so both see the same machine load."""
+    process (one thread) so both see the same machine load. A cost for the decision's tie-break
+    (within ``cost_tie``), never a budget."""
 
     task: str
     arm: RunSpec
@@ -453,11 +493,28 @@ class TimingSpec:
                 "ref": self.ref.to_dict(),
                 "steps": self.steps,
                 "warmup": self.warmup,
-                "code": 2,  # see REPORT_SUITE
+                "code": 3,  # see REPORT_SUITE
             },
             sort_keys=True,
         )
         return f"timing-{self.task}-{self.arm.optimizer}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+@dataclass(frozen=True)
+class FlopSpec:
+    """The floating-point operations of one training step of ``arm`` (forward, backward and
+    optimizer step) as ``torch.utils.flop_counter.FlopCounterMode`` counts them: the budget
+    unit of the equal-compute runs (a count, so it does not depend on the machine's load)."""
+
+    task: str
+    arm: RunSpec
+
+    @property
+    def run_id(self) -> str:
+        import hashlib
+
+        blob = json.dumps({"task": self.task, "arm": self.arm.to_dict(), "code": 1}, sort_keys=True)
+        return f"flops-{self.task}-{self.arm.optimizer}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
 
 
 def time_pair(spec: TimingSpec, out_dir: str) -> Result:
@@ -502,6 +559,7 @@ def _time_pair(spec: TimingSpec, out_dir: str) -> Result:
     arm_s, ref_s = (statistics.median(ts) for ts in times)
     result = {
         "run_id": spec.run_id,
+        "kind": "timing",
         "task": spec.task,
         "arm_step_s": arm_s,
         "ref_step_s": ref_s,
@@ -512,10 +570,43 @@ def _time_pair(spec: TimingSpec, out_dir: str) -> Result:
     return result
 
 
+def count_flops(spec: FlopSpec, out_dir: str) -> Result:
+    """Run :class:`FlopSpec` (one warm-up step, then one counted step) and write its result."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rootopt._atomic import atomic_write
+    from rootopt._threads import one_thread
+    from rootopt.bench.runner import build_optimizer
+    from rootopt.bench.tasks import load_task_data, task
+    from rootopt.train.model import loss_fn
+
+    with one_thread():
+        t = task(spec.task)
+        data = load_task_data(spec.task)
+        torch.manual_seed(0)
+        model = t.model()
+        opt = build_optimizer(spec.arm, model)
+        gen = torch.Generator().manual_seed(7)
+        counted = 0
+        for i in range(2):
+            x, y = t.batch(data, gen)
+            with FlopCounterMode(display=False) as fc:
+                loss = loss_fn(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+                opt.step()
+            counted = int(fc.get_total_flops()) if i == 1 else 0
+    result = {"run_id": spec.run_id, "kind": "flops", "task": spec.task, "flops": counted}
+    atomic_write(Path(out_dir) / "timing" / f"{spec.run_id}.json", json.dumps(result).encode())
+    return result
+
+
 # ----------------------------------------------------------------------------- the walk
 
 
-Job = RunSpec | TimingSpec
+Job = RunSpec | TimingSpec | FlopSpec
 
 
 @dataclass
@@ -523,9 +614,11 @@ class ArmCell:
     arm: Arm
     cell: Cell
     tuned: Tuned | None = None
+    decide: list[Result] | None = None  # one per decision seed, in order
     report: list[Result] | None = None  # one per report seed, in order
     equal_compute: list[Result] | None = None
     equal_compute_steps: int | None = None
+    tuned_from: str | None = None  # the arm whose base-cell setting this one started from
 
 
 @dataclass
@@ -538,8 +631,13 @@ class Walk:
     cells: dict[tuple[str, str], ArmCell] = field(default_factory=dict)
     arms: dict[str, Arm] = field(default_factory=dict)
     timing: dict[tuple[str, str], float] = field(default_factory=dict)  # (arm, task) -> ratio
+    flops: dict[tuple[str, str], int] = field(default_factory=dict)  # (arm, task) -> per step
     decisions: dict[str, Any] = field(default_factory=dict)
-    robustness: dict[str, Any] | None = None
+    # robustness family: (cell, arm, clip) -> {"sweep": {k: results}, "optimum": k,
+    # "conditions": {label: results}}
+    robust: dict[tuple[str, str, float | None], dict[str, Any]] = field(default_factory=dict)
+    # run id -> the (arm, cell, role) that use it (the run index)
+    uses: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
     complete: bool = False
 
     def need(self, prio: tuple[int, ...], specs: Sequence[Job]) -> None:
@@ -548,69 +646,116 @@ class Walk:
     def get(self, arm: str, cell: str) -> ArmCell | None:
         return self.cells.get((arm, cell))
 
+    def tagged(self, lookup: Lookup, arm: str, cell: str, role: str) -> Lookup:
+        """``lookup`` that records which arm, cell and role each run serves (the index)."""
 
-# Report runs (and the robustness runs) carry their own suite name: when the code under study
-# changes after tuning, bumping REPORT_SUITE reruns exactly the evidence, not the tuning.
-# Version 2: the report runs, the step-time ratios and the robustness runs were redone on the
-# one-update code (docs/performance.md), which rounds differently (~1e-3 in a final loss) from
-# the code the selection runs used; selection runs were not redone (docs/benchmarks.md).
-REPORT_SUITE = "study-report-v2"
-ROBUST_SUITE = "study-robust-v2"
+        def lk(spec: RunSpec) -> Result | None:
+            self.uses.setdefault(spec.run_id, set()).add((arm, cell, role))
+            return lookup(spec)
+
+        return lk
 
 
-def _report_specs(p: Protocol, ac: ArmCell, steps: int | None = None) -> list[RunSpec]:
+# Every suite carries the evidence's code generation: when the code under study changes,
+# bumping the suffix reruns the evidence. v3: protocol v2 on the code of December 2026, every
+# arm re-tuned (v1's selection, report and robustness suites were "study", "study-report-v2"
+# and "study-robust-v2"; their runs were not kept).
+SELECT_SUITE = "study-select-v3"
+DECIDE_SUITE = "study-decide-v3"
+REPORT_SUITE = "study-report-v3"
+ROBUST_SUITE = "study-robust-v3"
+SWEEP_SUITE = "study-sweep-v3"
+
+# Priorities (lower runs first; docs/benchmarks.md, "Budget and priority").
+P_COST, P_DECIDE, P_TRANSFER, P_STAGE2, P_REPORT = 0, 10, 11, 20, 30
+P_ROBUST, P_LONG, P_AMP, P_ROBUST_NOCLIP, P_EQUAL, P_ABLATION = 35, 40, 42, 45, 50, 60
+
+
+def _seed_specs(
+    p: Protocol, ac: ArmCell, seeds: Sequence[int], suite: str, steps: int | None = None
+) -> list[RunSpec]:
     assert ac.tuned is not None
     return [
-        make_spec(
-            ac.arm, ac.cell, ac.tuned.setting, sd, p.per_decade, steps=steps, suite=REPORT_SUITE
-        )
-        for sd in p.report_seeds
+        make_spec(ac.arm, ac.cell, ac.tuned.setting, sd, p.per_decade, steps=steps, suite=suite)
+        for sd in seeds
     ]
 
 
+def _fetch(
+    w: Walk, lookup: Lookup, specs: Sequence[RunSpec], prio: tuple[int, ...]
+) -> list[Result] | None:
+    res = [lookup(s) for s in specs]
+    missing = [s for s, r in zip(specs, res, strict=True) if r is None]
+    if missing:
+        w.need(prio, missing)
+        return None
+    return [r for r in res if r is not None]
+
+
 def _study_arm_cell(
-    w: Walk, arm: Arm, cell: Cell, lookup: Lookup, level: int, order: int
+    w: Walk,
+    arm: Arm,
+    cell: Cell,
+    lookup: Lookup,
+    tune_prio: tuple[int, ...],
+    *,
+    decide_prio: tuple[int, ...] | None = None,
+    report_prio: tuple[int, ...] | None = None,
+    base_arm: str | None = None,
 ) -> ArmCell:
+    """Tune ``arm`` on ``cell`` (from ``base_arm``'s setting on the base cell, default its
+    own), then ask for its decision runs and report runs where a priority is given."""
     p = w.proto
     ac = w.cells.setdefault((arm.name, cell.name), ArmCell(arm, cell))
     w.arms.setdefault(arm.name, arm)
-    prio = (level, p.cells.index(cell), order)
     base: Tuned | None = None
     if cell.base is not None:
-        b = w.get(arm.name, cell.base)
+        src = base_arm or arm.name
+        b = w.get(src, cell.base)
         if b is None or b.tuned is None:
             return ac  # waits for the base cell
         base = b.tuned
-    try:
-        ac.tuned = Tuner(p, arm, cell, lookup).tune(base)
-    except Needs as n:
-        w.need(prio, n.specs)
-        return ac
-    specs = _report_specs(p, ac)
-    res = [lookup(s) for s in specs]
-    if any(r is None for r in res):
-        w.need(prio, [s for s, r in zip(specs, res, strict=True) if r is None])
-    else:
-        ac.report = [r for r in res if r is not None]
+        ac.tuned_from = src
+    if ac.tuned is None:
+        try:
+            ac.tuned = Tuner(
+                p, arm, cell, w.tagged(lookup, arm.name, cell.name, "selection")
+            ).tune(base)
+        except Needs as n:
+            w.need(tune_prio, n.specs)
+            return ac
+    if decide_prio is not None and ac.decide is None:
+        lk = w.tagged(lookup, arm.name, cell.name, "decision")
+        ac.decide = _fetch(w, lk, _seed_specs(p, ac, p.decision_seeds, DECIDE_SUITE), decide_prio)
+    if report_prio is not None and ac.report is None:
+        lk = w.tagged(lookup, arm.name, cell.name, "report")
+        ac.report = _fetch(w, lk, _seed_specs(p, ac, p.report_seeds, REPORT_SUITE), report_prio)
     return ac
 
 
-def _timing(w: Walk, arm: Arm, task: str, timing_lookup: Callable[[str], Result | None]) -> None:
+def _cost_jobs(w: Walk, arm: Arm, tasks: Sequence[str], timing_lookup: Callable[[str], Result | None]) -> None:
     p = w.proto
-    cell = next(c for c in p.cells if c.task == task)
-    ref = next(a for a in REFERENCES if a.name == "adamw")
-    spec = TimingSpec(
-        task,
-        make_spec(arm, cell, Setting(0), 0, p.per_decade),
-        make_spec(ref, cell, Setting(0), 0, p.per_decade),
-        p.timing_steps,
-        p.timing_warmup,
-    )
-    r = timing_lookup(spec.run_id)
-    if r is None:
-        w.need((0, 0, 0), [spec])
-    else:
-        w.timing[(arm.name, task)] = float(r["ratio"])
+    ref = arm_by_name("adamw")
+    for task in tasks:
+        cell = next(c for c in p.cells if c.task == task)
+        spec = TimingSpec(
+            task,
+            make_spec(arm, cell, Setting(0), 0, p.per_decade),
+            make_spec(ref, cell, Setting(0), 0, p.per_decade),
+            p.timing_steps,
+            p.timing_warmup,
+        )
+        r = timing_lookup(spec.run_id)
+        if r is None:
+            w.need((P_COST,), [spec])
+        else:
+            w.timing[(arm.name, task)] = float(r["ratio"])
+        fs = FlopSpec(task, make_spec(arm, cell, Setting(0), 0, p.per_decade))
+        r = timing_lookup(fs.run_id)
+        if r is None:
+            w.need((P_COST,), [fs])
+        else:
+            w.flops[(arm.name, task)] = int(r["flops"])
 
 
 def cost(w: Walk, arm: str) -> float | None:
@@ -622,31 +767,23 @@ def cost(w: Walk, arm: str) -> float | None:
     return math.exp(statistics.fmean(math.log(r) for r in ratios if r is not None))
 
 
-def _test_losses(rs: Sequence[Result]) -> list[float]:
-    return [float(r["final_test_loss"]) if not r["diverged"] else math.nan for r in rs]
+def _val_losses(rs: Sequence[Result]) -> list[float]:
+    return [float(r["final_val_loss"]) if not r["diverged"] else math.nan for r in rs]
 
 
-def decide(
-    w: Walk, names: Sequence[str], key: str, cells: Sequence[Cell] | None = None
+def _rule(
+    w: Walk, names: Sequence[str], cells: Sequence[Cell], costs: dict[str, float]
 ) -> dict[str, Any] | None:
-    """The preregistered rule (docs/benchmarks.md): on every cell, a candidate is *worse* when
-    one of its report runs diverged or its paired difference to the cell's best candidate has a
-    95 % interval above zero. The tied-best candidates are those worse on the fewest cells;
-    among them the cheapest (step time within ``cost_tie`` counts as equal) wins, then the best
-    mean rank over cells, then the earlier name (the current default is listed first)."""
     p = w.proto
-    costs = {n: cost(w, n) for n in names}
-    if any(c is None for c in costs.values()):
-        return None
     per_cell: dict[str, Any] = {}
     worse = {n: 0 for n in names}
     ranks: dict[str, list[int]] = {n: [] for n in names}
-    for cell in p.cells if cells is None else cells:
+    for cell in cells:
         acs = [w.get(n, cell.name) for n in names]
-        if any(ac is None or ac.report is None for ac in acs):
+        if any(ac is None or ac.decide is None for ac in acs):
             return None
         losses = {
-            n: _test_losses(ac.report) for n, ac in zip(names, acs, strict=True) if ac and ac.report
+            n: _val_losses(ac.decide) for n, ac in zip(names, acs, strict=True) if ac and ac.decide
         }
         means = {
             n: (statistics.fmean(v) if all(map(math.isfinite, v)) else math.inf)
@@ -664,18 +801,17 @@ def decide(
             is_worse = diverged or (ci is not None and ci.lo > 0)
             worse[n] += int(is_worse)
             rows[n] = {
-                "mean_test_loss": means[n],
+                "mean_val_loss": means[n],
                 "vs_best": ci.as_dict() if ci else None,
                 "worse": is_worse,
             }
         per_cell[cell.name] = {"best": best, "rows": rows}
     fewest = min(worse.values())
     tied = [n for n in names if worse[n] == fewest]
-    cheapest = min(costs[n] for n in tied)  # type: ignore[type-var]
-    cheap = [n for n in tied if costs[n] <= cheapest * (1 + p.cost_tie)]  # type: ignore[operator]
+    cheapest = min(costs[n] for n in tied)
+    cheap = [n for n in tied if costs[n] <= cheapest * (1 + p.cost_tie)]
     winner = min(cheap, key=lambda n: (statistics.fmean(ranks[n]), names.index(n)))
     return {
-        "key": key,
         "candidates": list(names),
         "winner": winner,
         "worse_on_cells": worse,
@@ -687,61 +823,106 @@ def decide(
     }
 
 
+def decide(
+    w: Walk, names: Sequence[str], key: str, cells: Sequence[Cell] | None = None
+) -> dict[str, Any] | None:
+    """The preregistered rule (docs/benchmarks.md, protocol v2), on the decision seeds' final
+    *validation* loss (test loss decides nothing): on every cell, a candidate is *worse* when
+    one of its decision runs diverged or its paired difference to the cell's best candidate
+    has a 95 % interval above zero. The tied-best candidates are those worse on the fewest
+    cells; among them the cheapest (step time within ``cost_tie`` counts as equal) wins, then
+    the best mean rank over cells, then the earlier name (the current default is listed
+    first). Also returned: the winner with each cell left out (does one cell decide?)."""
+    p = w.proto
+    costs = {n: cost(w, n) for n in names}
+    if any(c is None for c in costs.values()):
+        return None
+    known = {n: c for n, c in costs.items() if c is not None}
+    cs = list(p.cells if cells is None else cells)
+    d = _rule(w, names, cs, known)
+    if d is None:
+        return None
+    loo = {}
+    if len(cs) > 1:
+        for c in cs:
+            r = _rule(w, names, [x for x in cs if x != c], known)
+            loo[c.name] = r["winner"] if r else None
+    means = {
+        n: statistics.fmean(d["cells"][c.name]["rows"][n]["mean_val_loss"] for c in cs)
+        for n in names
+    }
+    return {"key": key, **d, "split": "validation", "seeds": "decision",
+            "winner_without_cell": loo,
+            "stable": all(v == d["winner"] for v in loo.values()),
+            "mean_val_loss_over_cells": means}  # fmt: skip
+
+
 def _final_arm(w: Walk, chosen: Arm, q: Any, dtype: str) -> Arm:
     opts = dict(chosen.options)
     opts.update(outlier_quantile=q, ns_dtype=dtype)
-    for a in w.arms.values():
+    for a in (*w.arms.values(), *COEFFICIENT_CANDIDATES, *REFERENCES):
         if a.optimizer == chosen.optimizer and dict(a.options) == opts:
             return a
     name = f"{chosen.name}{'-noq' if q is None else ''}{'-bf16' if dtype == 'bfloat16' else ''}"
     return chosen.with_options(name, f"{chosen.label}, q={q}, {dtype}", **opts)
 
 
+def _q_arm(base: Arm, q: float) -> Arm:
+    return base.with_options(f"{base.name}-q{q:g}", f"{base.label}, q={q:g}", outlier_quantile=q)
+
+
 def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result | None]) -> Walk:
     """One pass over the protocol: what is known, and the jobs still needed."""
     w = Walk(proto)
     p = proto
-    stage1 = (*COEFFICIENT_CANDIDATES, *REFERENCES)
-
-    def study(arms: Sequence[Arm], level: int, cells: Sequence[Cell] | None = None) -> None:
-        for cell in cells if cells is not None else p.cells:
-            for i, arm in enumerate(arms):
-                _study_arm_cell(w, arm, cell, lookup, level + (cell.base is not None), i)
-
-    def timing(arms: Sequence[Arm]) -> None:
-        for arm in arms:
-            for task in sorted({c.task for c in p.cells}):
-                _timing(w, arm, task, timing_lookup)
-
-    timing(stage1)
+    tasks = sorted({c.task for c in p.cells})
+    cands = list(COEFFICIENT_CANDIDATES)
+    refs = list(REFERENCES)
+    for arm in (*cands, *refs):
+        _cost_jobs(w, arm, tasks, timing_lookup)
     first = [c for c in p.cells if c.base is None]
-    study(stage1, 10, first)
-    names = [a.name for a in COEFFICIENT_CANDIDATES]
+    later = [c for c in p.cells if c.base is not None]
+
+    def idx(cell: Cell) -> int:
+        return p.all_cells.index(cell)
+
+    for cell in first:
+        for i, arm in enumerate(cands):
+            pr = (P_DECIDE, idx(cell), i)
+            _study_arm_cell(w, arm, cell, lookup, pr, decide_prio=pr,
+                            report_prio=(P_REPORT, idx(cell), i))  # fmt: skip
+        for i, arm in enumerate(refs):
+            pr = (P_REPORT, idx(cell), 10 + i)
+            _study_arm_cell(w, arm, cell, lookup, pr, report_prio=pr)
+    names = [a.name for a in cands]
     screen = decide(w, names, "screening", first)
     d1 = None
     if screen is not None:
         survivors = [n for n in names if screen["worse_on_cells"][n] < p.screen_worse]
         w.decisions["screening"] = {**screen, "survivors": survivors}
-        refs = [a for a in REFERENCES if a.name != "muon-fp32"]
-        study([*(w.arms[n] for n in survivors), *refs], 10, [c for c in p.cells if c.base])
+        for cell in later:
+            for i, n in enumerate(survivors):
+                pr = (P_TRANSFER, idx(cell), i)
+                _study_arm_cell(w, w.arms[n], cell, lookup, pr, decide_prio=pr,
+                                report_prio=(P_REPORT, idx(cell), i))  # fmt: skip
         d1 = decide(w, survivors, "ns_coefficients")
+    for cell in later:
+        for i, arm in enumerate(refs):
+            pr = (P_REPORT, idx(cell), 10 + i)
+            _study_arm_cell(w, arm, cell, lookup, pr, report_prio=pr)
     final: Arm | None = None
     if d1 is not None:
         w.decisions["ns_coefficients"] = d1
         chosen = w.arms[d1["winner"]]
         noq = _final_arm(w, chosen, None, chosen.option("ns_dtype"))
         bf16 = _final_arm(w, chosen, chosen.option("outlier_quantile"), "bfloat16")
-        stage2 = [noq, bf16]
-        timing(stage2)
-        study(stage2, 20)
-        abl = [p.cell(c) for c in p.ablation_cells]
-        q_ablations = [
-            chosen.with_options(
-                f"{chosen.name}-q{q:g}", f"{chosen.label}, q={q:g}", outlier_quantile=q
-            )
-            for q in (0.8, 0.99)
-        ]
-        study([*q_ablations, *ABLATIONS], 50, abl)
+        for arm in (noq, bf16):
+            _cost_jobs(w, arm, tasks, timing_lookup)
+        for cell in p.cells:
+            for i, arm in enumerate((noq, bf16)):
+                pr = (P_STAGE2, idx(cell), i)
+                _study_arm_cell(w, arm, cell, lookup, pr, decide_prio=pr,
+                                report_prio=(P_REPORT, idx(cell), 20 + i))  # fmt: skip
         d2 = decide(w, [chosen.name, noq.name], "outlier_quantile")
         d3 = decide(w, [chosen.name, bf16.name], "ns_dtype")
         if d2 is not None and d3 is not None:
@@ -750,88 +931,150 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
             q = w.arms[d2["winner"]].option("outlier_quantile")
             dtype = w.arms[d3["winner"]].option("ns_dtype")
             final = _final_arm(w, chosen, q, dtype)
-            timing([final])
-            study([final], 30)
+            _cost_jobs(w, final, tasks, timing_lookup)
+            for cell in p.cells:
+                pr = (P_REPORT, idx(cell), 30)
+                _study_arm_cell(w, final, cell, lookup, pr, report_prio=pr)
             w.decisions["final"] = final.name
-    # Equal compute: each arm gets the steps that cost what the cell's steps cost AdamW.
-    for cell in (c for c in p.cells if c.base is None):
+    # The robustness family, the long horizon and the autocast cell use the shipped ROOT.
+    for ci, cname in enumerate(p.robust_cells):
+        for clip in (1.0, None):
+            prio = P_ROBUST if clip is not None else P_ROBUST_NOCLIP
+            for i, name in enumerate(ROBUST_ARMS):
+                _robust(w, arm_by_name(name), p.cell(cname), clip, lookup, (prio, ci, i))
+    shipped = arm_by_name(SHIPPED)
+    if p.long_cell is not None:
+        lc = p.long_cell
+        base_cell = p.cell(lc.base) if lc.base else None
+        for i, name in enumerate(LONG_ARMS):
+            arm = arm_by_name(name)
+            if base_cell is not None and base_cell.base is not None:
+                # the base cell's own base (a transfer chain): tuned there if not already
+                _study_arm_cell(w, arm, p.cell(base_cell.base), lookup, (P_LONG, 0, i))
+                _study_arm_cell(w, arm, base_cell, lookup, (P_LONG, 0, i))
+            pr = (P_LONG, 1, i)
+            _study_arm_cell(w, arm, lc, lookup, pr, report_prio=pr)
+        for i, q in enumerate(p.long_quantiles):
+            pr = (P_LONG, 2, i)
+            _study_arm_cell(w, _q_arm(shipped, q), lc, lookup, pr, report_prio=pr,
+                            base_arm=shipped.name)  # fmt: skip
+    if p.amp_cell is not None:
+        for i, name in enumerate(AMP_ARMS):
+            pr = (P_AMP, 0, i)
+            _study_arm_cell(w, arm_by_name(name), p.amp_cell, lookup, pr, report_prio=pr)
+    # Equal compute: each arm gets the steps whose FLOPs equal AdamW's for the cell's steps.
+    for cell in first:
         for i, name in enumerate(list(w.arms)):
             ac = w.get(name, cell.name)
-            ratio = w.timing.get((name, cell.task))
-            if ac is None or ac.tuned is None or ratio is None:
+            f_arm, f_ref = w.flops.get((name, cell.task)), w.flops.get(("adamw", cell.task))
+            if ac is None or ac.tuned is None or not f_arm or not f_ref:
                 continue
-            steps = max(1, round(cell.steps / ratio))
+            steps = max(1, round(cell.steps * f_ref / f_arm))
             ac.equal_compute_steps = steps
-            specs = _report_specs(p, ac, steps=steps)
-            res = [lookup(s) for s in specs]
-            if any(r is None for r in res):
-                w.need(
-                    (40, p.cells.index(cell), i),
-                    [s for s, r in zip(specs, res, strict=True) if r is None],
-                )
-            else:
-                ac.equal_compute = [r for r in res if r is not None]
+            lk = w.tagged(lookup, name, cell.name, "equal compute")
+            ac.equal_compute = _fetch(
+                w, lk, _seed_specs(p, ac, p.report_seeds, REPORT_SUITE, steps=steps),
+                (P_EQUAL, idx(cell), i),
+            )
     if final is not None:
-        _robustness(w, final, lookup)
+        chosen = w.arms[w.decisions["ns_coefficients"]["winner"]]
+        abl = [*(_q_arm(chosen, q) for q in p.ablation_quantiles), *ABLATIONS]
+        for cname in p.ablation_cells:
+            for i, arm in enumerate(abl):
+                pr = (P_ABLATION, 0, i)
+                _study_arm_cell(w, arm, p.cell(cname), lookup, pr, report_prio=pr)
     w.jobs.sort(key=lambda pj: pj[0])
     w.complete = not w.jobs and final is not None
     return w
 
 
-def _robustness(w: Walk, final: Arm, lookup: Lookup) -> None:
-    """Each arm at its tuned setting on the robustness cell, without gradient clipping unless
-    the arm is a ``+clip`` one; degradation = loss under a condition minus the same arm's clean
-    loss, paired by seed."""
+def capped_test_loss(r: Result) -> float:
+    """A run's final test loss; a diverged run counts its initial test loss (the lr-stability
+    rule of protocol v2)."""
+    if not r["diverged"] and math.isfinite(r["final_test_loss"]):
+        return float(r["final_test_loss"])
+    init = r.get("initial_test_loss")
+    return float(init) if init is not None and math.isfinite(init) else math.inf
+
+
+def _robust(
+    w: Walk, arm: Arm, cell: Cell, clip: float | None, lookup: Lookup, prio: tuple[int, ...]
+) -> None:
+    """One optimizer of the robustness family on one cell: the clean sweep over the common
+    absolute lr grid (from ``sweep_k[0]`` until ``sweep_stop`` consecutive points diverge on
+    every seed, or ``sweep_k[1]``), then each corruption at the sweep's optimum (lowest mean
+    validation loss)."""
     p = w.proto
-    cell = p.cell(p.robust_cell)
-    old = COEFFICIENT_CANDIDATES[0]
-    noq = _final_arm(w, final, None, final.option("ns_dtype"))
-    entries: list[tuple[str, Arm, float | None]] = []
-    for arm in dict.fromkeys([final, old, noq]):
-        entries.append((arm.name, arm, None))
-    for ref in ("muon-bf16", "adamw"):
-        arm = w.arms[ref]
-        entries += [(ref, arm, None), (f"{ref}+clip", arm, 1.0)]
-    table: dict[str, Any] = {}
-    for i, (label, arm, clip) in enumerate(entries):
-        ac = w.get(arm.name, cell.name)
-        if ac is None or ac.tuned is None:
-            return
-        rows: dict[str, list[Result]] = {}
-        for cond, corr, mult in p.robust_conditions:
-            specs = [
-                make_spec(
-                    arm,
-                    cell,
-                    ac.tuned.setting,
-                    sd,
-                    p.per_decade,
-                    suite=ROBUST_SUITE,
-                    clip=clip,
-                    corruption=corr,
-                    lr_mult=mult,
-                )
-                for sd in p.report_seeds
-            ]
-            res = [lookup(s) for s in specs]
-            if any(r is None for r in res):
-                w.need((45, i, 0), [s for s, r in zip(specs, res, strict=True) if r is None])
-                continue
-            rows[cond] = [r for r in res if r is not None]
-        table[label] = {"arm": arm.name, "clip": clip, "runs": rows}
-    w.robustness = table
+    w.arms.setdefault(arm.name, arm)
+    tag = f"{arm.name}{'+clip' if clip is not None else ''}"
+    entry: dict[str, Any] = {"arm": arm.name, "clip": clip, "sweep": {}, "optimum": None,
+                             "conditions": {}, "complete": False}  # fmt: skip
+    w.robust[(cell.name, arm.name, clip)] = entry
+    lk = w.tagged(lookup, tag, cell.name, "lr sweep")
+    lo, hi = p.sweep_k
+    run_of_div = 0
+    lookahead = 0
+    done_sweep = False
+    for k in range(lo, hi + 1):
+        specs = [
+            make_spec(arm, cell, Setting(k, 0, p.robust_wd), sd, p.per_decade,
+                      suite=SWEEP_SUITE, clip=clip)  # fmt: skip
+            for sd in p.report_seeds
+        ]
+        res = [lk(s) for s in specs]
+        if any(r is None for r in res):
+            w.need(prio, [s for s, r in zip(specs, res, strict=True) if r is None])
+            lookahead += 1
+            if lookahead >= 3:  # at most 3 unfinished points ahead (a sweep is sequential)
+                break
+            continue
+        if lookahead:
+            continue  # a later point is known but an earlier one is not: wait
+        got = [r for r in res if r is not None]
+        entry["sweep"][k] = got
+        run_of_div = run_of_div + 1 if all(r["diverged"] for r in got) else 0
+        if run_of_div >= p.sweep_stop:
+            done_sweep = True
+            break
+    else:
+        done_sweep = lookahead == 0
+    if not done_sweep or not entry["sweep"]:
+        return
+    scores = {k: selection_score(rs) for k, rs in entry["sweep"].items()}
+    kbest = min(scores, key=lambda k: (scores[k], k))
+    if math.isinf(scores[kbest]):
+        return
+    entry["optimum"] = kbest
+    lk2 = w.tagged(lookup, tag, cell.name, "corruption")
+    ok = True
+    for label, corr in p.robust_conditions:
+        specs = [
+            make_spec(arm, cell, Setting(kbest, 0, p.robust_wd), sd, p.per_decade,
+                      suite=ROBUST_SUITE, clip=clip, corruption=corr)  # fmt: skip
+            for sd in p.report_seeds
+        ]
+        got2 = _fetch(w, lk2, specs, prio)
+        if got2 is None:
+            ok = False
+        else:
+            entry["conditions"][label] = got2
+    entry["complete"] = ok
 
 
 # ----------------------------------------------------------------------------- running
 
 
 def _run_job(job: Job, out_dir: str) -> Result:
-    """Worker entry: one run or one timing job. A run that raises (e.g. an SVD that does not
-    converge on a non-finite matrix) is recorded as diverged with the error, not retried."""
+    """Worker entry: one run, one timing or one FLOP count. A run that raises (e.g. an SVD
+    that does not converge on a non-finite matrix) is recorded as diverged with the error,
+    not retried."""
     from rootopt.bench.runner import FORMAT, run_one
 
     if isinstance(job, TimingSpec):
         return time_pair(job, out_dir)
+    if isinstance(job, FlopSpec):
+        return count_flops(job, out_dir)
+    started = time.time()
     try:
         return run_one(job, out_dir)
     except Exception as exc:  # the optimizer setting failed; keep the study going
@@ -846,7 +1089,6 @@ def _run_job(job: Job, out_dir: str) -> Result:
             "final_val_acc": None,
             "final_test_loss": math.nan,
             "final_test_acc": None,
-            "last_eval": {},
             "evals": [],
             "train_loss": [],
             "diverged": True,
@@ -855,23 +1097,18 @@ def _run_job(job: Job, out_dir: str) -> Result:
             "step_time_s": None,
             "train_cpu_s": 0.0,
             "wall_s": 0.0,
+            "started": started,
+            "ended": time.time(),
+            "momentum_tail": {},
         }
         atomic_write(Path(out_dir) / "runs" / f"{job.run_id}.json", json.dumps(r).encode())
         return r
 
 
-def _load_dir(path: Path) -> dict[str, Result]:
-    out: dict[str, Result] = {}
-    if not path.is_dir():
-        return out
-    for f in path.glob("*.json"):
-        try:
-            r = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue  # torn or foreign: the job is redone
-        if isinstance(r, dict) and r.get("run_id") == f.stem:
-            out[f.stem] = r
-    return out
+def open_store(out: Path) -> Store:
+    from rootopt.bench.runner import FORMAT
+
+    return Store(out, run_format=FORMAT)
 
 
 def run_study(
@@ -881,27 +1118,28 @@ def run_study(
     workers: int,
     compute: bool = True,
     progress: bool = True,
+    commit: str | None = None,
     log: Callable[[str], None] | None = None,
-) -> Walk:
+) -> tuple[Walk, Store]:
     """Run every job the protocol still needs (highest priority first, re-planning after each
-    finished job) and return the final :class:`Walk`. ``compute=False`` runs nothing."""
+    finished job) and return the final :class:`Walk` and the store. ``compute=False`` runs
+    nothing. ``commit``: recorded with every run this call finishes (the run index)."""
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
-    from rootopt.bench.runner import FORMAT, _worker_init
+    from rootopt.bench.runner import _worker_init
 
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "timing").mkdir(parents=True, exist_ok=True)
-    runs = {k: r for k, r in _load_dir(out / "runs").items() if r.get("format") == FORMAT}
-    timings = _load_dir(out / "timing")
+    store = open_store(out)
 
     def lookup(spec: RunSpec) -> Result | None:
-        return runs.get(spec.run_id)
+        return store.runs.get(spec.run_id)
 
-    w = walk(proto, lookup, timings.get)
+    w = walk(proto, lookup, store.timing.get)
     if not compute or not w.jobs:
-        return w
+        return w, store
     done = 0
     t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
@@ -922,29 +1160,32 @@ def run_study(
                 job = pending.pop(fut)
                 r = fut.result()
                 done += 1
-                if isinstance(job, TimingSpec):
-                    timings[job.run_id] = r
-                    line = f"timing {job.task} {job.arm.optimizer} {dict(job.arm.options)}: ×{r['ratio']:.3f} of AdamW"
+                if isinstance(job, TimingSpec | FlopSpec):
+                    store.add_timings([r])
+                    what = f"×{r['ratio']:.3f} of AdamW" if "ratio" in r else f"{r['flops']:.3g} FLOP"
+                    line = f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
                 else:
-                    runs[job.run_id] = r
+                    store.add_runs([r], commit=commit)
                     status = (
                         f"DIVERGED ({r['error'][:60]})"
                         if r["diverged"]
                         else f"val {r['final_val_loss']:.4f}"
                     )
                     line = (
-                        f"{job.suite} {job.task}@{job.steps} {job.optimizer} "
+                        f"{job.suite} {job.task}@{job.steps}{'-amp' if job.precision != 'fp32' else ''} "
+                        f"{job.optimizer} "
                         f"{','.join(f'{k}={v}' for k, v in job.options if k != 'ortho_method')} "
                         f"lr {job.lr:.3g} side ×{job.side_lr_mult:g} wd {job.weight_decay:g} "
-                        f"seed {job.seed}: {status} ({r['wall_s']:.0f}s)"
+                        f"clip {job.clip} {job.corruption.tag} seed {job.seed}: {status} "
+                        f"({r['wall_s']:.0f}s)"
                     )
                 if progress:
                     el = time.perf_counter() - t0
                     say(
                         f"[study {done} done, {len(pending)} running, {len(w.jobs)} ready, {el:.0f}s] {line}"
                     )
-            w = walk(proto, lookup, timings.get)
-    return w
+            w = walk(proto, lookup, store.timing.get)
+    return w, store
 
 
 # ----------------------------------------------------------------------------- summary

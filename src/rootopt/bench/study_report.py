@@ -35,22 +35,13 @@ def read_sessions(log_path: Path) -> list[dict[str, Any]]:
     return list(sessions.values())
 
 
-def provenance(sessions: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
+def provenance(sessions: Sequence[dict[str, Any]], store: Any) -> dict[str, Any]:
     """Commit(s), commands, machine, versions and times of every invocation that ran jobs
-    (a session stopped before its end counts from its start to its last run's file)."""
+    (a session stopped before its end counts from its start to the end of its last run)."""
     ran = sorted((s for s in sessions if s.get("compute")), key=lambda s: float(s["start"]))
-    cpu_s = 0.0
-    runs = 0
-    written: list[float] = []
-    for f in [*(out / "runs").glob("*.json"), *(out / "timing").glob("*.json")]:
-        try:
-            r = json.loads(f.read_text())
-            written.append(f.stat().st_mtime)
-        except (OSError, ValueError):
-            continue
-        if f.parent.name == "runs":
-            runs += 1
-            cpu_s += float(r.get("wall_s") or 0.0)
+    runs = list(store.runs.values())
+    cpu_s = sum(float(r.get("wall_s") or 0.0) for r in runs)
+    written = [float(r["ended"]) for r in runs if r.get("ended")]
     stopped = 0
     for i, s in enumerate(ran):
         if s.get("end") is None:  # stopped: it ended with the last result it wrote
@@ -64,10 +55,7 @@ def provenance(sessions: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
     last = (ran or list(sessions) or [{}])[-1]
     return {
         "commits": commits,
-        # the output directory is the reader's own: shown as OUT, not as this machine's path
-        "commands": list(
-            dict.fromkeys(str(s.get("command")).replace(str(out), "OUT") for s in ran)
-        ),
+        "commands": list(dict.fromkeys(str(s.get("command")) for s in ran)),
         "machine": last.get("machine"),
         "python": last.get("python"),
         "torch": last.get("torch"),
@@ -77,7 +65,7 @@ def provenance(sessions: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
         "last end (UTC)": _utc(max((s["end"] for s in ran), default=None)),
         "wall_s": round(sum(s["end"] - s["start"] for s in ran)),
         "sessions stopped before their end": stopped,
-        "runs": runs,
+        "runs": len(runs),
         "run_s (sum over runs)": round(cpu_s),
     }
 
