@@ -26,9 +26,7 @@ from rootopt._threads import one_thread
 # sweep: they evaluate at the end only (evaluation draws no random numbers, so the final losses
 # are the same either way; an evaluation of both held-out splits costs about ten training
 # steps of the small LM).
-FINAL_EVAL_ONLY = frozenset(
-    {"study", "study-select-v3", "study-decide-v3", "study-sweep-v3"}
-)
+FINAL_EVAL_ONLY = frozenset({"study", "study-select-v3", "study-decide-v3", "study-sweep-v3"})
 # Suites whose runs record no momentum tail (only their final losses are ever read).
 NO_TAIL = frozenset({"study", "study-select-v3", "study-decide-v3"})
 # Evaluations (and tail records) per run, at most: a long run evaluates every steps / 20 steps
@@ -183,10 +181,13 @@ def _orthogonalized(opt: Any) -> list[tuple[Any, Any]]:
         if not is_root and not isinstance(o, torch.optim.Muon):
             continue
         for g in o.param_groups:
-            if is_root and g.get("algorithm") != "root":
+            alg = g.get("algorithm")
+            if is_root and alg == "adamw":
                 continue
             mu, nesterov = float(g["momentum"]), bool(g["nesterov"])
             for p in g["params"]:
+                if is_root and alg != "root" and p.ndim < 2:  # "auto": ROOT takes ndim >= 2
+                    continue
                 buf = o.state.get(p, {}).get("momentum_buffer")
                 if buf is None or p.grad is None:
                     continue

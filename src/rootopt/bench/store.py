@@ -98,7 +98,9 @@ class Store:
         ]
         runs.sort(key=lambda r: (r.get("started") or 0.0, r["run_id"]))
         self.add_runs(runs)
-        self.add_timings([r for r in _load_dir(self.out / "timing") if r["run_id"] not in self.timing])
+        self.add_timings(
+            [r for r in _load_dir(self.out / "timing") if r["run_id"] not in self.timing]
+        )
 
     def add_runs(self, results: Iterable[Result], commit: str | None = None) -> list[Result]:
         new = []

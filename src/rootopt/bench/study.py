@@ -22,15 +22,14 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rootopt.bench.runner import Corruption, RunSpec
-from rootopt.bench.stats import mean_ci, paired_ci
+from rootopt.bench.stats import holm, mean_ci, paired_ci, paired_p
 from rootopt.bench.store import Store
-from rootopt.bench.suites import smoothness
 
 Result = dict[str, Any]
 Lookup = Callable[[RunSpec], Result | None]
@@ -718,9 +717,9 @@ def _study_arm_cell(
         ac.tuned_from = src
     if ac.tuned is None:
         try:
-            ac.tuned = Tuner(
-                p, arm, cell, w.tagged(lookup, arm.name, cell.name, "selection")
-            ).tune(base)
+            ac.tuned = Tuner(p, arm, cell, w.tagged(lookup, arm.name, cell.name, "selection")).tune(
+                base
+            )
         except Needs as n:
             w.need(tune_prio, n.specs)
             return ac
@@ -733,7 +732,9 @@ def _study_arm_cell(
     return ac
 
 
-def _cost_jobs(w: Walk, arm: Arm, tasks: Sequence[str], timing_lookup: Callable[[str], Result | None]) -> None:
+def _cost_jobs(
+    w: Walk, arm: Arm, tasks: Sequence[str], timing_lookup: Callable[[str], Result | None]
+) -> None:
     p = w.proto
     ref = arm_by_name("adamw")
     for task in tasks:
@@ -851,10 +852,15 @@ def decide(
         n: statistics.fmean(d["cells"][c.name]["rows"][n]["mean_val_loss"] for c in cs)
         for n in names
     }
-    return {"key": key, **d, "split": "validation", "seeds": "decision",
-            "winner_without_cell": loo,
-            "stable": all(v == d["winner"] for v in loo.values()),
-            "mean_val_loss_over_cells": means}  # fmt: skip
+    return {
+        "key": key,
+        **d,
+        "split": "validation",
+        "seeds": "decision",
+        "winner_without_cell": loo,
+        "stable": all(v == d["winner"] for v in loo.values()),
+        "mean_val_loss_over_cells": means,
+    }
 
 
 def _final_arm(w: Walk, chosen: Arm, q: Any, dtype: str) -> Arm:
@@ -889,8 +895,9 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
     for cell in first:
         for i, arm in enumerate(cands):
             pr = (P_DECIDE, idx(cell), i)
-            _study_arm_cell(w, arm, cell, lookup, pr, decide_prio=pr,
-                            report_prio=(P_REPORT, idx(cell), i))  # fmt: skip
+            _study_arm_cell(
+                w, arm, cell, lookup, pr, decide_prio=pr, report_prio=(P_REPORT, idx(cell), i)
+            )
         for i, arm in enumerate(refs):
             pr = (P_REPORT, idx(cell), 10 + i)
             _study_arm_cell(w, arm, cell, lookup, pr, report_prio=pr)
@@ -903,8 +910,15 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
         for cell in later:
             for i, n in enumerate(survivors):
                 pr = (P_TRANSFER, idx(cell), i)
-                _study_arm_cell(w, w.arms[n], cell, lookup, pr, decide_prio=pr,
-                                report_prio=(P_REPORT, idx(cell), i))  # fmt: skip
+                _study_arm_cell(
+                    w,
+                    w.arms[n],
+                    cell,
+                    lookup,
+                    pr,
+                    decide_prio=pr,
+                    report_prio=(P_REPORT, idx(cell), i),
+                )
         d1 = decide(w, survivors, "ns_coefficients")
     for cell in later:
         for i, arm in enumerate(refs):
@@ -921,8 +935,15 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
         for cell in p.cells:
             for i, arm in enumerate((noq, bf16)):
                 pr = (P_STAGE2, idx(cell), i)
-                _study_arm_cell(w, arm, cell, lookup, pr, decide_prio=pr,
-                                report_prio=(P_REPORT, idx(cell), 20 + i))  # fmt: skip
+                _study_arm_cell(
+                    w,
+                    arm,
+                    cell,
+                    lookup,
+                    pr,
+                    decide_prio=pr,
+                    report_prio=(P_REPORT, idx(cell), 20 + i),
+                )
         d2 = decide(w, [chosen.name, noq.name], "outlier_quantile")
         d3 = decide(w, [chosen.name, bf16.name], "ns_dtype")
         if d2 is not None and d3 is not None:
@@ -956,8 +977,9 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
             _study_arm_cell(w, arm, lc, lookup, pr, report_prio=pr)
         for i, q in enumerate(p.long_quantiles):
             pr = (P_LONG, 2, i)
-            _study_arm_cell(w, _q_arm(shipped, q), lc, lookup, pr, report_prio=pr,
-                            base_arm=shipped.name)  # fmt: skip
+            _study_arm_cell(
+                w, _q_arm(shipped, q), lc, lookup, pr, report_prio=pr, base_arm=shipped.name
+            )
     if p.amp_cell is not None:
         for i, name in enumerate(AMP_ARMS):
             pr = (P_AMP, 0, i)
@@ -973,7 +995,9 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
             ac.equal_compute_steps = steps
             lk = w.tagged(lookup, name, cell.name, "equal compute")
             ac.equal_compute = _fetch(
-                w, lk, _seed_specs(p, ac, p.report_seeds, REPORT_SUITE, steps=steps),
+                w,
+                lk,
+                _seed_specs(p, ac, p.report_seeds, REPORT_SUITE, steps=steps),
                 (P_EQUAL, idx(cell), i),
             )
     if final is not None:
@@ -1007,8 +1031,14 @@ def _robust(
     p = w.proto
     w.arms.setdefault(arm.name, arm)
     tag = f"{arm.name}{'+clip' if clip is not None else ''}"
-    entry: dict[str, Any] = {"arm": arm.name, "clip": clip, "sweep": {}, "optimum": None,
-                             "conditions": {}, "complete": False}  # fmt: skip
+    entry: dict[str, Any] = {
+        "arm": arm.name,
+        "clip": clip,
+        "sweep": {},
+        "optimum": None,
+        "conditions": {},
+        "complete": False,
+    }
     w.robust[(cell.name, arm.name, clip)] = entry
     lk = w.tagged(lookup, tag, cell.name, "lr sweep")
     lo, hi = p.sweep_k
@@ -1017,8 +1047,15 @@ def _robust(
     done_sweep = False
     for k in range(lo, hi + 1):
         specs = [
-            make_spec(arm, cell, Setting(k, 0, p.robust_wd), sd, p.per_decade,
-                      suite=SWEEP_SUITE, clip=clip)  # fmt: skip
+            make_spec(
+                arm,
+                cell,
+                Setting(k, 0, p.robust_wd),
+                sd,
+                p.per_decade,
+                suite=SWEEP_SUITE,
+                clip=clip,
+            )
             for sd in p.report_seeds
         ]
         res = [lk(s) for s in specs]
@@ -1049,8 +1086,16 @@ def _robust(
     ok = True
     for label, corr in p.robust_conditions:
         specs = [
-            make_spec(arm, cell, Setting(kbest, 0, p.robust_wd), sd, p.per_decade,
-                      suite=ROBUST_SUITE, clip=clip, corruption=corr)  # fmt: skip
+            make_spec(
+                arm,
+                cell,
+                Setting(kbest, 0, p.robust_wd),
+                sd,
+                p.per_decade,
+                suite=ROBUST_SUITE,
+                clip=clip,
+                corruption=corr,
+            )
             for sd in p.report_seeds
         ]
         got2 = _fetch(w, lk2, specs, prio)
@@ -1162,7 +1207,9 @@ def run_study(
                 done += 1
                 if isinstance(job, TimingSpec | FlopSpec):
                     store.add_timings([r])
-                    what = f"×{r['ratio']:.3f} of AdamW" if "ratio" in r else f"{r['flops']:.3g} FLOP"
+                    what = (
+                        f"×{r['ratio']:.3f} of AdamW" if "ratio" in r else f"{r['flops']:.3g} FLOP"
+                    )
                     line = f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
                 else:
                     store.add_runs([r], commit=commit)
@@ -1203,31 +1250,48 @@ def _ci_or_none(xs: Sequence[float] | None) -> dict[str, Any] | None:
     return mean_ci(xs).as_dict()
 
 
+def _paired_or_none(a: Sequence[float] | None, b: Sequence[float] | None) -> dict[str, Any] | None:
+    if a is None or b is None or len(a) != len(b) or len(a) < 2:
+        return None
+    if not all(map(math.isfinite, [*a, *b])):
+        return None
+    d = paired_ci(a, b).as_dict()
+    d["p"] = paired_p(a, b)
+    return d
+
+
 COMPARISONS: tuple[tuple[str, str, str], ...] = (
     # (label, a, b): the paired difference a − b in test loss (negative: a is better)
-    ("selector: AdaNewton − AdaNewton without selector", "root-adanewton", "root-adanewton-static"),
-    ("AdaNewton − Muon's coefficients (both ROOT, fp32)", "root-adanewton", "root-muon"),
-    ("new default − old default", "@final", "root-adanewton"),
-    ("new default − Muon bf16 (torch.optim.Muon)", "@final", "muon-bf16"),
-    ("new default − Muon fp32", "@final", "muon-fp32"),
-    ("new default − AdamW", "@final", "adamw"),
+    ("default − torch.optim.Muon", "@final", "muon-bf16"),
     ("ROOT fp32 − Muon fp32 (precision-matched)", "@chosen", "muon-fp32"),
     ("ROOT bf16 − Muon bf16 (precision-matched)", "@chosen-bf16", "muon-bf16"),
+    ("default − AdamW", "@final", "adamw"),
+    ("AdaNewton − Muon's coefficients (both ROOT, fp32)", "root-adanewton", "root-muon"),
+    ("Polar Express − Muon's coefficients (both ROOT, fp32)", "root-polar", "root-muon"),
     ("threshold on − off", "@chosen", "@chosen-noq"),
     ("bf16 − fp32 iterations", "@chosen-bf16", "@chosen"),
     ("Muon bf16 − AdamW", "muon-bf16", "adamw"),
+    ("shipped ROOT − torch.optim.Muon", SHIPPED, "muon-bf16"),
+    ("shipped ROOT − Muon fp32 (precision-matched)", SHIPPED, "muon-fp32"),
+    ("shipped ROOT q = 0.8 − q = 0.9", f"{SHIPPED}-q0.8", SHIPPED),
+    ("shipped ROOT q = 0.95 − q = 0.9", f"{SHIPPED}-q0.95", SHIPPED),
 )
+
+
+def default_arm(w: Walk) -> tuple[str, bool]:
+    """The arm of the library's default and whether it is decided: the final decision when
+    every decision is in, else the shipped setting (provisional)."""
+    final = w.decisions.get("final")
+    return (str(final), True) if final else (SHIPPED, False)
 
 
 def _resolve_name(w: Walk, name: str) -> str | None:
     if not name.startswith("@"):
         return name
-    d1 = w.decisions.get("ns_coefficients")
     if name == "@final":
-        return w.decisions.get("final")
-    if d1 is None:
-        return None
-    chosen = w.arms[d1["winner"]]
+        return default_arm(w)[0]
+    d1 = w.decisions.get("ns_coefficients")
+    chosen = w.arms[d1["winner"]] if d1 else arm_by_name(SHIPPED)
     if name == "@chosen":
         return chosen.name
     if name == "@chosen-noq":
@@ -1261,32 +1325,356 @@ def _lr_sensitivity(t: Tuned | None) -> dict[str, Any] | None:
     }
 
 
-def _steps_to_target(rows: dict[str, Any], seeds: Sequence[int]) -> None:
-    """Per report seed, the first evaluated step whose test loss is at or below AdamW's mean
-    final test loss on the cell (None: not reached within the schedule)."""
-    adamw = rows.get("adamw")
-    if not adamw or not adamw["test_loss_ci"]:
-        return
-    target = adamw["test_loss_ci"]["mean"]
-    for r in rows.values():
-        if not r["curves"]:
-            continue
-        r["steps_to_adamw"] = [
-            next(
-                (
-                    s
-                    for s, v in zip(cv["steps"], cv["test_loss"], strict=True)
-                    if s > 0 and v <= target
-                ),
-                None,
-            )
-            for cv in r["curves"]
+def _tail_summary(rs: Sequence[Result] | None) -> dict[str, Any] | None:
+    """The momentum tail over the run, averaged over the seeds step by step."""
+    cols = [r.get("momentum_tail") or {} for r in rs or []]
+    cols = [c for c in cols if c.get("step")]
+    if not cols or any(c["step"] != cols[0]["step"] for c in cols):
+        return None
+    keys = [k for k in cols[0] if k not in ("step", "matrices")]
+    return {
+        "step": cols[0]["step"],
+        **{
+            k: [statistics.fmean(c[k][i] for c in cols) for i in range(len(cols[0]["step"]))]
+            for k in keys
+        },
+    }
+
+
+def _arm_row(w: Walk, ac: ArmCell) -> dict[str, Any]:
+    p = w.proto
+    test = _losses(ac.report)
+    val = _losses(ac.report, "final_val_loss")
+    dval = _losses(ac.decide, "final_val_loss")
+    eq = _losses(ac.equal_compute)
+    return {
+        "setting": ac.tuned.setting.as_dict(ac.arm, p.per_decade) if ac.tuned else None,
+        "edge": ac.tuned.edge if ac.tuned else None,
+        "tuned_from": ac.tuned_from,
+        "history": ac.tuned.history if ac.tuned else None,
+        "decision_val_loss": dval,
+        "decision_val_ci": _ci_or_none(dval),
+        "test_loss": test,
+        "test_loss_ci": _ci_or_none(test),
+        "val_loss": val,
+        "test_acc": [r.get("final_test_acc") for r in ac.report] if ac.report else None,
+        "diverged": sum(bool(r["diverged"]) for r in ac.report) if ac.report else None,
+        "param_count": ac.report[0].get("param_count") if ac.report else None,
+        "equal_compute_steps": ac.equal_compute_steps,
+        "equal_compute_test_loss": eq,
+        "equal_compute_ci": _ci_or_none(eq),
+        "curves": [
+            {
+                "steps": [e["step"] for e in r["evals"]],
+                "test_loss": [e["test_loss"] for e in r["evals"]],
+            }
+            for r in ac.report
         ]
-        r["adamw_target"] = target
+        if ac.report
+        else None,
+        "smoothness": [r.get("smoothness") for r in ac.report] if ac.report else None,
+        "momentum_tail": _tail_summary(ac.report),
+        "lr_sensitivity": _lr_sensitivity(ac.tuned),
+    }
 
 
-def summarize(w: Walk, meta: dict[str, Any]) -> dict[str, Any]:
-    """The study as JSON-able data: settings, per-arm results, comparisons, decisions."""
+def _pooled(per_cell: dict[str, dict[str, Any]], cells: Sequence[str]) -> dict[str, Any] | None:
+    """Pooled over ``cells`` (all of them must be present): per report seed, the mean over
+    cells of the paired difference; the interval is Student's t over those seed means."""
+    got = [per_cell.get(c, {}).get("diffs") for c in cells]
+    diffs = [d for d in got if d is not None]
+    if not cells or len(diffs) != len(got):
+        return None
+    n = len(diffs[0])
+    if any(len(d) != n for d in diffs):
+        return None
+    seed_means = [statistics.fmean(d[i] for d in diffs) for i in range(n)]
+    if n < 2:
+        return None
+    ci = mean_ci(seed_means).as_dict()
+    ci["cells"] = list(cells)
+    zero = [0.0] * n
+    ci["p"] = paired_p(seed_means, zero)
+    return ci
+
+
+def _comparisons(w: Walk, cells: dict[str, Any]) -> list[dict[str, Any]]:
+    p = w.proto
+    out: list[dict[str, Any]] = []
+    decision_cells = [c.name for c in p.cells]
+    base_cells = [c.name for c in p.cells if c.base is None]
+    for label, a0, b0 in COMPARISONS:
+        a, b = _resolve_name(w, a0), _resolve_name(w, b0)
+        if a is None or b is None or a == b:
+            continue
+        per: dict[str, Any] = {}
+        for c in p.all_cells:
+            ra, rb = cells[c.name]["arms"].get(a), cells[c.name]["arms"].get(b)
+            if not ra or not rb:
+                continue
+            row: dict[str, Any] = {}
+            for kind, key in (
+                ("equal steps", "test_loss"),
+                ("equal compute", "equal_compute_test_loss"),
+            ):
+                d = _paired_or_none(ra[key], rb[key])
+                if d is not None:
+                    row[kind] = d
+                    if kind == "equal steps":
+                        row["diffs"] = [x - y for x, y in zip(ra[key], rb[key], strict=True)]
+                    else:
+                        row["diffs_equal_compute"] = [
+                            x - y for x, y in zip(ra[key], rb[key], strict=True)
+                        ]
+            if row:
+                per[c.name] = row
+        pooled = _pooled(per, decision_cells)
+        eq = {c: {"diffs": v.get("diffs_equal_compute")} for c, v in per.items()}
+        pooled_eq = _pooled(eq, base_cells)
+        out.append(
+            {
+                "label": label,
+                "a": a,
+                "b": b,
+                "cells": per,
+                "pooled": pooled,
+                "pooled_equal_compute": pooled_eq,
+            }
+        )
+    return out
+
+
+def _robust_summary(w: Walk) -> dict[str, Any] | None:
+    p = w.proto
+    if not w.robust:
+        return None
+    cells: dict[str, Any] = {}
+    seeds = list(p.report_seeds)
+    for (cname, arm, clip), e in w.robust.items():
+        tag = f"{arm}{'+clip' if clip is not None else ''}"
+        sweep = []
+        for k, rs in sorted(e["sweep"].items()):
+            sweep.append(
+                {
+                    "k": k,
+                    "lr": _lr(arm_by_name(arm), k, p.per_decade),
+                    "val_loss": _losses(rs, "final_val_loss"),
+                    "test_loss": _losses(rs),
+                    "capped_test_loss": [capped_test_loss(r) for r in rs],
+                    "diverged": sum(bool(r["diverged"]) for r in rs),
+                    "above10rms_share": [
+                        (r.get("momentum_tail") or {}).get("above10rms_share", [None])[-1]
+                        for r in rs
+                    ],
+                }
+            )
+        row: dict[str, Any] = {
+            "arm": arm,
+            "clip": clip,
+            "complete": e["complete"],
+            "optimum_k": e["optimum"],
+            "sweep": sweep,
+            "conditions": {},
+        }
+        kbest = e["optimum"]
+        clean = e["sweep"].get(kbest) if kbest is not None else None
+        if clean is not None:
+            clean_test = _losses(clean)
+            row["optimum_lr"] = _lr(arm_by_name(arm), kbest, p.per_decade)
+            row["clean"] = {"test_loss": clean_test, "test_loss_ci": _ci_or_none(clean_test)}
+            for label, rs in e["conditions"].items():
+                xs = _losses(rs)
+                row["conditions"][label] = {
+                    "test_loss": xs,
+                    "diverged": sum(bool(r["diverged"]) for r in rs),
+                    "degradation_per_seed": (
+                        [x - y for x, y in zip(xs, clean_test, strict=True)]
+                        if xs is not None and clean_test is not None
+                        else None
+                    ),
+                    "degradation": _paired_or_none(xs, clean_test),
+                }
+            # lr stability: mean over the region of (capped loss − the seed's optimum loss)
+            if all(k in e["sweep"] for k in p.lr_region) or (
+                e["sweep"] and max(e["sweep"]) < max(p.lr_region) and _stopped(e, p)
+            ):
+                best = [capped_test_loss(r) for r in clean]
+                per_seed = []
+                for i in range(len(seeds)):
+                    vals = []
+                    for k in p.lr_region:
+                        rs = e["sweep"].get(k)
+                        # past the sweep's stop every seed diverged: the initial loss
+                        v = capped_test_loss(rs[i]) if rs else _initial(e, i)
+                        vals.append(v - best[i])
+                    per_seed.append(statistics.fmean(vals))
+                row["lr_degradation_per_seed"] = per_seed
+                row["lr_degradation"] = _ci_or_none(per_seed)
+        cells.setdefault(cname, {})[tag] = row
+    family = _holm_family(w, cells)
+    return {
+        "cells": cells,
+        "conditions": [lbl for lbl, _ in p.robust_conditions],
+        "lr_region": {
+            "k": list(p.lr_region),
+            "lr": [_lr(arm_by_name("adamw"), k, p.per_decade) for k in p.lr_region],
+        },
+        "weight_decay": p.robust_wd,
+        "family": family,
+    }
+
+
+def _stopped(e: dict[str, Any], p: Protocol) -> bool:
+    """The sweep ended by its stop rule (its last points diverged on every seed)."""
+    ks = sorted(e["sweep"])
+    tail = ks[-p.sweep_stop :]
+    return len(tail) == p.sweep_stop and all(
+        all(r["diverged"] for r in e["sweep"][k]) for k in tail
+    )
+
+
+def _initial(e: dict[str, Any], i: int) -> float:
+    rs = e["sweep"][max(e["sweep"])]
+    return capped_test_loss(rs[i])
+
+
+def _holm_family(w: Walk, cells: dict[str, Any]) -> dict[str, Any]:
+    """ROOT − comparator for every cell × clipping × comparator × degradation (protocol v2):
+    paired t tests, Holm-adjusted over the whole family (only when all of it is in)."""
+    p = w.proto
+    metrics = [*(lbl for lbl, _ in p.robust_conditions), "lr stability"]
+    rows: list[dict[str, Any]] = []
+    for cname in p.robust_cells:
+        for clip in (1.0, None):
+            sfx = "+clip" if clip is not None else ""
+            root = cells.get(cname, {}).get(f"{SHIPPED}{sfx}")
+            for comp in ROBUST_ARMS[1:]:
+                other = cells.get(cname, {}).get(f"{comp}{sfx}")
+                for m in metrics:
+                    row: dict[str, Any] = {
+                        "cell": cname,
+                        "clip": clip,
+                        "a": SHIPPED,
+                        "b": comp,
+                        "metric": m,
+                        "diff": None,
+                    }
+                    if root and other:
+                        if m == "lr stability":
+                            xa = root.get("lr_degradation_per_seed")
+                            xb = other.get("lr_degradation_per_seed")
+                        else:
+                            ca, cb = root["conditions"].get(m), other["conditions"].get(m)
+                            xa = ca and ca["degradation_per_seed"]
+                            xb = cb and cb["degradation_per_seed"]
+                        row["diff"] = _paired_or_none(xa, xb)
+                    rows.append(row)
+    complete = all(r["diff"] is not None for r in rows)
+    if complete and rows:
+        adj = holm([r["diff"]["p"] for r in rows])
+        for r, a in zip(rows, adj, strict=True):
+            r["p_holm"] = a
+            r["significant"] = a <= 0.05
+    return {"size": len(rows), "complete": complete, "alpha": 0.05, "rows": rows}
+
+
+def _index(w: Walk, store: Store) -> dict[str, Any]:
+    """Every run in the store: what it was, who ran it when, what it gave, and whether the
+    protocol as it stands uses it (a run it does not use is superseded)."""
+    cols = [
+        "run_id",
+        "suite",
+        "uses",
+        "cell",
+        "seed",
+        "setting",
+        "commit",
+        "started (UTC)",
+        "ended (UTC)",
+        "final_val_loss",
+        "final_test_loss",
+        "diverged",
+        "used",
+    ]
+    rows = []
+    for rid, r in sorted(store.runs.items(), key=lambda kv: (kv[1].get("started") or 0, kv[0])):
+        s = r["spec"]
+        uses = sorted(w.uses.get(rid, ()))
+        cell = (
+            uses[0][1]
+            if uses
+            else f"{s['task']}{'-amp' if s.get('precision') == 'bf16' else ''}@{s['steps']}"
+        )
+        setting = {
+            "lr": s["lr"],
+            "side_lr_mult": s["side_lr_mult"],
+            "weight_decay": s["weight_decay"],
+            "clip": s["clip"],
+            "corruption": RunSpec.from_dict(s).corruption.tag,
+            "lr_mult": s["lr_mult"],
+            "steps": s["steps"],
+            "precision": s.get("precision", "fp32"),
+            "options": dict(map(tuple, s["options"])),
+        }
+
+        def fin(x: Any) -> float | None:
+            return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+        rows.append(
+            [
+                rid,
+                s["suite"],
+                ["|".join(u) for u in uses],
+                cell,
+                s["seed"],
+                setting,
+                r.get("commit"),
+                _utc_s(r.get("started")),
+                _utc_s(r.get("ended")),
+                fin(r.get("final_val_loss")),
+                fin(r.get("final_test_loss")),
+                bool(r["diverged"]),
+                bool(uses),
+            ]
+        )
+    return {
+        "columns": cols,
+        "rows": rows,
+        "runs": len(rows),
+        "superseded": sum(1 for row in rows if not row[-1]),
+    }
+
+
+def _utc_s(t: Any) -> str | None:
+    if not isinstance(t, int | float):
+        return None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+FAMILIES = (
+    (P_COST, "step-time ratios and FLOP counts"),
+    (P_DECIDE, "tuning and decision runs, base cells"),
+    (P_TRANSFER, "tuning and decision runs, transfer cells"),
+    (P_STAGE2, "stage 2 (threshold off, bf16 iterations)"),
+    (P_REPORT, "report runs"),
+    (P_ROBUST, "robustness family, with clipping"),
+    (P_LONG, "long horizon (stdlib@2400)"),
+    (P_AMP, "bf16 autocast cell"),
+    (P_ROBUST_NOCLIP, "robustness family, without clipping"),
+    (P_EQUAL, "equal compute"),
+    (P_ABLATION, "ablations"),
+)
+
+
+def _param_count(task_name: str) -> int:
+    from rootopt.bench.tasks import task
+
+    return sum(p.numel() for p in task(task_name).model().parameters())
+
+
+def summarize(w: Walk, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
+    """The study as JSON-able data: settings, per-arm results, decisions, comparisons, the
+    robustness family, the run index, and what is still pending."""
     p = w.proto
     arms: dict[str, Any] = {}
     for name, arm in w.arms.items():
@@ -1296,119 +1684,45 @@ def summarize(w: Walk, meta: dict[str, Any]) -> dict[str, Any]:
             "options": dict(arm.options),
             "cost_vs_adamw": cost(w, name),
             "timing": {t: r for (a, t), r in w.timing.items() if a == name},
+            "flops_per_step": {t: f for (a, t), f in w.flops.items() if a == name},
         }
     cells: dict[str, Any] = {}
-    for c in p.cells:
-        rows: dict[str, Any] = {}
-        for name in w.arms:
-            ac = w.get(name, c.name)
-            if ac is None:
-                continue
-            test = _losses(ac.report)
-            val = _losses(ac.report, "final_val_loss")
-            eq = _losses(ac.equal_compute)
-            rows[name] = {
-                "setting": ac.tuned.setting.as_dict(ac.arm, p.per_decade) if ac.tuned else None,
-                "edge": ac.tuned.edge if ac.tuned else None,
-                "history": ac.tuned.history if ac.tuned else None,
-                "test_loss": test,
-                "test_loss_ci": _ci_or_none(test),
-                "val_loss": val,
-                "test_acc": [r["final_test_acc"] for r in ac.report] if ac.report else None,
-                "diverged": sum(bool(r["diverged"]) for r in ac.report) if ac.report else None,
-                "equal_compute_steps": ac.equal_compute_steps,
-                "equal_compute_test_loss": eq,
-                "equal_compute_ci": _ci_or_none(eq),
-                "curves": [
-                    {
-                        "steps": [e["step"] for e in r["evals"]],
-                        "test_loss": [e["test_loss"] for e in r["evals"]],
-                    }
-                    for r in ac.report
-                ]
-                if ac.report
-                else None,
-                "smoothness": [
-                    smoothness(r["train_loss"], skip=max(1, c.steps // 10)) for r in ac.report
-                ]
-                if ac.report
-                else None,
-                "lr_sensitivity": _lr_sensitivity(ac.tuned),
-            }
-        _steps_to_target(rows, p.report_seeds)
-        cells[c.name] = {"task": c.task, "steps": c.steps, "base": c.base, "arms": rows}
-    comparisons: list[dict[str, Any]] = []
-    for label, a0, b0 in COMPARISONS:
-        a, b = _resolve_name(w, a0), _resolve_name(w, b0)
-        if a is None or b is None or a == b:
-            continue
-        per: dict[str, Any] = {}
-        for c in p.cells:
-            for kind, key in (
-                ("equal steps", "test_loss"),
-                ("equal compute", "equal_compute_test_loss"),
-            ):
-                ra, rb = cells[c.name]["arms"].get(a), cells[c.name]["arms"].get(b)
-                if not ra or not rb or ra[key] is None or rb[key] is None:
-                    continue
-                xa, xb = ra[key], rb[key]
-                if len(xa) != len(xb) or not all(map(math.isfinite, [*xa, *xb])):
-                    per.setdefault(c.name, {})[kind] = None
-                    continue
-                per.setdefault(c.name, {})[kind] = paired_ci(xa, xb).as_dict()
-        comparisons.append({"label": label, "a": a, "b": b, "cells": per})
-    robust: dict[str, Any] | None = None
-    if w.robustness is not None:
-        robust = {
-            "cell": p.robust_cell,
-            "conditions": [c for c, _, _ in p.robust_conditions],
-            "arms": {},
+    for c in p.all_cells:
+        rows = {name: _arm_row(w, ac) for name in w.arms if (ac := w.get(name, c.name))}
+        cells[c.name] = {
+            "param_count": _param_count(c.task),
+            "task": c.task,
+            "steps": c.steps,
+            "base": c.base,
+            "precision": c.precision,
+            "decision": c in p.cells,
+            "arms": rows,
         }
-        for label, entry in w.robustness.items():
-            runs = entry["runs"]
-            clean = _losses(runs.get("clean"))
-            rows2: dict[str, Any] = {}
-            for cond, rs in runs.items():
-                xs = _losses(rs)
-                assert xs is not None
-                deg = None
-                if clean is not None and cond != "clean" and all(map(math.isfinite, [*xs, *clean])):
-                    deg = paired_ci(xs, clean).as_dict()
-                rows2[cond] = {
-                    "test_loss": xs,
-                    "diverged": sum(bool(r["diverged"]) for r in rs),
-                    "test_loss_ci": _ci_or_none(xs),
-                    "degradation": deg,
-                }
-            robust["arms"][label] = {
-                "arm": entry["arm"],
-                "clip": entry["clip"],
-                "conditions": rows2,
-            }
+    pending: dict[str, int] = {}
+    for prio, _ in w.jobs:
+        label = next((lbl for lv, lbl in FAMILIES if lv == prio[0]), str(prio[0]))
+        pending[label] = pending.get(label, 0) + 1
+    default, decided = default_arm(w)
     return {
-        "format": 1,
+        "format": 2,
         "meta": meta,
         "protocol": _protocol_dict(p),
         "complete": w.complete,
         "jobs_left": len(w.jobs),
+        "pending": pending,
+        "default": {"arm": default, "decided": decided},
         "arms": arms,
         "cells": cells,
         "decisions": w.decisions,
-        "comparisons": comparisons,
-        "robustness": robust,
+        "comparisons": _comparisons(w, cells),
+        "robustness": _robust_summary(w),
+        "index": _index(w, store),
     }
 
 
 def _protocol_dict(p: Protocol) -> dict[str, Any]:
     d = asdict(p)
     d["robust_conditions"] = [
-        {"label": lbl, "corruption": asdict(c), "lr_mult": m} for lbl, c, m in p.robust_conditions
+        {"label": lbl, "corruption": asdict(c)} for lbl, c in p.robust_conditions
     ]
     return d
-
-
-def iter_runs(w: Walk) -> Iterator[tuple[str, str, Result]]:
-    """(arm, cell, result) of every report run (for plots)."""
-    for (arm, cell), ac in w.cells.items():
-        for r in ac.report or []:
-            yield arm, cell, r

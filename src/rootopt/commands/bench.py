@@ -207,10 +207,14 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--import {str(src)!r} is not a study directory (no runs.jsonl)")
     _claim_out(out)
     proto = study.Protocol.quick() if args.quick else study.Protocol.full()
+    log_path = out / "study-log.jsonl"
     if src is not None:
         runs, timings = study.open_store(out).merge_from(src)
-        print(f"rootopt bench study: imported {runs} runs and {timings} timings")
-    log_path = out / "study-log.jsonl"
+        sessions = study_report.merge_log(src / "study-log.jsonl", log_path)
+        print(
+            f"rootopt bench study: imported {runs} runs, {timings} timings and "
+            f"{sessions} session entries"
+        )
     started = time.time()
     git = _git_commit()
     meta = _meta(args, argv)
