@@ -438,7 +438,9 @@ def test_benchmarks_page_is_the_committed_study() -> None:
     block = markdown(summary)
     assert "#### Decisions" in block
     if "ns_coefficients" in summary["decisions"]:
-        assert f"**ns_coefficients** → `{summary['decisions']['ns_coefficients']['winner']}`" in block
+        assert (
+            f"**ns_coefficients** → `{summary['decisions']['ns_coefficients']['winner']}`" in block
+        )
     else:
         assert "**not decided yet**" in block and not summary["default"]["decided"]
     assert splice(page, block) == page

@@ -561,7 +561,9 @@ def write_plots(s: dict[str, Any], out: Path) -> list[str]:
 
 def _lr_plot(s: dict[str, Any]) -> bool:
     rob = s.get("robustness")
-    return bool(rob) and any(a["sweep"] for c in rob["cells"].values() for a in c.values())
+    if not rob:
+        return False
+    return any(a["sweep"] for c in rob["cells"].values() for a in c.values())
 
 
 def _tails(s: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
