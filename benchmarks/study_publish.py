@@ -27,42 +27,45 @@ from rootopt.bench import study_report
 from rootopt.commands.bench import main as bench_main
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORD = ROOT / "docs" / "study"
-RESULTS = ROOT / "docs" / "study_results.json"
-PAGE = ROOT / "docs" / "benchmarks.md"
-README = ROOT / "README.md"
-IMG = ROOT / "docs" / "img"
+PLOTS = ("study_lr.png", "study_long.png", "study_tail.png")
 
 
-def publish(import_dir: Path | None = None) -> dict[str, object]:
-    page, readme = PAGE.read_text(encoding="utf-8"), README.read_text(encoding="utf-8")
+def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
+    """Publish into the repository at ``root`` (its docs/ and README.md)."""
+    record, results = root / "docs" / "study", root / "docs" / "study_results.json"
+    page_path, readme_path, img = (
+        root / "docs" / "benchmarks.md",
+        root / "README.md",
+        root / "docs" / "img",
+    )
+    page, readme = page_path.read_text(encoding="utf-8"), readme_path.read_text(encoding="utf-8")
     # check both pages before the first byte is written
     for doc, begin, end, name in (
-        (page, study_report.BEGIN, study_report.END, PAGE.name),
-        (readme, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END, README.name),
+        (page, study_report.BEGIN, study_report.END, page_path.name),
+        (readme, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END, readme_path.name),
     ):
         if doc.count(begin) != 1 or doc.count(end) != 1:
             raise SystemExit(f"study_publish: {name} must hold its generated block's markers once")
-    argv = ["study", "--out", str(RECORD), "--finished-only", "--no-progress"]
+    argv = ["study", "--out", str(record), "--finished-only", "--no-progress"]
     if import_dir is not None:
         argv += ["--import", str(import_dir)]
     if bench_main(argv) != 0:
         raise SystemExit("study_publish: rootopt bench study failed")
-    summary = json.loads((RECORD / "study.json").read_text(encoding="utf-8"))
-    atomic_write(RESULTS, json.dumps(summary, indent=1).encode())
+    summary = json.loads((record / "study.json").read_text(encoding="utf-8"))
+    atomic_write(results, json.dumps(summary, indent=1).encode())
     block = study_report.markdown(summary)
-    atomic_write(PAGE, study_report.splice(page, block).encode())
+    atomic_write(page_path, study_report.splice(page, block).encode())
     head = study_report.headline(summary)
     atomic_write(
-        README,
+        readme_path,
         study_report.splice(
             readme, head, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END
         ).encode(),
     )
     plots = []
-    for name in ("study_lr.png", "study_long.png", "study_tail.png"):
-        if (RECORD / name).is_file():
-            shutil.copyfile(RECORD / name, IMG / name)
+    for name in PLOTS:
+        if (record / name).is_file():
+            shutil.copyfile(record / name, img / name)
             plots.append(name)
     return {"runs": summary["index"]["runs"], "complete": summary["complete"], "plots": plots}
 
@@ -71,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--import", dest="import_dir", default="", metavar="DIR")
     args = ap.parse_args()
-    got = publish(Path(args.import_dir) if args.import_dir else None)
+    got = publish(ROOT, Path(args.import_dir) if args.import_dir else None)
     print(json.dumps(got))
     return 0
 

@@ -688,3 +688,53 @@ def test_committed_summary_is_rendered_from_the_committed_record() -> None:
     again = json.loads(json.dumps(study.summarize(w, store, meta)))
     # compared as canonical JSON: a diverged run's loss is NaN, which equals nothing
     assert json.dumps(again, sort_keys=True) == json.dumps(committed, sort_keys=True)
+
+
+def _publish_module() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "study_publish.py"
+    spec = importlib.util.spec_from_file_location("study_publish", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _mini_repo(root: Path, *, readme_markers: bool = True) -> None:
+    from rootopt.bench.study_report import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END
+
+    (root / "docs" / "study").mkdir(parents=True)
+    (root / "docs" / "img").mkdir()
+    (root / "docs" / "study" / "bench-manifest.json").write_text('{"tool": "rootopt bench"}')
+    (root / "docs" / "benchmarks.md").write_text(
+        f"# page\n\nkept\n\n{BEGIN}\nold\n{END}\n\nkept too\n"
+    )
+    markers = f"{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n" if readme_markers else "| a table |\n"
+    (root / "README.md").write_text(f"# readme\n\n## Measured\n\n{markers}\nafter\n")
+
+
+def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
+    from rootopt.bench.study_report import headline, markdown
+
+    mod = _publish_module()
+    _mini_repo(tmp_path)
+    got = mod.publish(tmp_path)
+    assert got["runs"] == 0 and got["complete"] is False
+    summary = json.loads((tmp_path / "docs" / "study_results.json").read_text())
+    page = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert page.startswith("# page\n\nkept\n\n") and page.endswith("\n\nkept too\n")
+    assert markdown(summary).rstrip("\n") in page and "\nold\n" not in page
+    readme = (tmp_path / "README.md").read_text()
+    assert readme == f"# readme\n\n## Measured\n\n{headline(summary)}\nafter\n"
+    assert "Still running: stdlib@150" in readme
+
+
+def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path: Path) -> None:
+    mod = _publish_module()
+    _mini_repo(tmp_path, readme_markers=False)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match="README.md must hold"):
+        mod.publish(tmp_path)
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before

@@ -1480,19 +1480,18 @@ def _robust_summary(w: Walk) -> dict[str, Any] | None:
         clean = e["sweep"].get(kbest) if kbest is not None else None
         if clean is not None:
             clean_test = _losses(clean)
+            clean_capped = [capped_test_loss(r) for r in clean]
             row["optimum_lr"] = _lr(arm_by_name(arm), kbest, p.per_decade)
             row["clean"] = {"test_loss": clean_test, "test_loss_ci": _ci_or_none(clean_test)}
             for label, rs in e["conditions"].items():
-                xs = _losses(rs)
+                # as in the lr sweep, a diverged run counts its initial test loss
+                capped = [capped_test_loss(r) for r in rs]
+                per_seed = [x - y for x, y in zip(capped, clean_capped, strict=True)]
                 row["conditions"][label] = {
-                    "test_loss": xs,
+                    "test_loss": _losses(rs),
                     "diverged": sum(bool(r["diverged"]) for r in rs),
-                    "degradation_per_seed": (
-                        [x - y for x, y in zip(xs, clean_test, strict=True)]
-                        if xs is not None and clean_test is not None
-                        else None
-                    ),
-                    "degradation": _paired_or_none(xs, clean_test),
+                    "degradation_per_seed": per_seed,
+                    "degradation": _paired_or_none(capped, clean_capped),
                 }
             # lr stability: mean over the region of (capped loss − the seed's optimum loss)
             if all(k in e["sweep"] for k in p.lr_region) or (
