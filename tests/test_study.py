@@ -738,3 +738,13 @@ def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path:
         mod.publish(tmp_path)
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_study_refuses_an_import_that_is_not_a_study_directory(tmp_path: Path) -> None:
+    from rootopt.commands.bench import main
+
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    assert main(["study", "--out", str(tmp_path / "o"), "--import", str(tmp_path / "foreign")]) == 2
+    assert not (tmp_path / "o").exists()
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"

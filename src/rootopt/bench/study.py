@@ -1,18 +1,21 @@
-"""The defaults study: which ``ns_coefficients``, selector, ``outlier_quantile`` and ``ns_dtype``
-ROOT defaults to, decided by paired training evidence (protocol: docs/benchmarks.md).
+"""The defaults study: which ``ns_coefficients``, ``outlier_quantile`` and ``ns_dtype`` ROOT
+defaults to, decided by paired training evidence (protocol v2: docs/benchmarks.md).
 
 The whole study is plain data (:class:`Protocol`, :class:`Arm`, :class:`Cell`) plus pure
-functions that, given the finished runs, say which runs are still needed (:func:`plan`) and
+functions that, given the finished runs, say which runs are still needed (:func:`walk`) and
 what was found (:func:`summarize`). :func:`run_study` keeps a pool of worker processes busy with
-the needed runs, highest priority first, and asks :func:`plan` again after every finished run;
-each run's result is a JSON file named by its spec, so an interrupted study resumes where it
-stopped and a finished one is summarised without running anything.
+the needed runs, highest priority first, and walks the protocol again after every finished
+run; each finished run is one line of the study directory's ``runs.jsonl``
+(:mod:`rootopt.bench.store`), so an interrupted study resumes where it stopped, from the
+directory it ran in or from a committed copy of its record.
 
-Tuning (per arm and cell, on the validation split, selection seeds only): the matrix lr on a
-quarter-decade grid that extends itself when the best point is on an edge; then the lr of the
-AdamW side (embeddings, norms, head) as a multiple of the matrix lr; then the lr again near the
-optimum; then the weight decay. Reporting (test split, report seeds disjoint from the selection
-seeds): the chosen setting, each claim a paired difference with a 95 % interval.
+Three disjoint seed sets: selection seeds tune each arm (validation split: the matrix lr on a
+quarter-decade grid that extends itself on an edge, the AdamW side's lr multiple, the weight
+decay); decision seeds feed the decision rule (validation split); report seeds give every
+reported number (test split), each claim a paired difference with a 95 % interval. Beside the
+decision: the robustness family (a common absolute lr grid, with and without clipping,
+injected gradient corruption, Holm-corrected between-arm comparisons), a long horizon and a
+bf16-autocast cell.
 """
 
 from __future__ import annotations
