@@ -5,8 +5,9 @@
 2. ``rootopt bench study --out docs/study --finished-only`` renders the summary from the record
    alone (nothing is trained).
 3. The summary becomes docs/study_results.json; its tables replace the generated block of
-   docs/benchmarks.md; its headline replaces the generated block of README.md; its plots go to
-   docs/img/ (study_lr.png, study_long.png, study_tail.png).
+   docs/benchmarks.md (and v1's re-reading its own block, from docs/study_results_v1.json);
+   its headline replaces the generated block of README.md; its plots go to docs/img/
+   (study_lr.png, study_long.png, study_tail.png).
 
 Only the generated blocks between their markers are rewritten; the rest of each page is kept
 as it is, and a page without its markers stops the script before anything is written.
@@ -54,7 +55,13 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
     summary = json.loads((record / "study.json").read_text(encoding="utf-8"))
     atomic_write(results, json.dumps(summary, indent=1).encode())
     block = study_report.markdown(summary)
-    atomic_write(page_path, study_report.splice(page, block).encode())
+    page = study_report.splice(page, block)
+    if study_report.V1_BEGIN in page:  # v1's corrections, from v1's committed summary
+        v1 = json.loads((root / "docs" / "study_results_v1.json").read_text(encoding="utf-8"))
+        page = study_report.splice(
+            page, study_report.v1_markdown(v1), study_report.V1_BEGIN, study_report.V1_END
+        )
+    atomic_write(page_path, page.encode())
     head = study_report.headline(summary)
     atomic_write(
         readme_path,

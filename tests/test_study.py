@@ -446,6 +446,26 @@ def test_benchmarks_page_is_the_committed_study() -> None:
     assert splice(page, block) == page
 
 
+def test_v1_rereading_is_v1s_summary() -> None:
+    """The corrections to v1 on docs/benchmarks.md are rendered from v1's committed summary,
+    and read validation where v1 read test."""
+    from rootopt.bench.study_report import V1_BEGIN, V1_END, splice, v1_markdown, v1_rereading
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    v1 = json.loads((docs / "study_results_v1.json").read_text(encoding="utf-8"))
+    page = (docs / "benchmarks.md").read_text(encoding="utf-8")
+    assert splice(page, v1_markdown(v1), V1_BEGIN, V1_END) == page
+    r = v1_rereading(v1)
+    # v1's published decision is what its rule gives on test loss
+    assert r["rule"]["test"]["winner"] == v1["decisions"]["ns_coefficients"]["winner"]
+    cell = "kjv@150"
+    val = {
+        n: v1["cells"][cell]["arms"][n]["val_loss"] for n in r["rule"]["validation"]["candidates"]
+    }
+    best = r["rule"]["validation"]["cells"][cell]["best"]
+    assert best == min(val, key=lambda n: statistics.fmean(val[n]))
+
+
 # ----------------------------------------------------------------------------- v2 machinery
 
 

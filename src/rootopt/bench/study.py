@@ -775,23 +775,22 @@ def _val_losses(rs: Sequence[Result]) -> list[float]:
     return [float(r["final_val_loss"]) if not r["diverged"] else math.nan for r in rs]
 
 
-def _rule(
-    w: Walk, names: Sequence[str], cells: Sequence[Cell], costs: dict[str, float]
-) -> dict[str, Any] | None:
-    p = w.proto
+def apply_rule(
+    losses: dict[str, dict[str, list[float]]],
+    names: Sequence[str],
+    costs: dict[str, float],
+    cost_tie: float,
+) -> dict[str, Any]:
+    """The decision rule on plain numbers: ``losses[cell][name]`` per seed (NaN: diverged),
+    ``names`` in tie-break order, ``costs`` relative step costs. Pure, so a decision can be
+    recomputed from any summary (also v1's)."""
     per_cell: dict[str, Any] = {}
     worse = {n: 0 for n in names}
     ranks: dict[str, list[int]] = {n: [] for n in names}
-    for cell in cells:
-        acs = [w.get(n, cell.name) for n in names]
-        if any(ac is None or ac.decide is None for ac in acs):
-            return None
-        losses = {
-            n: _val_losses(ac.decide) for n, ac in zip(names, acs, strict=True) if ac and ac.decide
-        }
+    for cell, by_name in losses.items():
         means = {
-            n: (statistics.fmean(v) if all(map(math.isfinite, v)) else math.inf)
-            for n, v in losses.items()
+            n: (statistics.fmean(by_name[n]) if all(map(math.isfinite, by_name[n])) else math.inf)
+            for n in names
         }
         best = min(names, key=lambda n: (means[n], names.index(n)))
         order = sorted(names, key=lambda n: (means[n], names.index(n)))
@@ -801,7 +800,7 @@ def _rule(
             diverged = not math.isfinite(means[n])
             ci = None
             if not diverged and n != best and math.isfinite(means[best]):
-                ci = paired_ci(losses[n], losses[best])
+                ci = paired_ci(by_name[n], by_name[best])
             is_worse = diverged or (ci is not None and ci.lo > 0)
             worse[n] += int(is_worse)
             rows[n] = {
@@ -809,11 +808,11 @@ def _rule(
                 "vs_best": ci.as_dict() if ci else None,
                 "worse": is_worse,
             }
-        per_cell[cell.name] = {"best": best, "rows": rows}
+        per_cell[cell] = {"best": best, "rows": rows}
     fewest = min(worse.values())
     tied = [n for n in names if worse[n] == fewest]
     cheapest = min(costs[n] for n in tied)
-    cheap = [n for n in tied if costs[n] <= cheapest * (1 + p.cost_tie)]
+    cheap = [n for n in tied if costs[n] <= cheapest * (1 + cost_tie)]
     winner = min(cheap, key=lambda n: (statistics.fmean(ranks[n]), names.index(n)))
     return {
         "candidates": list(names),
@@ -824,6 +823,32 @@ def _rule(
         "cheapest_tied": cheap,
         "mean_rank": {n: statistics.fmean(r) for n, r in ranks.items()},
         "cells": per_cell,
+    }
+
+
+def rule_with_stability(
+    losses: dict[str, dict[str, list[float]]],
+    names: Sequence[str],
+    costs: dict[str, float],
+    cost_tie: float,
+) -> dict[str, Any]:
+    """:func:`apply_rule`, plus the winner with each cell left out and the mean loss of each
+    candidate over the cells."""
+    d = apply_rule(losses, names, costs, cost_tie)
+    loo: dict[str, str] = {}
+    if len(losses) > 1:
+        for c in losses:
+            rest = {k: v for k, v in losses.items() if k != c}
+            loo[c] = apply_rule(rest, names, costs, cost_tie)["winner"]
+    means = {
+        n: statistics.fmean(d["cells"][c]["rows"][n]["mean_val_loss"] for c in losses)
+        for n in names
+    }
+    return {
+        **d,
+        "winner_without_cell": loo,
+        "stable": all(v == d["winner"] for v in loo.values()),
+        "mean_val_loss_over_cells": means,
     }
 
 
@@ -839,31 +864,18 @@ def decide(
     first). Also returned: the winner with each cell left out (does one cell decide?)."""
     p = w.proto
     costs = {n: cost(w, n) for n in names}
-    if any(c is None for c in costs.values()):
-        return None
     known = {n: c for n, c in costs.items() if c is not None}
-    cs = list(p.cells if cells is None else cells)
-    d = _rule(w, names, cs, known)
-    if d is None:
+    if len(known) != len(costs):
         return None
-    loo = {}
-    if len(cs) > 1:
-        for c in cs:
-            r = _rule(w, names, [x for x in cs if x != c], known)
-            loo[c.name] = r["winner"] if r else None
-    means = {
-        n: statistics.fmean(d["cells"][c.name]["rows"][n]["mean_val_loss"] for c in cs)
-        for n in names
-    }
-    return {
-        "key": key,
-        **d,
-        "split": "validation",
-        "seeds": "decision",
-        "winner_without_cell": loo,
-        "stable": all(v == d["winner"] for v in loo.values()),
-        "mean_val_loss_over_cells": means,
-    }
+    losses: dict[str, dict[str, list[float]]] = {}
+    for cell in p.cells if cells is None else cells:
+        acs = [w.get(n, cell.name) for n in names]
+        decided = [ac.decide for ac in acs if ac is not None and ac.decide is not None]
+        if len(decided) != len(names):
+            return None
+        losses[cell.name] = {n: _val_losses(rs) for n, rs in zip(names, decided, strict=True)}
+    d = rule_with_stability(losses, names, known, p.cost_tie)
+    return {"key": key, **d, "split": "validation", "seeds": "decision"}
 
 
 def _final_arm(w: Walk, chosen: Arm, q: Any, dtype: str) -> Arm:
