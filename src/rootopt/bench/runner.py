@@ -29,8 +29,9 @@ from rootopt._threads import one_thread
 FINAL_EVAL_ONLY = frozenset({"study", "study-select-v3", "study-decide-v3", "study-sweep-v3"})
 # Suites whose runs record no momentum tail (only their final losses are ever read).
 NO_TAIL = frozenset({"study", "study-select-v3", "study-decide-v3"})
-# Evaluations (and tail records) per run, at most: a long run evaluates every steps / 20 steps
-# instead of its task's interval (the curves keep their shape; the cost stays bounded).
+# Evaluations (and momentum-tail records) per run, at most: a long run evaluates every
+# steps / 20 steps instead of its task's interval (the curves keep their shape; the cost stays
+# bounded).
 MAX_EVALS = 20
 FORMAT = 2  # bump when the meaning of a run's result changes; old results are then rerun
 PRECISIONS = ("fp32", "bf16")  # bf16: the forward and loss under torch.autocast(bfloat16)
@@ -294,8 +295,8 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     tail: dict[str, list[Any]] = {}
     diverged, error = False, ""
     every = max(t.eval_every, spec.steps // MAX_EVALS)
-    # the tail 20 times per run; a run evaluated at its end only records it at its end
-    tail_every = 0 if spec.suite in NO_TAIL else max(1, spec.steps // MAX_EVALS)
+    # the tail at every evaluation (a run evaluated at its end only: at its end)
+    tail_every = 0 if spec.suite in NO_TAIL else every
     if spec.suite in FINAL_EVAL_ONLY and tail_every:
         tail_every = spec.steps
     amp = spec.precision == "bf16"

@@ -25,6 +25,13 @@ Result = dict[str, Any]
 
 RUNS = "runs.jsonl"
 TIMING = "timing.jsonl"
+_NO = object()
+SPEC_DEFAULTS: dict[str, Any] = {
+    "clip": 1.0,
+    "corruption": {"kind": "none", "scale": 0.0, "rate": 0.0, "df": 2},
+    "lr_mult": 1.0,
+    "side_lr_mult": 1.0,
+}
 
 
 def compact(r: Result) -> Result:
@@ -33,17 +40,29 @@ def compact(r: Result) -> Result:
     from rootopt.bench.suites import smoothness
 
     out = {k: v for k, v in r.items() if k not in ("train_loss", "last_eval")}
+    if "spec" in r:  # fields at their default are left out (RunSpec.from_dict restores them)
+        out["spec"] = {k: v for k, v in r["spec"].items() if SPEC_DEFAULTS.get(k, _NO) != v}
     if "train_loss" in r:
         steps = int(r["spec"]["steps"])
         out["smoothness"] = smoothness(r["train_loss"], skip=max(1, steps // 10))
         out["train_loss_last"] = r["train_loss"][-1] if r["train_loss"] else None
-    out["evals"] = [
-        {k: v for k, v in e.items() if k not in ("train_s", "cpu_s") and v is not None}
-        for e in r.get("evals", [])
-    ]
-    if not out.get("error"):
-        out.pop("error", None)
+    out["evals"] = eval_columns(r.get("evals", []))
+    for key in ("error", "final_val_acc", "final_test_acc"):
+        if out.get(key) in ("", None):
+            out.pop(key, None)
     return out
+
+
+EVAL_KEYS = ("step", "val_loss", "test_loss", "val_acc", "test_acc")
+
+
+def eval_columns(evals: list[dict[str, Any]] | dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """A run's evaluations as columns (``{"step": [...], "val_loss": [...], ...}``; the
+    accuracies only where the task has them); columns pass through unchanged."""
+    if isinstance(evals, dict):
+        return evals
+    cols = {k: [e.get(k) for e in evals] for k in EVAL_KEYS}
+    return {k: v for k, v in cols.items() if any(x is not None for x in v) or k == "step"}
 
 
 def _read_jsonl(path: Path, key: str) -> Iterator[Result]:
@@ -83,6 +102,8 @@ class Store:
         self.timing: dict[str, Result] = {}
         for r in _read_jsonl(out / RUNS, "run_id"):
             if r.get("format") == run_format:
+                # records written before evaluations were stored as columns read the same
+                r["evals"] = eval_columns(r.get("evals", []))
                 self.runs.setdefault(r["run_id"], r)
         for r in _read_jsonl(out / TIMING, "run_id"):
             self.timing.setdefault(r["run_id"], r)

@@ -1379,11 +1379,7 @@ def _arm_row(w: Walk, ac: ArmCell) -> dict[str, Any]:
         "equal_compute_test_loss": eq,
         "equal_compute_ci": _ci_or_none(eq),
         "curves": [
-            {
-                "steps": [e["step"] for e in r["evals"]],
-                "test_loss": [e["test_loss"] for e in r["evals"]],
-            }
-            for r in ac.report
+            {"steps": r["evals"]["step"], "test_loss": r["evals"]["test_loss"]} for r in ac.report
         ]
         if ac.report
         else None,
@@ -1612,23 +1608,20 @@ def _index(w: Walk, store: Store) -> dict[str, Any]:
     ]
     rows = []
     for rid, r in sorted(store.runs.items(), key=lambda kv: (kv[1].get("started") or 0, kv[0])):
-        s = r["spec"]
+        spec = RunSpec.from_dict(r["spec"])
         uses = sorted(w.uses.get(rid, ()))
-        cell = (
-            uses[0][1]
-            if uses
-            else f"{s['task']}{'-amp' if s.get('precision') == 'bf16' else ''}@{s['steps']}"
-        )
+        amp = "-amp" if spec.precision == "bf16" else ""
+        cell = uses[0][1] if uses else f"{spec.task}{amp}@{spec.steps}"
         setting = {
-            "lr": s["lr"],
-            "side_lr_mult": s["side_lr_mult"],
-            "weight_decay": s["weight_decay"],
-            "clip": s["clip"],
-            "corruption": RunSpec.from_dict(s).corruption.tag,
-            "lr_mult": s["lr_mult"],
-            "steps": s["steps"],
-            "precision": s.get("precision", "fp32"),
-            "options": dict(map(tuple, s["options"])),
+            "lr": spec.lr,
+            "side_lr_mult": spec.side_lr_mult,
+            "weight_decay": spec.weight_decay,
+            "clip": spec.clip,
+            "corruption": spec.corruption.tag,
+            "lr_mult": spec.lr_mult,
+            "steps": spec.steps,
+            "precision": spec.precision,
+            "options": dict(spec.options),
         }
 
         def fin(x: Any) -> float | None:
@@ -1637,10 +1630,10 @@ def _index(w: Walk, store: Store) -> dict[str, Any]:
         rows.append(
             [
                 rid,
-                s["suite"],
+                spec.suite,
                 ["|".join(u) for u in uses],
                 cell,
-                s["seed"],
+                spec.seed,
                 setting,
                 r.get("commit"),
                 _utc_s(r.get("started")),
