@@ -1023,6 +1023,11 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
                 pr = (P_ABLATION, 0, i)
                 _study_arm_cell(w, arm, p.cell(cname), lookup, pr, report_prio=pr)
     w.jobs.sort(key=lambda pj: pj[0])
+    # a run that two families ask for is one job, at the higher priority
+    by_id: dict[str, tuple[tuple[int, ...], Job]] = {}
+    for pj in w.jobs:
+        by_id.setdefault(pj[1].run_id, pj)
+    w.jobs = list(by_id.values())
     w.complete = not w.jobs and final is not None
     return w
 
