@@ -53,7 +53,7 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
     if bench_main(argv) != 0:
         raise SystemExit("study_publish: rootopt bench study failed")
     summary = json.loads((record / "study.json").read_text(encoding="utf-8"))
-    atomic_write(results, json.dumps(summary, indent=1).encode())
+    atomic_write(results, study_report.dump_summary(summary).encode())
     block = study_report.markdown(summary)
     page = study_report.splice(page, block)
     if study_report.V1_BEGIN in page:  # v1's corrections, from v1's committed summary

@@ -768,3 +768,18 @@ def test_study_refuses_an_import_that_is_not_a_study_directory(tmp_path: Path) -
     assert main(["study", "--out", str(tmp_path / "o"), "--import", str(tmp_path / "foreign")]) == 2
     assert not (tmp_path / "o").exists()
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+
+
+def test_summary_text_is_json_with_one_index_row_per_line() -> None:
+    from rootopt.bench.study_report import dump_summary
+
+    s = {
+        "a": [1, 2],
+        "index": {"columns": ["x", "y"], "rows": [[1, {"k": 2}], [3, None]], "runs": 2},
+    }
+    text = dump_summary(s)
+    assert json.loads(text) == s
+    assert '  [1,{"k":2}],\n  [3,null]\n' in text
+    empty = {"a": 1, "index": {"columns": [], "rows": [], "runs": 0}}
+    assert json.loads(dump_summary(empty)) == empty
+    assert json.loads(dump_summary({"a": 1})) == {"a": 1}

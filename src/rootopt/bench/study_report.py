@@ -716,3 +716,22 @@ def v1_markdown(v1: dict[str, Any]) -> str:
         V1_END,
     ]
     return "\n".join(lines) + "\n"
+
+
+def dump_summary(s: dict[str, Any]) -> str:
+    """``study.json``'s text: indented JSON, except that each row of the run index is one line
+    (thousands of rows; a row per line keeps the file small and its diffs readable)."""
+    body = {k: v for k, v in s.items() if k != "index"}
+    text = json.dumps(body, indent=1)
+    if "index" not in s:
+        return text + "\n"
+    idx = s["index"]
+    rows = ",\n  ".join(json.dumps(r, separators=(",", ":")) for r in idx["rows"])
+    rest = {k: v for k, v in idx.items() if k not in ("columns", "rows")}
+    parts = [
+        f' "columns": {json.dumps(idx["columns"])}',
+        f' "rows": [\n  {rows}\n ]' if rows else ' "rows": []',
+    ]
+    parts += [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in rest.items()]
+    index_text = "{\n" + ",\n".join(parts) + "\n}"
+    return text[: text.rindex("}")].rstrip() + ',\n "index": ' + index_text + "\n}\n"

@@ -252,7 +252,7 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
     log({**entry, "end": time.time()})
     meta = study_report.provenance(study_report.read_sessions(log_path), store)
     summary = study.summarize(w, store, meta)
-    atomic_write(out / "study.json", json.dumps(summary, indent=1).encode())
+    atomic_write(out / "study.json", study_report.dump_summary(summary).encode())
     atomic_write(out / "study.md", study_report.markdown(summary).encode())
     plots = study_report.write_plots(summary, out)
     state = "complete" if w.complete else f"{len(w.jobs)} jobs ready to run, more may follow"
