@@ -24,7 +24,7 @@ from rootopt.train.main import main as train_main
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12
+STEPS = 24  # "a few dozen steps" (issue 29)
 # constant lr after warmup, one record per step (as tests/test_dist_train.py)
 CFG = [
     *TINY,
@@ -348,7 +348,8 @@ def test_hf_llama_trains_logs_mfu_and_records_its_config(
     assert ck["config"]["model"]["vocab_size"] == 256  # resolved from the tokenizer
 
 
-def test_gpt2_trains(shards: Path, configs: dict[str, Path], tmp_path: Path) -> None:
+def test_gpt2_trains(bpe_shards: Path, configs: dict[str, Path], tmp_path: Path) -> None:
+    shards = bpe_shards
     s = train(
         load_config(None, [*CFG, *_hf(configs["gpt2"])]), tmp_path / "g", str(shards), say=_quiet
     )
@@ -357,8 +358,9 @@ def test_gpt2_trains(shards: Path, configs: dict[str, Path], tmp_path: Path) -> 
 
 
 def test_interrupted_hf_run_resumes_bit_identically(
-    shards: Path, configs: dict[str, Path], tmp_path: Path
+    bpe_shards: Path, configs: dict[str, Path], tmp_path: Path
 ) -> None:
+    shards = bpe_shards
     over = [*CFG, *_hf(configs["llama"]), "model.activation_checkpointing=true"]
     train(load_config(None, over), tmp_path / "whole", str(shards), say=_quiet)
     part = train(
