@@ -1,9 +1,8 @@
 """``model.kind=hf``: transformers causal LMs in the training system, the built-in Llama's
 map onto ``LlamaForCausalLM``, ``model.init_from``, the vocabulary rule and the mfu metric.
 
-The training runs use the two example configs (``configs/hf/llama-small``,
-``configs/hf/gpt2-small``) shrunk by overrides of their own keys is not possible (they
-are files), so the tests write tiny copies of them.
+The training runs use tiny copies of the two example configs (``configs/hf/llama-small``,
+``configs/hf/gpt2-small``: the same keys, smaller sizes), written by the tests.
 """
 
 from __future__ import annotations
