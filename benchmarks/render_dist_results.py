@@ -116,12 +116,15 @@ def sync_section(s: dict[str, Any], src: str) -> list[str]:
     ]
 
 
-def plan_section(rows: list[dict[str, Any]], src: str) -> list[str]:
+def plan_section(plan: dict[str, Any] | list[dict[str, Any]], src: str) -> list[str]:
+    """``plan``: ``rootopt plan --json``'s rows, or ``{"commit", "command", "rows"}``."""
+    rows = plan["rows"] if isinstance(plan, dict) else plan
+    made = f"`{plan['command']}` at commit {plan['commit']}; " if isinstance(plan, dict) else ""
     out = [
         "## The cost model on Llama-3 shapes (`rootopt plan`)",
         "",
-        f"From `{src}` (the model's prediction from shapes; the constants and assumptions "
-        "are printed with every verdict and listed in docs/distributed.md). Bytes per "
+        f"From `{src}` ({made}the model's prediction from shapes; the constants and "
+        "assumptions are printed with every verdict and listed in docs/distributed.md). Bytes per "
         "rank per step, against AdamW under the same wrapper; collectives in the step; "
         "Newton–Schulz TFLOP on the busiest rank and on the step's path; optimizer memory "
         "per rank; the optimizer's share of forward/backward with nothing overlapped / with "
