@@ -169,6 +169,9 @@ def worker(args: argparse.Namespace) -> None:
         import rootopt
 
         opt = rootopt.ROOT(groups, lr=1e-3)
+        for g in opt.param_groups:  # every state now (ROOT creates it at the first step)
+            for p in g["params"]:
+                opt._init_state(g, p)  # type: ignore[attr-defined]
         root_group = opt.param_groups[0]
         mats = root_group["params"]
         buf = torch.empty(sum(p.numel() for p in mats), device=dev)
