@@ -26,8 +26,11 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -112,7 +115,21 @@ def main() -> None:
             f"ddp / owner = {med['ddp'] / med['owner']:.3f}"
         )
         if a.json:
+            repo = Path(__file__).resolve().parents[1]
+            commit = subprocess.run(
+                ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip()  # fmt: skip
+            dirty = subprocess.run(
+                ["git", "-C", str(repo), "status", "--porcelain", "--", "src", "benchmarks"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip()  # fmt: skip
             rec = {
+                "commit": commit + ("+changes" if dirty else ""),
+                "torch": torch.__version__,
+                "cpu": platform.processor() or platform.machine(),
+                "cores": len(os.sched_getaffinity(0)),
+                "cuda": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
                 "world": info.world_size,
                 "backend": a.backend,
                 "width": a.width,

@@ -99,7 +99,9 @@ def sync_section(s: dict[str, Any], src: str) -> list[str]:
     return [
         "## Where the gradient synchronisation runs (`benchmarks/bench_backward_sync.py`)",
         "",
-        f"From `{src}` (W = {s['world']}, {s['backend']}; {s['layers']} tanh layers of "
+        f"From `{src}` (commit {s.get('commit', '?')}, torch {s.get('torch', '?')}, "
+        f"{s.get('cuda') or str(s.get('cores', '?')) + ' CPU cores'}; W = {s['world']}, "
+        f"{s['backend']}; {s['layers']} tanh layers of "
         f"{s['width']} x {s['width']}, batch {s['batch']} per rank, {s['bucket_kib']} KiB "
         f"buckets; slowest rank's median of {s['steps']} steps per round, the three arms "
         "interleaved). `owner`: reduce-scatters started in backward (the design); `step`: "
