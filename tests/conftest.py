@@ -94,6 +94,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     ),
     "test_plan.py": frozenset(
         {
+            "test_the_runtime_and_rootopt_train_never_import_the_cost_model",
             "test_cli_table_json_and_plot",
             "test_bench_dist_json_refuses_an_existing_file",
             "test_bench_dist_calibrate_refuses_zero_repeats",

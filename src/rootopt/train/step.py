@@ -171,8 +171,6 @@ def _sync_grads(run: Run, *, last: bool) -> contextlib.AbstractContextManager[An
 _OPS = {
     ("ddp", "forward"): "DDP forward",
     ("ddp", "backward"): "DDP gradient all-reduce (backward)",
-    ("owner", "forward"): "forward",
-    ("owner", "backward"): "gradient reduce-scatter (backward)",
     ("fsdp", "forward"): "FSDP2 parameter all-gather (forward)",
     ("fsdp", "backward"): "FSDP2 gradient reduce-scatter (backward)",
 }
@@ -183,7 +181,9 @@ def _collectives(run: Run, phase: str) -> Iterator[None]:
     """At world size > 1 the model's forward/backward run collectives (DDP, FSDP2); a
     failure there becomes one line naming rank and operation, a timeout told apart by the
     elapsed time (:func:`rootopt.distributed.describe_failure`), never by the error's text."""
-    if run.world_size == 1:
+    if run.world_size == 1 or _optimizer_syncs(run):
+        # without a DDP wrapper forward runs no collective, and the reduce-scatters that
+        # backward starts fail as the optimizer's own CollectiveError lines
         yield
         return
     from rootopt.distributed import CollectiveError, describe_failure
@@ -192,10 +192,10 @@ def _collectives(run: Run, phase: str) -> Iterator[None]:
     try:
         yield
     except (torch.OutOfMemoryError, CollectiveError):
-        raise  # CollectiveError: the optimizer's own, already one line naming its collective
+        raise
     except RuntimeError as exc:  # gloo reports a timed-out send/recv as a plain RuntimeError
-        mode = "owner" if _optimizer_syncs(run) else run.cfg.distributed.parallel
-        raise describe_failure(_OPS[(mode, phase)], exc, time.monotonic() - start) from exc
+        name = _OPS[(run.cfg.distributed.parallel, phase)]
+        raise describe_failure(name, exc, time.monotonic() - start) from exc
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
