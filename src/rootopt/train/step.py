@@ -106,13 +106,8 @@ def train_step(
     stats: dict[str, Any] = {}
     before: dict[str, tuple[torch.Tensor, int]] = {}
     if log_now:
-        if grads is not None:  # the parts this rank owns: reduced over the ranks
-            stats = grad_stats(grads, reduce=True)
-        else:
-            sharded = any(_is_dtensor(p) for p in params)
-            stats = grad_stats(
-                [_local(p.grad) for p in params if p.grad is not None], reduce=sharded
-            )
+        # the parts of the gradients this rank owns (reduced over the ranks), or p.grad
+        stats = grad_stats_of(grads, reduce=True) if grads is not None else grad_stats(params)
         stats["clip_scale"] = clip_scale
         before = param_sample(unwrap_model(model))
     ctl = run.controller
@@ -226,7 +221,14 @@ def _reduce_loss(run: Run, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.
     return t[0] / run.world_size, t[1:]
 
 
-def grad_stats(grads: list[torch.Tensor], *, reduce: bool) -> dict[str, float]:
+def grad_stats(params: list[torch.Tensor]) -> dict[str, float]:
+    """Max |g| and min non-zero |g| over the parameters' gradients (FSDP2: over every
+    rank's shards)."""
+    grads = [_local(p.grad.detach()) for p in params if p.grad is not None]
+    return grad_stats_of(grads, reduce=any(_is_dtensor(p) for p in params))
+
+
+def grad_stats_of(grads: list[torch.Tensor], *, reduce: bool) -> dict[str, float]:
     """Max |g| and min non-zero |g| over the gradient tensors ``grads``, one tensor at a time
     (no concatenation); ``reduce``: each rank holds a part of them (FSDP2 shards, the parts
     an optimizer owns), so the two are reduced over the ranks."""
