@@ -82,6 +82,12 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
+    "test_integrity.py": frozenset(
+        {
+            "test_a_link_anywhere_the_run_writes_is_refused_and_its_target_untouched",
+            "test_stale_temporaries_that_are_links_are_removed_not_followed",
+        }
+    ),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),
     # the compiled step and the two-process paths; every other path stays in the fast tier
     "test_paths.py": frozenset(

@@ -277,13 +277,14 @@ class DirLock:
 
     def acquire(self) -> None:
         """Take the lock; :class:`LockHeld` when a live process holds it, ``OSError`` when
-        the lock file cannot be created or opened (read-only or missing directory)."""
+        the lock file cannot be created or opened (read-only or missing directory, or
+        :class:`rootopt._atomic.LinkError`: the lock file is a symbolic link)."""
         import fcntl
         import socket
 
-        from rootopt._atomic import file_mode
+        from rootopt._atomic import open_lock
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode())
+        fd = open_lock(self.path)  # never through a link (LinkError, an OSError)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

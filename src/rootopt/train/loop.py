@@ -327,13 +327,14 @@ def _validate(cfg: Config, data_dir: Path) -> int:
 
 
 def _write_run_files(run: Run) -> None:
-    """The resolved config, the environment and the routing table (rank 0)."""
-    (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg), encoding="utf-8")
-    (run.run_dir / "env.json").write_text(
-        json.dumps(environment(), indent=1) + "\n", encoding="utf-8"
-    )
+    """The resolved config, the environment and the routing table (rank 0), each a new
+    file renamed into place (never written through a link planted at its name)."""
+    from rootopt._atomic import atomic_write
+
+    atomic_write(run.run_dir / "config.yaml", dump_yaml(run.cfg).encode())
+    atomic_write(run.run_dir / "env.json", (json.dumps(environment(), indent=1) + "\n").encode())
     if run.routing:
-        (run.run_dir / "routing.txt").write_text(run.routing + "\n", encoding="utf-8")
+        atomic_write(run.run_dir / "routing.txt", (run.routing + "\n").encode())
 
 
 # --------------------------------------------------------------------------- the loop

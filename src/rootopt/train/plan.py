@@ -12,6 +12,7 @@ moved aside (``checkpoint.resume=restart``), ``run.json``, ``owner.json``, the p
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import uuid
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rootopt import checkpoint
-from rootopt._atomic import atomic_write
+from rootopt._atomic import atomic_write, own_dir
 from rootopt.checkpoint import CheckpointError, CheckpointUnreadable
 from rootopt.config import Config, ConfigError, to_dict
 from rootopt.data import (
@@ -36,18 +37,7 @@ from rootopt.data import (
 from rootopt.train import ckpts, rundir
 
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
-RUN_OUTPUTS = (
-    "metrics.jsonl",
-    "metrics.superseded.jsonl",
-    "events.jsonl",
-    "summary.json",
-    "loss_curve.png",
-    "tensorboard",
-    "config.yaml",
-    "env.json",
-    "routing.txt",
-    rundir.RUN_FILE,
-)
+RUN_OUTPUTS = rundir.RUN_OUTPUTS
 # The data settings a run prepares its own corpus with (data/ in the run directory).
 _PREP_KEYS = ("corpus", "seq_len", "max_bytes", "samples_per_shard", "val_fraction")
 
@@ -106,9 +96,10 @@ def check(cfg: Config, run_dir: Path, data_path: str | None, say: Callable[[str]
     """Rank 0's checks before the first write; see the module docstring. On a refusal the
     locks are released and the directories this launch created are removed again."""
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    given = data_path or cfg.data.path
+    rundir.refuse_links(run_dir, ckpt_dir, own_data=not given)
     rundir.read_run_file(run_dir)  # a foreign directory is refused before the lock file
     _not_a_file(ckpt_dir, "checkpoint.dir")
-    given = data_path or cfg.data.path
     manifest = load_manifest(given) if given else None
     locks = rundir.Locks()
     try:
@@ -344,24 +335,28 @@ def _archive(plan: Plan) -> Path:
     """Move the previous run's outputs, checkpoints (and, when it is prepared again, its
     data) to ``previous/<time>-<id>/``: nothing is deleted."""
     old = plan.old_run_id or "unknown"
-    dest = plan.run_dir / "previous" / f"{time.strftime('%Y%m%d-%H%M%S')}-{old[:12]}"
+    previous = own_dir(plan.run_dir / "previous")
+    dest = previous / f"{time.strftime('%Y%m%d-%H%M%S')}-{old[:12]}"
     n = 1
-    while dest.exists():
+    while os.path.lexists(dest):
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
         n += 1
-    dest.mkdir(parents=True)
+    dest.mkdir()  # new: never an existing path or a link
+    # shutil.move renames an entry itself (a link stays a link, never followed) and copies
+    # only across file systems (a checkpoint.dir elsewhere), links again as links
     for name in RUN_OUTPUTS:
-        if (plan.run_dir / name).exists():
-            shutil.move(str(plan.run_dir / name), str(dest / name))
+        if os.path.lexists(plan.run_dir / name):
+            shutil.move(plan.run_dir / name, dest / name)
     moved = dest / "checkpoints"
     for e in ckpts.list_all(plan.ckpt_dir):
         if ckpts.run_id_of(e) not in (plan.old_run_id, ""):
             continue  # another run's (a shared checkpoint.dir): not ours to move
-        moved.mkdir(exist_ok=True)
+        if not moved.exists():
+            moved.mkdir()
         for f in (e.path, e.path.with_suffix(".json")) if e.kind == "pt" else (e.path,):
-            if f.exists():
-                shutil.move(str(f), str(moved / f.name))
+            if os.path.lexists(f):
+                shutil.move(f, moved / f.name)
     (plan.ckpt_dir / checkpoint.OWNER).unlink(missing_ok=True)
-    if plan.move_data and (plan.run_dir / "data").exists():
-        shutil.move(str(plan.run_dir / "data"), str(dest / "data"))
+    if plan.move_data and os.path.lexists(plan.run_dir / "data"):
+        shutil.move(plan.run_dir / "data", dest / "data")
     return dest

@@ -27,10 +27,31 @@ from pathlib import Path
 from typing import Any
 
 from rootopt import checkpoint
+from rootopt._atomic import LinkError, own_dir
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import Config, ConfigError, RunConfig, to_dict
 
 RUN_FILE = "run.json"
+# Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "metrics.superseded.jsonl",
+    "events.jsonl",
+    "summary.json",
+    "loss_curve.png",
+    "tensorboard",
+    "config.yaml",
+    "env.json",
+    "routing.txt",
+    RUN_FILE,
+)
+# Every other path a run writes, appends, moves or prunes: in its log dir (its lock, the
+# old runs set aside by `restart`; the data it prepares, checked when it prepares it) and
+# in its checkpoint directory (its lock and owner, checkpoints set aside after a divergence
+# or a failed check).
+RUN_PATHS = (*RUN_OUTPUTS, checkpoint.LOCK, "previous")
+CKPT_PATHS = (checkpoint.LOCK, checkpoint.OWNER, "diverged", "invalid")
+_CKPT_ENTRY = re.compile(r"^(ckpt-\d{8}\.(pt|json)|dcp-\d{8})$")
 # Keys that change how one session runs, not what the run computes: changing them keeps
 # the default run directory (so e.g. `checkpoint.resume=restart` acts on the same run).
 SESSION_KEYS: tuple[tuple[str, str], ...] = (
@@ -79,6 +100,29 @@ def default_run_dir(cfg: Config, data_path: str | None, config_path: str | None)
         name = "default"
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:40] or "run"
     return Path("runs") / f"{name}-{identity_key(cfg, data_path)}"
+
+
+def refuse_links(run_dir: Path, ckpt_dir: Path, own_data: bool) -> None:
+    """Refuse, reading only, a run whose directories, or any path in them that the run
+    writes, appends, moves or prunes, is a symbolic link (:data:`RUN_PATHS`,
+    :data:`CKPT_PATHS`, the checkpoints). Each write also refuses or replaces a link on its
+    own (:mod:`rootopt._atomic`); this check makes the refusal come before the first write."""
+    from rootopt._atomic import LinkError, is_link, refuse_link
+
+    try:
+        refuse_link(run_dir, "--log_dir")
+        refuse_link(ckpt_dir, "checkpoint directory")
+        names = [*RUN_PATHS, "data"] if own_data else RUN_PATHS
+        for name in names:
+            refuse_link(run_dir / name)
+        for name in CKPT_PATHS:
+            refuse_link(ckpt_dir / name)
+        if ckpt_dir.is_dir():
+            for p in ckpt_dir.iterdir():
+                if _CKPT_ENTRY.match(p.name) and is_link(p):
+                    raise LinkError(p)
+    except LinkError as exc:
+        raise RunDirError(str(exc)) from None
 
 
 def read_run_file(run_dir: Path, created: tuple[Path, ...] = ()) -> dict[str, Any] | None:
@@ -150,7 +194,9 @@ class Locks:
             missing.append(p)
             p = p.parent
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            own_dir(directory, what)
+        except LinkError as exc:
+            raise RunDirError(str(exc)) from None
         except FileExistsError:
             raise RunDirError(
                 f"{what} {str(directory)!r}: a part of the path exists and is not a directory"
@@ -168,6 +214,8 @@ class Locks:
                 f"{what} {str(directory)!r} is in use by another training process "
                 f"({exc.holder}); {hint}"
             ) from None
+        except LinkError as exc:
+            raise RunDirError(str(exc)) from None
         except OSError as exc:
             raise RunDirError(
                 f"{what} {str(directory)!r} is not writable ({exc.strerror or exc})"
