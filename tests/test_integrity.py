@@ -231,3 +231,282 @@ def test_every_write_primitive_refuses_or_replaces_a_link(tmp_path: Path) -> Non
         publish_dir(tmp, run / "data")
     assert tree_state(user_file.parent) == users
     assert _digest(user_file) == hashlib.sha256(b"a user's file\n" * 10).hexdigest()
+
+
+# --------------------------------------------------------------------------- 2. checked, safe dcp-* checkpoints
+
+DCP = [
+    *FAST,
+    "run.max_steps=8",
+    "run.log_every=1",
+    "checkpoint.every=4",
+    "checkpoint.keep_last=5",
+    "optimization.schedule=constant",
+]
+
+
+class _Gadget:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _relist(ck: Path) -> None:
+    """Rewrite the marker's checksums to the files as they are now (what someone who can
+    write the directory can always do): only the safe unpickler stands in the way."""
+    import json
+
+    from rootopt.distributed import checkpoint as dck
+
+    marker = json.loads((ck / dck.MARKER).read_text())
+    for name in marker[dck.FILES]:
+        digest, size = dck.file_digest(ck / name)
+        marker[dck.FILES][name] = {"sha256": digest, "bytes": size}
+    (ck / dck.MARKER).write_text(json.dumps(marker))
+
+
+def _flip(f: Path) -> None:
+    blob = bytearray(f.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    f.write_bytes(bytes(blob))
+
+
+def _zero_page(f: Path) -> None:
+    blob = bytearray(f.read_bytes())
+    at = (len(blob) // 2) & ~4095
+    blob[at : at + 4096] = bytes(min(4096, len(blob) - at))
+    f.write_bytes(bytes(blob))
+
+
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+@pytest.fixture(scope="module")
+def dcp_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A two-process run (gloo) stopped at step 8 with dcp-00000004 and dcp-00000008, and
+    the same run continued untouched to step 12 (the reference)."""
+    from _train_fixtures import torchrun
+
+    root = tmp_path_factory.mktemp("dcp")
+    base = root / "base"
+    torchrun(2, base, shards, DCP)
+    assert (base / "checkpoints" / "dcp-00000008").is_dir()
+    ref = root / "ref"
+    shutil.copytree(base, ref, symlinks=True)
+    torchrun(2, ref, shards, [*DCP, "run.max_steps=12"])
+    return {"base": base, "ref": ref}
+
+
+def _model(run: Path, step: int) -> dict[str, Any]:
+    from rootopt.distributed import checkpoint as dck
+
+    model = dck.read_full_state(run / "checkpoints" / f"dcp-{step:08d}")["model"]
+    assert isinstance(model, dict) and len(model) > 5
+    return model
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_flip, "__1_0.distcp sha256 mismatch"),
+        (_zero_page, "__1_0.distcp sha256 mismatch"),
+        (_truncate, "__1_0.distcp is "),
+    ],
+    ids=["flipped-byte", "zeroed-page", "truncated"],
+)
+def test_a_damaged_dcp_checkpoint_is_skipped_with_one_line_and_kept(
+    dcp_runs: dict[str, Path], shards: Path, tmp_path: Path, damage: Any, reason: str
+) -> None:
+    """One flipped byte, a zeroed 4 KiB page or a truncation in rank 1's file of the
+    newest dcp-* checkpoint: the rerun (two processes) says which checkpoint it skipped
+    and why, resumes from the one before, and ends with the reference run's parameters;
+    the damaged checkpoint is kept (checkpoints/invalid/), not pruned, though keep_last=1
+    prunes everything else. It used to resume from the damaged one with exit 0 and wrong
+    weights (flipped byte, zeroed page) or end in torch's traceback (truncation)."""
+    import torch
+
+    from _train_fixtures import torchrun
+
+    run = tmp_path / "run"
+    shutil.copytree(dcp_runs["base"], run, symlinks=True)
+    victim = run / "checkpoints" / "dcp-00000008" / "__1_0.distcp"
+    assert victim.stat().st_size > 3 * 4096
+    damage(victim)
+    damaged = _digest(victim)
+    done = torchrun(2, run, shards, [*DCP, "run.max_steps=12", "checkpoint.keep_last=1"])
+    said = done.stdout + done.stderr
+    assert "Traceback" not in said
+    skipped = [ln for ln in said.splitlines() if "skipping invalid checkpoint" in ln]
+    assert len(skipped) == 1 and f"dcp-00000008: {reason}" in skipped[0], skipped
+    assert "resumed from dcp-00000004 at step 4" in said
+    kept = run / "checkpoints" / "invalid" / "dcp-00000008" / "__1_0.distcp"
+    assert _digest(kept) == damaged
+    assert sorted(p.name for p in (run / "checkpoints").glob("dcp-*")) == ["dcp-00000012"]
+    ref, got = _model(dcp_runs["ref"], 12), _model(run, 12)
+    assert sorted(ref) == sorted(got)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def test_dcp_metadata_that_would_run_code_is_refused_at_world_size_2(
+    dcp_runs: dict[str, Path], shards: Path, tmp_path: Path
+) -> None:
+    """dcp-00000008/.metadata replaced by a pickle whose unpickling runs a shell command
+    (and the marker's checksums rewritten to match, so only the unpickler stands in the
+    way): two processes resume from dcp-00000004, with one line naming the refused type,
+    and the command never runs (torch's reader unpickled it with plain pickle)."""
+    import pickle
+
+    from _train_fixtures import torchrun
+
+    run = tmp_path / "run"
+    shutil.copytree(dcp_runs["base"], run, symlinks=True)
+    flag = tmp_path / "code-ran"
+    ck = run / "checkpoints" / "dcp-00000008"
+    (ck / ".metadata").write_bytes(pickle.dumps(_Gadget(flag)))
+    _relist(ck)
+    done = torchrun(2, run, shards, [*DCP, "run.max_steps=12"])
+    said = done.stdout + done.stderr
+    assert not flag.exists()
+    skipped = [ln for ln in said.splitlines() if "skipping invalid checkpoint" in ln]
+    assert len(skipped) == 1, skipped
+    assert "dcp-00000008: .metadata is not DCP metadata" in skipped[0]
+    assert "system is not a type of the DCP metadata format" in skipped[0]
+    assert "resumed from dcp-00000004 at step 4" in said and "Traceback" not in said
+
+
+def _small_dcp(directory: Path, step: int = 3) -> Path:
+    """A real dcp-* checkpoint written in this process (no process group)."""
+    import torch
+
+    from rootopt.distributed import checkpoint as dck
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return dck.save(directory, step, model, opt, extra={"run_id": "r", "step": step})
+
+
+def test_dcp_metadata_gadget_is_refused_before_it_runs(tmp_path: Path) -> None:
+    """The crafted ``.metadata`` really runs code under plain pickle (what torch's reader
+    does); :func:`checked`, the loader and the full-state reader refuse it, checksums
+    matching or not (a checkpoint written before checksums too), and nothing runs."""
+    import pickle
+
+    from rootopt.distributed import checkpoint as dck
+
+    flag = tmp_path / "code-ran"
+    blob = pickle.dumps(_Gadget(flag))
+    pickle.loads(blob)  # the proof: plain unpickling runs the command
+    assert flag.exists()
+    flag.unlink()
+    ck = _small_dcp(tmp_path / "ck")
+    assert dck.checked(ck).checksummed  # the honest checkpoint passes
+    (ck / ".metadata").write_bytes(blob)
+    with pytest.raises(
+        dck.DistCheckpointError, match=r"\.metadata is \d+ bytes, rootopt\.json says"
+    ) as info:
+        dck.checked(ck)
+    assert info.value.corrupt
+    _relist(ck)
+    for read in (dck.checked, dck.read_full_state):
+        with pytest.raises(dck.DistCheckpointError, match="posix.system is not a type") as info:
+            read(ck)
+        assert info.value.corrupt
+    # without checksums (an older checkpoint): the same refusal
+    import json
+
+    marker = json.loads((ck / dck.MARKER).read_text())
+    del marker[dck.FILES]
+    (ck / dck.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(dck.DistCheckpointError, match="posix.system is not a type"):
+        dck.read_full_state(ck)
+    assert not flag.exists()
+
+
+def test_dcp_values_that_would_run_code_are_refused(tmp_path: Path) -> None:
+    """A non-tensor value in a ``.distcp`` file (DCP stores it with ``torch.save`` and its
+    default planner loads it with ``weights_only=False``) holding a code gadget: read
+    with ``weights_only=True`` here, refused, and nothing runs."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from rootopt.distributed import checkpoint as dck
+
+    ck = _small_dcp(tmp_path / "ck")
+    flag = tmp_path / "code-ran"
+    bad = tmp_path / "bad" / "dcp-00000003"
+    state = {"model": {"w": torch.ones(3)}, "optim": {"note": _Gadget(flag)}}
+    dcp_save(state, storage_writer=FileSystemWriter(bad), no_dist=True)
+    shutil.copy(ck / dck.EXTRA, bad / dck.EXTRA)
+    shutil.copy(ck / dck.MARKER, bad / dck.MARKER)
+    import json
+
+    marker = json.loads((bad / dck.MARKER).read_text())
+    marker[dck.FILES] = {p.name: {} for p in bad.iterdir() if p.name != dck.MARKER}
+    (bad / dck.MARKER).write_text(json.dumps(marker))
+    _relist(bad)
+    assert not flag.exists()
+    with pytest.raises(dck.DistCheckpointError, match="names posix.system, which is not loaded"):
+        dck.read_full_state(bad)
+    assert not flag.exists()
+
+
+def test_a_dcp_checkpoint_without_checksums_is_read_with_a_note(tmp_path: Path) -> None:
+    """An older dcp-* (no file list in its marker) is accepted with one line saying its
+    bytes cannot be checked; it is still read through the safe reader."""
+    from rootopt.train import ckpts
+
+    data = Path(__file__).resolve().parent / "data" / "saved_dcp_fdcf298"
+    shutil.copytree(data, tmp_path / "c")
+    (entry,) = ckpts.list_all(tmp_path / "c")
+    state, note = ckpts.read(entry)
+    assert isinstance(state, dict) and "written before checkpoints carried checksums" in note
+    ck = _small_dcp(tmp_path / "new")
+    (new,) = ckpts.list_all(ck.parent)
+    assert ckpts.read(new)[1] == ""
+
+
+def test_a_peer_killed_during_a_collective_save_leaves_one_line(
+    shards: Path, tmp_path: Path
+) -> None:
+    """Rank 1 is SIGKILLed inside the collective save of dcp-00000008. The surviving
+    rank 0 says one line naming the save and the intact checkpoint, with no traceback (it
+    used to print torch's traceback of the broken gather); the same command then resumes
+    from dcp-00000004 and cleans the partial save."""
+    import json
+    import sys
+
+    from _faultkit import run_session
+    from _train_fixtures import torchrun, torchrun_env
+
+    run = tmp_path / "run"
+    script = Path(__file__).resolve().parent / "dist_scripts" / "train_hooked.py"
+    argv = ["--data_path", str(shards), "--log_dir", str(run), *DCP, "run.max_steps=12"]
+    spec = {"argv": argv, "die_rank": 1, "die_in_save_at": 8}
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["--log-dir", str(logs), "--redirects", "3", str(script), json.dumps(spec)]
+    env = torchrun_env()
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parent)
+    done = run_session(cmd, env=env, timeout=240)
+    assert done.returncode != 0
+    (err0,) = list(logs.rglob("attempt_0/0/stderr.log"))
+    text = err0.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    lines = [ln for ln in text.splitlines() if ln.startswith("rootopt train")]
+    assert len(lines) == 1, text[-3000:]
+    assert "checkpoint save (dcp-00000008)" in lines[0]
+    assert "last checkpoint dcp-00000004 is intact" in lines[0]
+    assert list((run / "checkpoints").glob(".dcp-00000008.partial-*"))
+    again = torchrun(2, run, shards, [*DCP, "run.max_steps=12"])
+    assert "resumed from dcp-00000004 at step 4" in again.stdout
+    assert not list((run / "checkpoints").glob(".dcp-*.partial-*"))
+    assert (run / "checkpoints" / "dcp-00000012").is_dir()

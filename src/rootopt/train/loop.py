@@ -31,6 +31,7 @@ from rootopt.config import Config, ConfigError, dump_yaml
 from rootopt.data import CorpusError, ShardError, load_manifest
 from rootopt.distributed import CollectiveError, CollectiveTimeoutError
 from rootopt.monitor import Monitor, plot_loss, read_jsonl
+from rootopt.train import ckpts
 from rootopt.train import plan as planning
 from rootopt.train.agree import JobError, agreed, broadcast, gather
 from rootopt.train.build import (
@@ -223,9 +224,11 @@ def _build(
     public: dict[str, Any] = broadcast(info, plan.public() if plan else None, "run plan")
     run_dir, ckpt_dir = Path(public["run_dir"]), Path(public["ckpt_dir"])
     data_dir = Path(public["data_dir"])
-    if info.is_main:
-        for line in plan.skipped if plan else []:
-            say(f"skipping invalid checkpoint: {line}")
+    if info.is_main and plan is not None:
+        for line in plan.skipped:
+            say(f"skipping invalid checkpoint: {line} (kept in {plan.ckpt_dir / ckpts.INVALID})")
+        if plan.choice is not None and plan.choice.note:
+            say(f"note: {plan.choice.note}")
 
     def components() -> tuple[Any, torch.device, torch.nn.Module]:
         controller = None

@@ -49,6 +49,7 @@ class Choice:
     kind: str  # "pt" | "dcp"
     path: Path
     state: dict[str, Any] = field(repr=False)
+    note: str = ""  # a line about it (a dcp-* written before checksums)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Plan:
     shards: ShardPlan | None  # the data to prepare into the run directory
     choice: Choice | None
     skipped: list[str]
+    invalid: list[ckpts.Entry]  # the skipped ones: set aside into checkpoints/invalid/
     archive: bool
     move_data: bool  # restart: the old run's prepared data goes to previous/ too
     write_run_file: bool
@@ -139,10 +141,11 @@ def _check_locked(
     archive = mode == "restart" and bool(run_id or mine or _outputs(run_dir))
     choice: Choice | None = None
     skipped: list[str] = []
+    invalid: list[ckpts.Entry] = []
     if mode == "auto":
-        found, skipped = _newest(ckpt_dir, run_id)
+        found, skipped, invalid = _newest(ckpt_dir, run_id)
         if found is not None:
-            choice = Choice(found.entry.kind, found.entry.path, found.state)
+            choice = Choice(found.entry.kind, found.entry.path, found.state, found.note)
     elif mode not in ("never", "restart"):
         choice = _explicit(Path(mode), run_id)
     data_dir, shards, move_data = data_for(cfg, run_dir, given, manifest, archive)
@@ -164,6 +167,7 @@ def _check_locked(
         shards=shards,
         choice=choice,
         skipped=skipped,
+        invalid=invalid,
         archive=archive,
         move_data=move_data,
         write_run_file=have is None
@@ -184,9 +188,9 @@ def _outputs(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_OUTPUTS)
 
 
-def _newest(ckpt_dir: Path, run_id: str) -> tuple[ckpts.Found | None, list[str]]:
+def _newest(ckpt_dir: Path, run_id: str) -> tuple[ckpts.Found | None, list[str], list[ckpts.Entry]]:
     try:
-        found, skipped = ckpts.newest_readable(ckpt_dir)
+        found, skipped, invalid = ckpts.newest_readable(ckpt_dir)
     except CheckpointUnreadable as exc:
         raise CheckpointUnreadable(
             f"cannot resume: {exc}. It may hold this run's progress, so nothing was started "
@@ -201,7 +205,7 @@ def _newest(ckpt_dir: Path, run_id: str) -> tuple[ckpts.Found | None, list[str]]
                 f"{found.entry.name} in {str(ckpt_dir)!r} was written by another run (run id "
                 f"{saved[:12]}); point checkpoint.dir at a directory of this run"
             )
-    return found, skipped
+    return found, skipped, invalid
 
 
 def _saved_run_id(entry: ckpts.Entry, state: dict[str, Any]) -> str:
@@ -211,10 +215,10 @@ def _saved_run_id(entry: ckpts.Entry, state: dict[str, Any]) -> str:
 def _explicit(path: Path, run_id: str) -> Choice:
     entry = ckpts.entry_for(path)
     try:
-        state = ckpts.read(entry)
+        state, note = ckpts.read(entry)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.resume: {exc}") from None
-    return Choice(entry.kind, path, state)
+    return Choice(entry.kind, path, state, note)
 
 
 def data_for(
@@ -314,6 +318,8 @@ def commit(plan: Plan) -> dict[str, Any]:
     rundir.remove_stale(
         rundir.stale_files(plan.run_dir, plan.ckpt_dir, plan.data_dir if own_data else None)
     )
+    if plan.invalid:
+        ckpts.set_aside(plan.ckpt_dir, plan.invalid, plan.old_run_id or plan.run_id)
     if plan.archive:
         _archive(plan)
     if plan.write_run_file:

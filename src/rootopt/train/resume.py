@@ -196,8 +196,8 @@ def resume(
     if kind == "dcp":
         from rootopt.distributed import checkpoint as dcp
 
-        try:
-            _, state = dcp.load(path, run.model, run.optimizer)
+        try:  # rank 0 checked every file's sha256 before anything was read (plan.check)
+            _, state = dcp.load(path, run.model, run.optimizer, verified=True)
         except dcp.DistCheckpointError as exc:
             raise checkpoint.CheckpointUnreadable(
                 f"cannot resume: {exc}; nothing was moved or deleted"
