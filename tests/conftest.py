@@ -89,6 +89,9 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_a_damaged_dcp_checkpoint_is_skipped_with_one_line_and_kept",
             "test_dcp_metadata_that_would_run_code_is_refused_at_world_size_2",
             "test_a_peer_killed_during_a_collective_save_leaves_one_line",
+            "test_what_does_not_change_the_numbers_does_not_name_another_run",
+            "test_a_new_default_directory_names_the_run_it_did_not_continue",
+            "test_a_run_named_by_the_earlier_key_is_still_found",
         }
     ),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),

@@ -510,3 +510,165 @@ def test_a_peer_killed_during_a_collective_save_leaves_one_line(
     assert "resumed from dcp-00000004 at step 4" in again.stdout
     assert not list((run / "checkpoints").glob(".dcp-*.partial-*"))
     assert (run / "checkpoints" / "dcp-00000012").is_dir()
+
+
+# --------------------------------------------------------------------------- 3. identity from the computation
+
+
+def _final_state(run: Path) -> dict[str, Any]:
+    from rootopt import checkpoint
+
+    found, _ = checkpoint.newest_valid(run / "checkpoints")
+    assert found is not None
+    return {"model": found.state["model"], "optimizer": found.state["optimizer"]}
+
+
+def _same_state(a: Any, b: Any, where: str = "") -> None:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
+        for k in a:
+            _same_state(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+IDENT = [*FAST, "run.max_steps=8", "checkpoint.every=4"]
+# Each of these is outside the run's identity: the same key, and the same numbers.
+NOT_THE_COMPUTATION = [
+    "data.num_workers=2",
+    "data.verify_checksums=false",
+    "data.corpus=bbc",  # the shards are given: the corpus setting is unused
+    "checkpoint.keep_last=1",
+    "checkpoint.every=3",
+    "checkpoint.on_signal=false",
+    "monitoring.jsonl=false",
+    "monitoring.tensorboard=true",
+    "monitoring.histogram_every=2",
+    "monitoring.plot=true",
+    "run.log_every=1",
+    "run.eval_every=2",
+    "run.eval_batches=1",
+    "run.max_time=3600",
+    "run.name=elsewhere",
+    "distributed.timeout_s=60",
+    "distributed.ddp_design=gather",
+    "mixed_precision.dtype=fp16",  # autocast is off: unused
+    "mixed_precision.init_scale=8",
+]
+
+
+def test_what_does_not_change_the_numbers_does_not_name_another_run(
+    shards: Path, tmp_path: Path
+) -> None:
+    """Each key the identity leaves out is trained with and the final parameters and
+    optimizer state are compared bit for bit with the run without it; each one keeps the
+    key (and so the default directory). A device or backend equal to what ``auto``
+    resolves to keeps it too. They used to start a new run from step 0."""
+    import torch
+
+    from rootopt.train.rundir import identity_key
+
+    base_cfg = load_config(None, IDENT)
+    key = identity_key(base_cfg, str(shards))
+    train(base_cfg, tmp_path / "base", str(shards), say=_quiet)
+    base = _final_state(tmp_path / "base")
+    auto = [] if torch.cuda.is_available() else ["run.device=cpu", "distributed.backend=gloo"]
+    for i, over in enumerate([*NOT_THE_COMPUTATION, *auto]):
+        cfg = load_config(None, [*IDENT, over])
+        assert identity_key(cfg, str(shards)) == key, over
+        run = tmp_path / f"r{i}"
+        train(cfg, run, str(shards), say=_quiet)
+        _same_state(base, _final_state(run), over)
+
+
+def test_what_changes_the_numbers_names_another_run(shards: Path) -> None:
+    """Keys that change what is computed change the key, and a new config key is part of
+    the identity unless it is listed as not: every resolved key is either in the
+    identity or in NOT_IDENTITY (or normalised: the autocast settings when autocast is off,
+    the corpus settings when the shards are given, data.path as the resolved data path)."""
+    from rootopt.config import to_dict
+    from rootopt.train import rundir
+
+    cfg = load_config(None, IDENT)
+    key = rundir.identity_key(cfg, str(shards))
+    for over in (
+        "optimization.base_lr=1e-3",
+        "run.seed=1",
+        "run.threads=2",
+        "run.max_steps=9",
+        "data.batch_size=4",
+        "data.seq_len=16",
+        "model.d_model=64",
+        "optimization.schedule=linear",
+        "distributed.parallel=fsdp",
+        "mixed_precision.enabled=true",
+        "run.device=cuda",
+    ):
+        assert rundir.identity_key(load_config(None, [*IDENT, over]), str(shards)) != key, over
+    assert rundir.identity_key(cfg, str(shards / "x")) != key
+    ident = rundir.identity(load_config(None, [*IDENT, "mixed_precision.enabled=true"]), None)
+    flat = rundir._flatten(to_dict(cfg))
+    for section_key, _ in flat:
+        section, rest = section_key.split(".", 1)
+        skip = rundir.NOT_IDENTITY.get(section, ())
+        if "*" in skip or rest.split(".")[0] in skip or section_key == "data.path":
+            continue
+        assert section_key in ident, section_key
+
+
+def test_a_new_default_directory_names_the_run_it_did_not_continue(
+    shards: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --log_dir: another data.num_workers / keep_last / monitoring setting finds
+    the same run (already complete); another base_lr starts a new run and says which run
+    of the same name it did not continue and which keys differ."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--data_path", str(shards), *IDENT]
+    assert train_main(args) == 0
+    (first,) = (tmp_path / "runs").iterdir()
+    capsys.readouterr()
+    assert train_main([*args, "data.num_workers=1", "checkpoint.keep_last=1"]) == 0
+    out = capsys.readouterr().out
+    assert f"run dir: runs/{first.name}" in out and "already complete: step 8 of 8" in out
+    assert train_main([*args, "optimization.base_lr=1e-3", "run.max_steps=6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    second = [p.name for p in (tmp_path / "runs").iterdir() if p.name != first.name]
+    assert len(second) == 1
+    assert out[0] == f"run dir: runs/{second[0]}"
+    assert out[1] == (
+        f"note: a run named 'default' exists in runs/{first.name} with other settings "
+        f"(optimization.base_lr, run.max_steps); this starts a new run in runs/{second[0]}. "
+        f"To continue that one, pass --log_dir runs/{first.name}"
+    )
+
+
+def test_a_run_named_by_the_earlier_key_is_still_found(
+    shards: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A default run directory an earlier version named (its key covered the whole
+    config) is found by the same command after the upgrade, not started again."""
+    from rootopt.train.rundir import legacy_identity_key
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, IDENT)
+    old = Path("runs") / f"default-{legacy_identity_key(cfg, str(shards))}"
+    train(cfg, old, str(shards), say=_quiet)
+    capsys.readouterr()
+    assert train_main(["--data_path", str(shards), *IDENT]) == 0
+    out = capsys.readouterr().out
+    assert f"run dir: {old}" in out and "already complete: step 8 of 8" in out
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [old.name]

@@ -63,7 +63,7 @@ from rootopt.train.resume import (
     resume,
     save_checkpoint,
 )
-from rootopt.train.rundir import Locks, default_run_dir, identity_key
+from rootopt.train.rundir import Locks, default_run_dir, identity_key, other_runs_note
 from rootopt.train.schedule import GradClipper, LRMultiplier
 from rootopt.train.state import Hooks, Run, Summary, TrainState
 from rootopt.train.step import evaluate, train_step
@@ -205,6 +205,10 @@ def setup(
         if info.note:
             say(info.note)
         say(f"run dir: {chosen}")
+        if not explicit:
+            note = other_runs_note(cfg, data_path, config_path, chosen)
+            if note:
+                say(f"note: {note}")
     plan = agreed(
         info,
         lambda: planning.check(cfg, chosen, data_path, say) if info.is_main else None,

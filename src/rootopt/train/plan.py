@@ -68,6 +68,7 @@ class Plan:
     invalid: list[ckpts.Entry]  # the skipped ones: set aside into checkpoints/invalid/
     archive: bool
     move_data: bool  # restart: the old run's prepared data goes to previous/ too
+    identity: dict[str, Any]  # what the run computes (rundir.identity), kept in run.json
     write_run_file: bool
 
     @property
@@ -155,6 +156,7 @@ def _check_locked(
     if choice is not None:
         _compatible(cfg, choice, identity, manifest)
     new_id = uuid.uuid4().hex if archive or not run_id else run_id
+    ident = rundir.identity(cfg, given or None)
     return Plan(
         cfg=cfg,
         run_dir=run_dir,
@@ -170,10 +172,12 @@ def _check_locked(
         invalid=invalid,
         archive=archive,
         move_data=move_data,
+        identity=ident,
         write_run_file=have is None
         or archive
         or have.get("data_dir") != str(data_dir.resolve())
-        or have.get("log_dir") != str(run_dir.resolve()),
+        or have.get("log_dir") != str(run_dir.resolve())
+        or have.get("identity") != json.loads(json.dumps(ident)),
     )
 
 
@@ -327,6 +331,7 @@ def commit(plan: Plan) -> dict[str, Any]:
             "run_id": plan.run_id,
             "data_dir": str(plan.data_dir.resolve()),
             "log_dir": str(plan.run_dir.resolve()),
+            "identity": plan.identity,
         }
         atomic_write(plan.run_dir / rundir.RUN_FILE, (json.dumps(data, indent=1) + "\n").encode())
     checkpoint.claim(plan.ckpt_dir, plan.run_id, str(plan.run_dir.resolve()))
