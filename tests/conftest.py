@@ -92,6 +92,8 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_what_does_not_change_the_numbers_does_not_name_another_run",
             "test_a_new_default_directory_names_the_run_it_did_not_continue",
             "test_a_run_named_by_the_earlier_key_is_still_found",
+            "test_sigint_while_the_command_starts_is_one_line",
+            "test_a_complete_run_on_a_read_only_file_system_says_already_complete",
         }
     ),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),

@@ -672,3 +672,266 @@ def test_a_run_named_by_the_earlier_key_is_still_found(
     out = capsys.readouterr().out
     assert f"run dir: {old}" in out and "already complete: step 8 of 8" in out
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [old.name]
+
+
+# --------------------------------------------------------------------------- 4. one clear line each
+
+SITE_HOOK = """
+import os, signal, sys
+_AT = os.environ["ROOTOPT_TEST_SIGINT_AT"]
+
+class _Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == _AT:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, _Interrupt())
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "at"),
+    [("rootopt", "rootopt.cli"), ("rootopt", "typing"), ("-m", "rootopt.train")],
+    ids=["console-script", "importing-typing", "python-m"],
+)
+def test_sigint_while_the_command_starts_is_one_line(tmp_path: Path, command: str, at: str) -> None:
+    """Ctrl-C delivered at a chosen import of the command's start-up (deterministically,
+    where a real Ctrl-C in the first ~0.3 s lands on a loaded machine): one line and the
+    SIGINT status, no traceback (it used to print the KeyboardInterrupt traceback)."""
+    import signal
+    import subprocess
+    import sys
+
+    from _faultkit import console_script, env
+
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SITE_HOOK)
+    e = env(ROOTOPT_TEST_SIGINT_AT=at)
+    e["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "hook"), e["PYTHONPATH"]])
+    argv = (
+        [console_script("rootopt"), "train"]
+        if command == "rootopt"
+        else [
+            sys.executable,
+            "-m",
+            "rootopt.train",
+        ]
+    )
+    done = subprocess.run(
+        [*argv, "--log_dir", str(tmp_path / "run")],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == -signal.SIGINT, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "rootopt: interrupted while starting; nothing was written"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("which", ["run.json", "owner.json", "config.yaml"])
+def test_a_full_disk_while_setting_up_names_the_file(
+    shards: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    which: str,
+) -> None:
+    """ENOSPC at the set-up write of run.json, owner.json or config.yaml: one line that
+    names the file (it used to say only "I/O error: No space left on device")."""
+    import errno
+
+    import rootopt._atomic
+
+    real = os.fsync
+    target = {"name": ""}
+
+    def fsync(fd: int) -> None:
+        if target["name"] and os.readlink(f"/proc/self/fd/{fd}").split("/")[-1].startswith(
+            f".{target['name']}."
+        ):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd")
+    monkeypatch.setattr(rootopt._atomic.os, "fsync", fsync)
+    run = tmp_path / "run"
+    target["name"] = which
+    rc = train_main(["--data_path", str(shards), "--log_dir", str(run), *FAST])
+    line = _err_line(capsys)
+    assert rc == 1, line
+    where = run / which if which != "owner.json" else run / "checkpoints" / which
+    assert line == f"rootopt train: I/O error: No space left on device ({where})"
+    assert not [p for p in run.rglob(f".{which}.*")]  # no temporary left behind
+
+
+def test_a_complete_run_on_a_read_only_file_system_says_already_complete(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The directory of a finished run mounted read-only: the same command says
+    "already complete" (status 0), and one that would train more says it cannot write
+    (status 2); it used to say "not writable" for both."""
+    import subprocess
+
+    run = tmp_path / "run"
+    args = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "run.max_steps=6"]
+    assert train_main(args) == 0
+    got = subprocess.run(["mount", "--bind", str(run), str(run)], capture_output=True)
+    if got.returncode != 0:
+        pytest.skip(f"cannot bind-mount here ({got.stderr.decode().strip()[:80]})")
+    try:
+        got = subprocess.run(
+            ["mount", "-o", "remount,ro,bind", str(run)], capture_output=True, text=True
+        )
+        if got.returncode != 0:
+            pytest.skip(f"cannot remount read-only here ({got.stderr.strip()[:80]})")
+        capsys.readouterr()
+        assert train_main(args) == 0
+        out = capsys.readouterr().out
+        assert "already complete: step 6 of 6 (checkpoint ckpt-00000006.pt)" in out
+        assert "nothing was written: run directory" in out and "Read-only file system" in out
+        assert train_main([*args, "run.max_steps=8"]) == 2
+        line = _err_line(capsys)
+        assert "is not writable (Read-only file system)" in line
+    finally:
+        subprocess.run(["umount", str(run)], capture_output=True)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_bad_inputs_are_one_line_each(
+    shards: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each used to be accepted silently or reported misleadingly; each is one line,
+    status 2, and nothing is created."""
+    import hashlib
+    import json
+
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    plain = _write(tmp_path / "notes.txt", "hello\n")
+    garbage = tmp_path / "g" / "ckpt-00000003.pt"
+    garbage.parent.mkdir()
+    garbage.write_bytes(os.urandom(3000))
+    blob = garbage.read_bytes()
+    meta = {"format_version": 1, "step": 3, "sha256": hashlib.sha256(blob).hexdigest()}
+    garbage.with_suffix(".json").write_text(json.dumps({**meta, "bytes": len(blob)}))
+    base = ["--data_path", str(shards), "--log_dir", str(tmp_path / "run"), *FAST]
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        ([*base, "data.corpus="], {}, "config error: data.corpus: empty"),
+        (["--data_path", "", *FAST], {}, "--data_path: empty path"),
+        (
+            ["--config", str(_write(tmp_path / "null.yaml", "run:\n  seed: 1\nmodel:\n")), *base],
+            {},
+            "config error: model: the section is empty (null); give it keys or remove the line",
+        ),
+        (
+            [
+                "--config",
+                str(_write(tmp_path / "tag.yaml", "model: !!python/object:os.system {}\n")),
+            ],
+            {},
+            "the YAML tag '!!python/object:os.system' is not supported",
+        ),
+        ([*base], {"LOCAL_RANK": "x"}, "environment: LOCAL_RANK='x' is not an integer"),
+        (
+            [*base, f"checkpoint.resume={plain}"],
+            {},
+            f"checkpoint.resume: {str(plain)!r} is not a rootopt checkpoint",
+        ),
+        (
+            [*base, f"checkpoint.resume={garbage}"],
+            {},
+            "ckpt-00000003.pt: not a checkpoint (torch.save writes a zip archive",
+        ),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([*base, "distributed.backend=nccl"], {}, "nccl needs a CUDA device"))
+    for argv, environ, want in cases:
+        with monkeypatch.context() as m:
+            for k, v in environ.items():
+                m.setenv(k, v)
+            capsys.readouterr()
+            rc = train_main(argv)
+        line = _err_line(capsys)
+        assert rc == 2 and want in line, (argv[-1], line)
+        assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists(), want
+    # YAML merge keys are YAML, and load (an explicit key wins over a merged one)
+    merged = _write(
+        tmp_path / "m.yaml", "model:\n  <<: {d_model: 32, n_layers: 2}\n  n_layers: 3\n"
+    )
+    cfg = load_config(merged)
+    assert (cfg.model.d_model, cfg.model.n_layers) == (32, 3)
+
+
+def test_report_refuses_what_is_not_a_run_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rootopt report`` on a summary.json that holds ``[]``, and on a binary
+    metrics.jsonl: one line naming the file and what is wrong (status 2); they used to
+    pass silently, or be called "no records; is it a run directory?"."""
+    from rootopt import cli
+
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "summary.json").write_text("[]\n")
+    (a / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n')
+    assert cli.main(["report", str(a)]) == 2
+    assert _err_line(capsys) == (
+        f"rootopt report: {str(a / 'summary.json')!r} is not a run summary (it holds a list; "
+        "rootopt train writes a JSON object)"
+    )
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "metrics.jsonl").write_bytes(bytes(range(256)) * 40)
+    assert cli.main(["report", str(b)]) == 2
+    assert "is not a metrics log: binary data and no JSON record" in _err_line(capsys)
+    # a log with a cut last line (a crash, a full disk) is still a log: reported on
+    (b / "metrics.jsonl").write_bytes(
+        b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n{"st\x00\x00'
+    )
+    assert cli.main(["report", str(b)]) == 1
+    assert "metrics.jsonl" in capsys.readouterr().out
+
+
+def test_coeffs_bad_inputs_are_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``coeffs show --steps 0``, ``coeffs fit`` on a shape whose spectra would take
+    minutes to sample, and ``coeffs build-table`` without ``--out`` or with ``--out`` naming
+    the table shipped inside the package (an editable install used to rewrite its source
+    tree): one refusal each, status 2, the shipped table byte-identical."""
+    from rootopt import cli
+    from rootopt.tools.build import DEFAULT_OUT
+
+    shipped = _digest(DEFAULT_OUT)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["coeffs", "show", "--steps", "0"])
+    assert info.value.code == 2
+    assert "--steps: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    assert cli.main(["coeffs", "fit", "--shape", "64x100000000"]) == 2
+    assert "the limit is 16777216" in _err_line(capsys)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["coeffs", "build-table", "--shape", "1x1"])
+    assert info.value.code == 2
+    assert "the following arguments are required: --out" in capsys.readouterr().err
+    link = tmp_path / "table.json"
+    link.symlink_to(DEFAULT_OUT)
+    for out in (DEFAULT_OUT, link):
+        assert cli.main(["coeffs", "build-table", "--shape", "1x1", "--out", str(out)]) == 2
+        assert "is the table shipped inside the package" in _err_line(capsys)
+    assert _digest(DEFAULT_OUT) == shipped

@@ -232,6 +232,7 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path.name}: sha256 mismatch (sidecar {str(meta.get('sha256'))[:12]}…, file {actual[:12]}…)"
         )
+    _refuse_non_archive(path)
     try:
         state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except OSError as exc:
@@ -246,6 +247,21 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointUnreadable(f"{path.name}: holds a {type(state).__name__}, not a checkpoint")
     return state
+
+
+def _refuse_non_archive(path: Path) -> None:
+    """Every version of this format is a ``torch.save`` zip archive: a file that is not
+    one is no checkpoint, whatever its sidecar says (:class:`CheckpointError`)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(4)
+    except OSError as exc:
+        raise CheckpointUnreadable(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
+    if head != b"PK\x03\x04":
+        raise CheckpointError(
+            f"{path.name}: not a checkpoint (torch.save writes a zip archive; this file starts "
+            f"with {head!r}), although its sidecar's checksum matches it"
+        )
 
 
 # --------------------------------------------------------------------------- ownership

@@ -209,11 +209,20 @@ def setup(
             note = other_runs_note(cfg, data_path, config_path, chosen)
             if note:
                 say(f"note: {note}")
-    plan = agreed(
-        info,
-        lambda: planning.check(cfg, chosen, data_path, say) if info.is_main else None,
-        what="checks before writing",
-    )
+
+    def check() -> planning.Plan | planning.Complete | None:
+        if not info.is_main:
+            return None
+        try:
+            return planning.check(cfg, chosen, data_path, say)
+        except planning.AlreadyComplete as done:  # a read-only directory, nothing to do
+            return done.done
+
+    checked = agreed(info, check, what="checks before writing")
+    done = broadcast(info, checked if isinstance(checked, planning.Complete) else None, "complete")
+    if done is not None:
+        raise planning.AlreadyComplete(done)
+    plan = checked if isinstance(checked, planning.Plan) else None
     locks = plan.locks if plan is not None else Locks()
     try:
         return _build(cfg, info, plan, say), locks
@@ -362,7 +371,10 @@ def train(
     TRAINING = False
     hooks = hooks or Hooks()
     with interruptible():
-        run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
+        try:
+            run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
+        except planning.AlreadyComplete as exc:
+            return _complete(cfg, exc.done)
     try:
         summary = _train(run, hooks, say)
     except BaseException as exc:
@@ -383,6 +395,28 @@ def train(
     finally:
         locks.release()
     return summary
+
+
+def _complete(cfg: Config, done: planning.Complete) -> Summary:
+    """The summary of a run found complete in a directory this process cannot write."""
+    nan = float("nan")
+    return Summary(
+        status="completed",
+        steps=done.step,
+        session_steps=0,
+        wall_s=0.0,
+        steps_per_s=0.0,
+        tokens_per_s=0.0,
+        initial_loss=nan,
+        final_loss=nan,
+        val_loss=nan,
+        nonfinite_steps=0,
+        checkpoint=done.checkpoint,
+        run_dir=done.run_dir,
+        resumed_from=done.checkpoint,
+        max_steps=cfg.run.max_steps,
+        detail=f"nothing was written: {done.why}",
+    )
 
 
 def _line(exc: BaseException) -> str:

@@ -11,8 +11,10 @@ moved aside (``checkpoint.resume=restart``), ``run.json``, ``owner.json``, the p
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -38,6 +40,7 @@ from rootopt.train import ckpts, rundir
 
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
 RUN_OUTPUTS = rundir.RUN_OUTPUTS
+_CKPT_NAME = re.compile(r"^ckpt-\d{8}\.pt$")
 # The data settings a run prepares its own corpus with (data/ in the run directory).
 _PREP_KEYS = ("corpus", "seq_len", "max_bytes", "samples_per_shard", "val_fraction")
 
@@ -50,6 +53,24 @@ class Choice:
     path: Path
     state: dict[str, Any] = field(repr=False)
     note: str = ""  # a line about it (a dcp-* written before checksums)
+
+
+@dataclass(frozen=True)
+class Complete:
+    """A run found complete without a write (its directory is read-only)."""
+
+    run_dir: str
+    checkpoint: str
+    step: int
+    why: str
+
+
+class AlreadyComplete(Exception):
+    """The run is complete and nothing can or need be written (see :class:`Complete`)."""
+
+    def __init__(self, done: Complete) -> None:
+        self.done = done
+        super().__init__(f"already complete: {done.checkpoint}")
 
 
 @dataclass
@@ -106,12 +127,43 @@ def check(cfg: Config, run_dir: Path, data_path: str | None, say: Callable[[str]
     manifest = load_manifest(given) if given else None
     locks = rundir.Locks()
     try:
-        locks.take(run_dir, "run directory", "wait for it to finish, or use another --log_dir")
-        locks.take(ckpt_dir, "checkpoint directory", "wait for it or use another checkpoint.dir")
+        try:
+            locks.take(run_dir, "run directory", "wait for it to finish, or use another --log_dir")
+            locks.take(
+                ckpt_dir, "checkpoint directory", "wait for it or use another checkpoint.dir"
+            )
+        except rundir.RunDirError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                _complete_without_writing(cfg, run_dir, ckpt_dir, given, manifest, say, str(exc))
+            raise
         return _check_locked(cfg, run_dir, ckpt_dir, given, manifest, locks, say)
     except BaseException:
         locks.abandon()
         raise
+
+
+def _complete_without_writing(
+    cfg: Config,
+    run_dir: Path,
+    ckpt_dir: Path,
+    given: str,
+    manifest: dict[str, Any] | None,
+    say: Callable[[str], None],
+    why: str,
+) -> None:
+    """A directory that cannot be written (a read-only file system, no permission): run
+    every check of a launch, reading only, and raise :class:`AlreadyComplete` when the
+    checkpoint it would resume from already holds ``run.max_steps`` (the rerun would train
+    nothing). Otherwise return, and the launch is refused as not writable."""
+    plan = _check_locked(cfg, run_dir, ckpt_dir, given, manifest, rundir.Locks(), say)
+    if plan.choice is None or plan.skipped:
+        return
+    try:
+        step = int(plan.choice.state["state"]["step"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if step >= cfg.run.max_steps:
+        raise AlreadyComplete(Complete(str(run_dir), plan.choice.path.name, step, why))
 
 
 def _check_locked(
@@ -217,6 +269,15 @@ def _saved_run_id(entry: ckpts.Entry, state: dict[str, Any]) -> str:
 
 
 def _explicit(path: Path, run_id: str) -> Choice:
+    if (
+        path.is_file()
+        and not path.with_suffix(".json").exists()
+        and not _CKPT_NAME.match(path.name)
+    ):
+        raise CheckpointError(
+            f"checkpoint.resume: {str(path)!r} is not a rootopt checkpoint (one is a "
+            "ckpt-<step>.pt file next to its ckpt-<step>.json sidecar, or a dcp-<step> directory)"
+        )
     entry = ckpts.entry_for(path)
     try:
         state, note = ckpts.read(entry)

@@ -88,7 +88,11 @@ _DEFAULT_NAME = RunConfig().name
 
 class RunDirError(CheckpointError):
     """The run directory (or the checkpoint directory) cannot be used: not writable, or a
-    path that cannot be created (status 2, one line)."""
+    path that cannot be created (status 2, one line). ``errno``: the OS error's, if any."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        self.errno = errno
+        super().__init__(message)
 
 
 def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
@@ -357,7 +361,7 @@ class Locks:
             ) from None
         except OSError as exc:
             raise RunDirError(
-                f"{what} {str(directory)!r} cannot be created ({exc.strerror or exc})"
+                f"{what} {str(directory)!r} cannot be created ({exc.strerror or exc})", exc.errno
             ) from None
         self.created += reversed(missing)
         lock = checkpoint.DirLock(directory)
@@ -372,7 +376,7 @@ class Locks:
             raise RunDirError(str(exc)) from None
         except OSError as exc:
             raise RunDirError(
-                f"{what} {str(directory)!r} is not writable ({exc.strerror or exc})"
+                f"{what} {str(directory)!r} is not writable ({exc.strerror or exc})", exc.errno
             ) from None
         self.held.append(lock)
 
