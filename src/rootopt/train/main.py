@@ -100,14 +100,27 @@ def _environment_problems(cfg: Any) -> list[str]:
                 f"environment: {name}={raw[:40]!r} is not an integer (it is set by the "
                 "launcher, e.g. torchrun; unset it to run one process)"
             )
-    if cfg.distributed.backend == "nccl":
-        from rootopt.distributed.group import resolve_backend
-
-        try:
-            resolve_backend("nccl")
-        except ValueError as exc:
-            problems.append(f"config error: {exc}")
     return problems
+
+
+def _environment_notes(cfg: Any) -> list[str]:
+    """What the run accepts on purpose but says (docs/training.md, "Configuration"): a
+    backend that cannot work here is unused by one process (a launch of several is refused
+    when it starts its process group)."""
+    import torch
+
+    d = cfg.distributed
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world:
+        alone = world.isdigit() and int(world) <= 1
+    else:  # no launcher: one process unless another init_method starts a group
+        alone = d.init_method == "env://" or d.world_size <= 1
+    if d.backend == "nccl" and alone and not torch.cuda.is_available():
+        return [
+            "note: distributed.backend=nccl is unused by one process; it needs CUDA, which "
+            "this machine lacks, so a launch of several processes here would be refused"
+        ]
+    return []
 
 
 def _err(msg: str, *, for_the_job: bool = False) -> None:
@@ -199,6 +212,10 @@ def _main(argv: list[str] | None) -> int:
 
     from rootopt.train.agree import exit_status
     from rootopt.train.loop import train
+
+    if _speaks_alone():
+        for note in _environment_notes(cfg):
+            print(note)
 
     try:
         summary = train(
