@@ -548,7 +548,8 @@ IDENT = [*FAST, "run.max_steps=8", "checkpoint.every=4"]
 NOT_THE_COMPUTATION = [
     "data.num_workers=2",
     "data.verify_checksums=false",
-    "data.corpus=bbc",  # the shards are given: the corpus setting is unused
+    "data.corpus=bbc",  # the shards are given: the corpus settings are unused
+    "data.text_field=body",
     "checkpoint.keep_last=1",
     "checkpoint.every=3",
     "checkpoint.on_signal=false",

@@ -179,6 +179,13 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
             "data.corpus: empty; name a corpus (stdlib, bbc, kjv, digits, bbc-classes) or a "
             "directory or file of text"
         )
+    from rootopt.data.tokenizer import spec_problem
+
+    problem = spec_problem(cfg.data.tokenizer)
+    if problem:
+        problems.append(f"data.{problem}")
+    if not cfg.data.text_field.strip():
+        problems.append("data.text_field: expected the name of a JSON field; got ''")
     if 0 < cfg.run.loss_spike_factor <= 1:
         problems.append(
             f"run.loss_spike_factor: must be 0 (off) or > 1; got {cfg.run.loss_spike_factor}"

@@ -129,10 +129,21 @@ class DataConfig:
         "", "prepared shard directory (manifest.json); empty = prepare `corpus` into the run dir"
     )
     corpus: str = _f(
-        "stdlib", "stdlib | bbc | kjv | digits | bbc-classes | a directory/file of text"
+        "stdlib",
+        "stdlib | bbc | kjv | digits | bbc-classes | a text file, a .jsonl file (one document "
+        "per line) or a directory of them",
     )
+    tokenizer: str = _f(
+        "bytes",
+        "bytes (one id per byte) | bpe:N (a byte-level BPE of N ids trained on the corpus) | "
+        "the path of a tokenizer.json (docs/training.md, Your own data)",
+    )
+    text_field: str = _f("text", "the field of a .jsonl line that holds the document's text")
     max_bytes: int = _f(
-        4_000_000, "bytes of corpus text to tokenize when preparing", min=1, max=1 << 40
+        4_000_000,
+        "bytes of corpus text to tokenize when preparing; 0 = all of it",
+        min=0,
+        max=1 << 40,
     )
     seq_len: int = _f(128, "tokens per training sequence", min=2, max=1 << 20)
     samples_per_shard: int = _f(2000, "samples per .tar shard when preparing", min=1, max=1 << 30)

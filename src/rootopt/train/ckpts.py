@@ -154,15 +154,15 @@ def read(entry: Entry) -> tuple[dict[str, Any], str]:
 INVALID = "invalid"
 
 
-def set_aside(ckpt_dir: Path, entries: list[Entry], run_id: str) -> list[str]:
+def set_aside(ckpt_dir: Path, entries: list[Entry]) -> list[str]:
     """Move checkpoints a resume skipped as corrupt into ``<ckpt_dir>/invalid/`` (kept,
-    never pruned, and out of the way of the step the run will write again); only this
-    run's (or those whose run is unknown). Returns the names moved."""
+    never pruned, and out of the way of the step the run will write again; a name taken
+    there gets a suffix). Returns the names moved."""
     from rootopt._atomic import own_dir
 
     moved = []
     for e in entries:
-        if run_id_of(e) not in (run_id, "") or not os.path.lexists(e.path):
+        if not os.path.lexists(e.path):
             continue
         dest = own_dir(ckpt_dir / INVALID)
         for f in (e.path, e.path.with_suffix(".json")) if e.kind == "pt" else (e.path,):

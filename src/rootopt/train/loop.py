@@ -227,6 +227,7 @@ def setup(
     try:
         return _build(cfg, info, plan, say), locks
     except BaseException:
+        planning.abandon(plan)  # the data it staged, when it stopped before writing
         locks.abandon()
         raise
 
@@ -238,8 +239,10 @@ def _build(
     run_dir, ckpt_dir = Path(public["run_dir"]), Path(public["ckpt_dir"])
     data_dir = Path(public["data_dir"])
     if info.is_main and plan is not None:
+        kept = plan.ckpt_dir / ckpts.INVALID
         for line in plan.skipped:
-            say(f"skipping invalid checkpoint: {line} (kept in {plan.ckpt_dir / ckpts.INVALID})")
+            moved = any(line.startswith(f"{e.name}:") for e in plan.invalid)
+            say(f"skipping invalid checkpoint: {line}" + (f" (kept in {kept})" if moved else ""))
         if plan.choice is not None and plan.choice.note:
             say(f"note: {plan.choice.note}")
 

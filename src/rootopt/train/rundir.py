@@ -35,6 +35,7 @@ from rootopt import checkpoint
 from rootopt._atomic import LinkError, own_dir
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import Config, ConfigError, RunConfig, to_dict
+from rootopt.data import STAGING, is_staging
 
 RUN_FILE = "run.json"
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
@@ -78,7 +79,14 @@ NOT_IDENTITY: dict[str, tuple[str, ...]] = {
 }
 # The data settings that only say how a run prepares its own corpus (unused with
 # --data_path / data.path: the shards are given).
-_PREP_ONLY = ("corpus", "max_bytes", "samples_per_shard", "val_fraction")
+_PREP_ONLY = (
+    "corpus",
+    "max_bytes",
+    "samples_per_shard",
+    "val_fraction",
+    "tokenizer",
+    "text_field",
+)
 # Temporary files an interrupted atomic write of ours leaves in a run directory or in the
 # data it prepared (rootopt._atomic: ".<name>.<random>.tmp").
 _STALE_RUN = re.compile(r"^\.(run\.json|metrics\.jsonl|summary\.json)\..+\.tmp$")
@@ -162,6 +170,11 @@ _LEGACY_SESSION_KEYS: tuple[tuple[str, str], ...] = (
     ("monitoring", "progress_bar"),
     ("monitoring", "prometheus"),
 )
+# Keys added later, left out of that key at the value that does what runs did before them.
+_LEGACY_LATER_KEYS: dict[tuple[str, str], object] = {
+    ("data", "tokenizer"): "bytes",
+    ("data", "text_field"): "text",
+}
 
 
 def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
@@ -170,6 +183,9 @@ def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
     data = to_dict(cfg)
     for section, key in _LEGACY_SESSION_KEYS:
         data[section].pop(key, None)
+    for (section, key), value in _LEGACY_LATER_KEYS.items():
+        if data[section].get(key) == value:
+            data[section].pop(key)
     payload = {
         "config": data,
         "data_path": str(Path(data_path).resolve()) if data_path else "",
@@ -270,7 +286,7 @@ def refuse_links(run_dir: Path, ckpt_dir: Path, own_data: bool) -> None:
     try:
         refuse_link(run_dir, "--log_dir")
         refuse_link(ckpt_dir, "checkpoint directory")
-        names = [*RUN_PATHS, "data"] if own_data else RUN_PATHS
+        names = [*RUN_PATHS, "data", STAGING] if own_data else RUN_PATHS
         for name in names:
             refuse_link(run_dir / name)
         for name in CKPT_PATHS:
@@ -318,6 +334,7 @@ def read_run_file(run_dir: Path, created: tuple[Path, ...] = ()) -> dict[str, An
         and n not in made
         and not _STALE_RUN.match(n)
         and not (n == "checkpoints" and _only_lock(run_dir / n))
+        and not (n == STAGING and is_staging(run_dir / n))  # a launch killed while preparing
     ]
     if foreign:
         raise CheckpointError(
