@@ -5,9 +5,9 @@ state by parameter name, sharded tensors as ``DTensor``), ``extra.pt`` (rank 0's
 dict: scheduler, scaler, data position, RNG; plain data, loadable with
 ``weights_only=True``) and ``rootopt.json``, the marker (format, step, world size at save,
 and the sha256 and size of every other file). It is written into a hidden temporary
-directory next to it; rank 0 hashes every rank's files once the collective save has
-returned (DCP gathers every rank's write result before it writes ``.metadata``), writes
-the marker last, atomically, and renames the directory into place after every rank has
+directory next to it; once the collective save has returned, each rank hashes the data
+files it wrote, rank 0 gathers their checksums, hashes the rest and writes the marker last,
+atomically, and renames the directory into place after every rank has
 finished, so a reader sees a complete checkpoint or none. Because the optimizer state is
 per parameter, created eagerly and never depends on ownership
 (:class:`rootopt.distributed.DistributedROOT`), a checkpoint saved at world size N loads at
@@ -216,6 +216,16 @@ def save(
         {"model": model_sd, "optim": optim_sd},
         checkpoint_id=tmp_dir,
     )
+    # each rank hashes the data files it wrote (DCP names them __<rank>_<n>.distcp), so the
+    # checksums cost 1/W of the checkpoint's bytes per rank; rank 0 gathers them
+    mine: dict[str, dict[str, Any]] = {}
+    for p in sorted(tmp_dir.glob(f"__{info.rank}_*.distcp")):
+        digest, size = file_digest(p)
+        mine[p.name] = {"sha256": digest, "bytes": size}
+    listed: list[Any] = [mine]
+    if _active():
+        listed = [None] * info.world_size
+        _collective(f"checkpoint checksums ({final.name})", dist.all_gather_object, listed, mine)
     if info.rank == 0:
         # dcp_save has returned on rank 0: every rank's files are written (DCP gathered
         # their write results before writing .metadata)
@@ -223,10 +233,12 @@ def save(
         torch.save(dict(extra or {}), buf_path)
         with open(buf_path, "rb") as fh:
             os.fsync(fh.fileno())
-        files = {}
+        files = {name: rec for part in listed for name, rec in (part or {}).items()}
         for p in sorted(tmp_dir.iterdir()):
-            digest, size = file_digest(p)
-            files[p.name] = {"sha256": digest, "bytes": size}
+            if p.name not in files:  # .metadata, extra.pt, a file of another name
+                digest, size = file_digest(p)
+                files[p.name] = {"sha256": digest, "bytes": size}
+        files = dict(sorted(files.items()))
         marker = {
             **(meta or {}),
             "format": FORMAT,
