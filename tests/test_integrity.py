@@ -80,9 +80,10 @@ def _written_paths(run: Path) -> list[str]:
     """Every path the run wrote at the top of its directory and of its checkpoint
     directory (read from a real run, so a new output is covered when it appears), plus the
     ones the code declares that this run did not need (e.g. metrics.superseded.jsonl)."""
+    from rootopt.data import STAGING
     from rootopt.train import rundir
 
-    names = {p.name for p in run.iterdir()} | set(rundir.RUN_PATHS) | {"data"}
+    names = {p.name for p in run.iterdir()} | set(rundir.RUN_PATHS) | {"data", STAGING}
     ckpt = {f"checkpoints/{p.name}" for p in (run / "checkpoints").iterdir()}
     ckpt |= {f"checkpoints/{n}" for n in rundir.CKPT_PATHS}
     ckpt |= {"checkpoints/ckpt-00000009.pt", "checkpoints/ckpt-00000009.json"}  # next ones
@@ -126,7 +127,14 @@ def test_a_link_anywhere_the_run_writes_is_refused_and_its_target_untouched(
         shutil.copytree(full_run, run, symlinks=True)
         user_file, user_dir = _user_things(tmp_path / f"u{i}")
         at = run / rel
-        is_dir = at.is_dir() or rel in ("tensorboard", "previous", "data", "checkpoints/diverged")
+        is_dir = at.is_dir() or rel in (
+            "tensorboard",
+            "previous",
+            "data",
+            ".rootopt-staging",
+            "checkpoints/diverged",
+            "checkpoints/invalid",
+        )
         target = user_dir if is_dir else user_file
         if at.is_dir():
             shutil.rmtree(at)

@@ -63,7 +63,7 @@ def fit_size_problem(m: int, n: int, max_dim: int) -> str:
     longest = (FIT_ENTRIES_LIMIT // m2) * small // m2
     return (
         f"shape {m}x{n} would sample {m2}x{n2} matrices ({m2 * n2:.3g} entries; the limit "
-        f"is {FIT_ENTRIES_LIMIT}, about 30 s on 2 CPU cores): with a short side of {small}, "
+        f"is {FIT_ENTRIES_LIMIT}; the time grows with it): with a short side of {small}, "
         f"fit a long side of at most {longest}"
     )
 
