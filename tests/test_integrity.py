@@ -956,3 +956,27 @@ def test_coeffs_bad_inputs_are_refused_before_any_work(
         assert cli.main(["coeffs", "build-table", "--shape", "1x1", "--out", str(out)]) == 2
         assert "is the table shipped inside the package" in _err_line(capsys)
     assert _digest(DEFAULT_OUT) == shipped
+
+
+def test_the_checkpoint_integrity_benchmark_runs_and_refuses_an_existing_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/bench_checkpoint_integrity.py on a tiny model: JSON with the four
+    medians and the two ratios; an existing --json is refused before any work."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_checkpoint_integrity.py"
+    spec = importlib.util.spec_from_file_location("bench_checkpoint_integrity", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    assert bench.main(["--params", "4096", "--repeats", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert sorted(got["median_s"]) == ["rootopt_load", "rootopt_save", "torch_load", "torch_save"]
+    assert all(v > 0 for v in got["median_s"].values())
+    assert got["save_ratio"] > 0 and got["load_ratio"] > 0 and got["checkpoint_bytes"] > 4096 * 4
+    capsys.readouterr()
+    assert bench.main(["--json", str(out)]) == 2
+    assert "exists; choose another --json" in capsys.readouterr().err
