@@ -571,7 +571,6 @@ NOT_THE_COMPUTATION = [
     "run.max_time=3600",
     "run.name=elsewhere",
     "distributed.timeout_s=60",
-    "distributed.ddp_design=gather",
     "mixed_precision.dtype=fp16",  # autocast is off: unused
     "mixed_precision.init_scale=8",
 ]

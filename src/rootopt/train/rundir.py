@@ -70,8 +70,6 @@ NOT_IDENTITY: dict[str, tuple[str, ...]] = {
         "world_size",  # a checkpoint loads at any world size; an elastic restart changes it
         "timeout_s",
         "rendezvous_timeout_s",
-        "ddp_design",  # the same update either way; checkpoints load in both
-        "fsdp_design",  # the same update up to the order of sums; same state
     ),
     "data": ("num_workers", "verify_checksums"),  # workers get whole batches of indices
     "checkpoint": ("*",),
