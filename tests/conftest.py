@@ -95,6 +95,20 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_bench_train_overhead_tiny_run_and_refusal",
         }
     ),
+    "test_integrity.py": frozenset(
+        {
+            "test_a_link_anywhere_the_run_writes_is_refused_and_its_target_untouched",
+            "test_stale_temporaries_that_are_links_are_removed_not_followed",
+            "test_a_damaged_dcp_checkpoint_is_skipped_with_one_line_and_kept",
+            "test_dcp_metadata_that_would_run_code_is_refused_at_world_size_2",
+            "test_a_peer_killed_during_a_collective_save_leaves_one_line",
+            "test_what_does_not_change_the_numbers_does_not_name_another_run",
+            "test_a_new_default_directory_names_the_run_it_did_not_continue",
+            "test_a_run_named_by_the_earlier_key_is_still_found",
+            "test_sigint_while_the_command_starts_is_one_line",
+            "test_a_complete_run_on_a_read_only_file_system_says_already_complete",
+        }
+    ),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),
     # the compiled step and the two-process paths (one torchrun launch serves them all);
     # every other path stays in the fast tier

@@ -11,8 +11,38 @@ Ctrl-C while torch is still importing) before torch is imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import sys
+
+
+def _interrupted_while_starting() -> None:
+    """In the ``rootopt`` command and ``python -m rootopt.train`` (and only there): a
+    Ctrl-C before the command's own handling is installed (while Python imports this
+    package, ``typing``, the command module) is one line instead of a traceback. Installed
+    first thing, so the window left is the interpreter's own start-up."""
+    argv = list(getattr(sys, "orig_argv", []))
+    cli = bool(sys.argv) and sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] in (
+        "rootopt",
+        "rootopt.exe",
+    )
+    at = argv.index("-m") + 1 if "-m" in argv else len(argv)
+    module = at < len(argv) and argv[at] in ("rootopt", "rootopt.train")
+    if not (cli or module):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            print("rootopt: interrupted while starting; nothing was written", file=sys.stderr)
+            return  # the interpreter then ends by SIGINT (status 130 in a shell)
+        previous(kind, value, tb)  # type: ignore[arg-type]
+
+    sys.excepthook = hook
+
+
+_interrupted_while_starting()
+
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
     from rootopt.optim import (

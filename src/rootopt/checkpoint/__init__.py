@@ -232,6 +232,7 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path.name}: sha256 mismatch (sidecar {str(meta.get('sha256'))[:12]}…, file {actual[:12]}…)"
         )
+    _refuse_non_archive(path)
     try:
         state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except OSError as exc:
@@ -246,6 +247,21 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointUnreadable(f"{path.name}: holds a {type(state).__name__}, not a checkpoint")
     return state
+
+
+def _refuse_non_archive(path: Path) -> None:
+    """Every version of this format is a ``torch.save`` zip archive: a file that is not
+    one is no checkpoint, whatever its sidecar says (:class:`CheckpointError`)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(4)
+    except OSError as exc:
+        raise CheckpointUnreadable(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
+    if head != b"PK\x03\x04":
+        raise CheckpointError(
+            f"{path.name}: not a checkpoint (torch.save writes a zip archive; this file starts "
+            f"with {head!r}), although its sidecar's checksum matches it"
+        )
 
 
 # --------------------------------------------------------------------------- ownership
@@ -277,13 +293,14 @@ class DirLock:
 
     def acquire(self) -> None:
         """Take the lock; :class:`LockHeld` when a live process holds it, ``OSError`` when
-        the lock file cannot be created or opened (read-only or missing directory)."""
+        the lock file cannot be created or opened (read-only or missing directory, or
+        :class:`rootopt._atomic.LinkError`: the lock file is a symbolic link)."""
         import fcntl
         import socket
 
-        from rootopt._atomic import file_mode
+        from rootopt._atomic import open_lock
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode())
+        fd = open_lock(self.path)  # never through a link (LinkError, an OSError)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

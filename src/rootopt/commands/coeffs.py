@@ -35,6 +35,39 @@ def parse_shape(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _steps(text: str) -> int:
+    """``--steps``: Newton–Schulz iterations, an integer >= 1 (argparse: one usage line)."""
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return k
+
+
+# The largest matrix a fit may draw its spectra from (entries): a fit samples matrices of
+# the shape's aspect ratio with the small side cut to FitConfig.max_dim; 64x262144 (this
+# many entries) took 30 s on 2 CPU cores, and the time grows with it.
+FIT_ENTRIES_LIMIT = 1 << 24
+
+
+def fit_size_problem(m: int, n: int, max_dim: int) -> str:
+    """'' when a fit of ``m x n`` samples at most :data:`FIT_ENTRIES_LIMIT` entries,
+    else the reason (the sampled size and the longest side that fits)."""
+    small, large = min(m, n), max(m, n)
+    m2 = min(small, max_dim)
+    n2 = max(m2, round(large * m2 / small))
+    if m2 * n2 <= FIT_ENTRIES_LIMIT:
+        return ""
+    longest = (FIT_ENTRIES_LIMIT // m2) * small // m2
+    return (
+        f"shape {m}x{n} would sample {m2}x{n2} matrices ({m2 * n2:.3g} entries; the limit "
+        f"is {FIT_ENTRIES_LIMIT}; the time grows with it): with a short side of {small}, "
+        f"fit a long side of at most {longest}"
+    )
+
+
 def _fmt(s: Sequence[Sequence[float]]) -> str:
     return "\n".join(f"  ({a:+.6f}, {b:+.6f}, {c:+.6f})" for a, b, c in s)
 
@@ -44,7 +77,7 @@ def cmd_fit(argv: list[str]) -> int:
         prog="rootopt coeffs fit", description="Fit AdaNewton coefficients for one shape."
     )
     ap.add_argument("--shape", type=parse_shape, required=True)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=_steps, default=5)
     g = ap.add_mutually_exclusive_group()
     g.add_argument(
         "--schedule", dest="mode", action="store_const", const="schedule", help="one tuple per step"
@@ -76,6 +109,10 @@ def cmd_fit(argv: list[str]) -> int:
         print(f"rootopt coeffs fit: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     m, n = a.shape
+    too_big = fit_size_problem(m, n, cfg.max_dim)
+    if too_big:
+        print(f"rootopt coeffs fit: {too_big}", file=sys.stderr)
+        return 2
     if a.cache:
         from rootopt.tools.fitcache import CACHE_FORMAT, cache_path, file_lock, write_cache
 
@@ -106,7 +143,7 @@ def cmd_show(argv: list[str]) -> int:
         prog="rootopt coeffs show", description="Show the table or one shape's coefficients."
     )
     ap.add_argument("shape", nargs="?", type=parse_shape)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=_steps, default=5)
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"]
     )

@@ -8,8 +8,48 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rootopt.monitor.report import UPDATE_BAND, check_run
+
+
+def _not_a_run_log(run: Path) -> str:
+    """Why ``run``'s ``summary.json`` or ``metrics.jsonl`` is not what ``rootopt train``
+    writes ('' when they are, or are absent: check_run reports that). A log with a cut or
+    damaged line is still a log (the report names it); one with no record at all and
+    binary bytes is not."""
+    summary = run / "summary.json"
+    if summary.is_file():
+        try:
+            data = json.loads(summary.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            data = {}  # unreadable: the report's log check says so
+        if not isinstance(data, dict):
+            kinds: dict[type, str] = {list: "a list", str: "a string"}
+            kind = kinds.get(type(data), type(data).__name__)
+            return (
+                f"{str(summary)!r} is not a run summary (it holds {kind}; rootopt train "
+                "writes a JSON object)"
+            )
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        from rootopt.monitor.metrics import read_jsonl_checked
+
+        rows, bad = read_jsonl_checked(metrics)
+        if not rows and bad:
+            with open(metrics, "rb") as fh:
+                head = fh.read(1 << 16)
+            try:
+                head.decode("utf-8")
+                binary = b"\x00" in head
+            except UnicodeDecodeError as exc:
+                binary = exc.start < len(head) - 4  # not merely a character cut at the end
+            if binary:
+                return (
+                    f"{str(metrics)!r} is not a metrics log: binary data and no JSON record "
+                    "(rootopt train writes one JSON object per line)"
+                )
+    return ""
 
 
 def main(argv: list[str]) -> int:
@@ -35,6 +75,11 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
+    for run in [args.run_dir, *([args.baseline] if args.baseline else [])]:
+        problem = _not_a_run_log(Path(run))
+        if problem:
+            print(f"rootopt report: {problem}", file=sys.stderr)
+            return 2
     try:
         rep = check_run(
             args.run_dir,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -109,6 +110,9 @@ def _coerce(value: Any, tp: Any, where: str, rules: dict[str, Any], problems: li
 
 
 def _build(cls: type[Any], data: Any, where: str, problems: list[str]) -> Any:
+    if data is None and where:  # `model:` with nothing under it (every key commented out?)
+        problems.append(f"{where}: the section is empty (null); give it keys or remove the line")
+        return cls()
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -180,6 +184,11 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
             "checkpoint.resume: expected auto, never, restart or an existing checkpoint file "
             "(ckpt-*.pt, or a dcp-* directory); "
             f"got {short(cfg.checkpoint.resume)}"
+        )
+    if not cfg.data.corpus.strip():
+        problems.append(
+            "data.corpus: empty; name a corpus (stdlib, bbc, kjv, digits, bbc-classes) or a "
+            "directory or file of text"
         )
     from rootopt.data.tokenizer import spec_problem
 
@@ -319,9 +328,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]
     """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last silently)."""
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    """A mapping whose explicit keys are unique; YAML merge keys (``<<: *base``) are
+    supported (an explicit key overrides a merged one, as YAML specifies)."""
     seen: set[Any] = set()
     for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG:
+            continue
         key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
         try:
             dup = key in seen
@@ -366,8 +382,17 @@ def _read_yaml(p: Path) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None)
-        what = f": {str(problem)[:80]}" if problem and "duplicate key" in str(problem) else ""
+        problem = str(getattr(exc, "problem", None) or "")
+        tag = re.search(r"could not determine a constructor for the tag '([^']*)'", problem)
+        if tag is not None:  # `!!python/object:...`, `!custom`: never constructed
+            name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+            raise ConfigError(
+                [
+                    f"config file {p.name}{at}: the YAML tag {name[:60]!r} is not supported "
+                    "(a config holds mappings, lists, strings, numbers, booleans and null)"
+                ]
+            ) from None
+        what = f": {problem[:80]}" if "duplicate key" in problem else ""
         raise ConfigError([f"config file {p.name}: invalid YAML{at}{what}"]) from None
     except RecursionError:
         raise ConfigError([f"config file {p.name}: YAML nested too deeply"]) from None
@@ -387,8 +412,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(
                 [f"config file {p.name}: expected a mapping of sections at the top level"]
             )
+        empty = _null_sections(Config, data, "")
+        if empty:  # before the overrides, which would fill a null section in
+            raise ConfigError(
+                [
+                    f"{w}: the section is empty (null); give it keys or remove the line"
+                    for w in empty
+                ]
+            )
     data = apply_overrides(data, list(overrides or []))
     return from_dict(data)
+
+
+def _null_sections(cls: type[Any], data: Any, where: str) -> list[str]:
+    """The sections (dataclass-typed keys, nested too) that ``data`` gives as null."""
+    if not isinstance(data, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if f.name in data and isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            sub = f"{where}.{f.name}" if where else f.name
+            out += [sub] if data[f.name] is None else _null_sections(tp, data[f.name], sub)
+    return out
 
 
 def dump_yaml(cfg: Config) -> str:

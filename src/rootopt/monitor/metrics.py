@@ -7,6 +7,7 @@ tests check against the dashboard.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rootopt._atomic import atomic_write, open_append, own_dir
 
 # Prometheus metric name -> help. Labelled ones take {"param": tensor name} or {"kind": ...}.
 PROMETHEUS_METRICS: dict[str, str] = {
@@ -132,15 +135,15 @@ class Monitor:
         # complete log from one cut at a line boundary) and the steps with a val record
         self.records = 0
         self.val_steps: set[int] = set()
-        self._jsonl = (
-            (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled and jsonl else None
-        )
-        self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8") if enabled else None
+        # appended, never through a symbolic link (rootopt._atomic.LinkError)
+        self._jsonl = open_append(run_dir / "metrics.jsonl") if enabled and jsonl else None
+        self._events = open_append(run_dir / "events.jsonl") if enabled else None
         self.tb: Any = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # event files get new names (time, host, pid); the directory must be the run's
+            self.tb = SummaryWriter(str(own_dir(run_dir / "tensorboard")))
         self.prom = PrometheusExporter(*prometheus) if enabled and prometheus else None
 
     def log(
@@ -236,14 +239,12 @@ class Monitor:
                 self.val_steps.add(int(row["step"]))
         self.records = len(keep)
         if moved:
-            from rootopt._atomic import atomic_write
-
-            with (self.run_dir / "metrics.superseded.jsonl").open("ab") as fh:
+            with open_append(self.run_dir / "metrics.superseded.jsonl", binary=True) as fh:
                 fh.writelines(moved)
                 fh.flush()
                 os.fsync(fh.fileno())
             atomic_write(path, b"".join(keep))
-        self._jsonl = path.open("a", encoding="utf-8")
+        self._jsonl = open_append(path)
         return len(moved)
 
     def close(self) -> None:
@@ -315,6 +316,8 @@ def plot_loss(run_dir: Path, out: Path | None = None) -> Path | None:
     ax.legend()
     fig.tight_layout()
     out = out or run_dir / "loss_curve.png"
-    fig.savefig(out)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    atomic_write(out, buf.getvalue())  # a new file renamed into place: never through a link
     return out

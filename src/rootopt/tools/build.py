@@ -49,7 +49,7 @@ def build_table(
     seed: int = 0,
     delta: float = 0.25,
     shapes: Sequence[tuple[int, int]] | None = None,
-    out: Path = DEFAULT_OUT,
+    out: Path,
     code_version: str = "",
     verbose: bool = True,
 ) -> dict[str, Any]:
@@ -208,6 +208,16 @@ def _git_version() -> str:
     return r.stdout.strip()
 
 
+def _is_shipped(out: Path) -> bool:
+    """``out`` is the shipped table (the same file, through any path or link)."""
+    try:
+        return out.resolve() == DEFAULT_OUT.resolve() or (
+            out.exists() and DEFAULT_OUT.exists() and out.samefile(DEFAULT_OUT)
+        )
+    except OSError:
+        return False
+
+
 def _shape(text: str) -> tuple[int, int]:
     """``2048x8192`` → (2048, 8192); argparse reports anything else as one usage line."""
     try:
@@ -244,8 +254,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="only these shapes, e.g. 2048x8192",
     )
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the table file to write (never the table shipped inside the package: build "
+        "into a file, review it, use it with ROOTOPT_ADANEWTON_TABLE=FILE)",
+    )
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if _is_shipped(a.out):
+        print(
+            f"rootopt coeffs build-table: --out {str(a.out)!r} is the table shipped inside "
+            "the package (an editable install would rewrite the source tree); write to "
+            "another file, review it, and use it with ROOTOPT_ADANEWTON_TABLE=FILE",
+            file=sys.stderr,
+        )
+        return 2
     shapes = list(a.shape) if a.shape else None
     try:
         FitConfig(steps=a.steps, dtype=a.dtype, seed=a.seed, delta=a.delta, **TABLE_FIT)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rootopt._atomic import LinkError
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import ConfigError
 from rootopt.data import CorpusError, ShardError, ShardWriteError
@@ -51,6 +52,8 @@ def exit_status(exc: BaseException) -> tuple[int, list[str]] | None:
         return 2, [_one_line(exc)]
     if isinstance(exc, (TrainingError, CollectiveError)):
         return 1, [_one_line(exc)]
+    if isinstance(exc, LinkError):  # a link planted where the run writes: refused
+        return 2, [_one_line(exc)]
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
         return 1, [f"I/O error: {exc.strerror or exc}{where}"]

@@ -10,6 +10,7 @@ docs/training.md "Divergence").
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,40 +104,77 @@ def run_id_of(entry: Entry) -> str:
 class Found:
     entry: Entry
     state: dict[str, Any]  # .pt: the whole checkpoint; dcp: its extra.pt
+    note: str = ""  # a line to print about it (a dcp-* without checksums)
 
 
-def newest_readable(ckpt_dir: Path) -> tuple[Found | None, list[str]]:
-    """The newest checkpoint that verifies, and one line per newer corrupt one.
+def newest_readable(ckpt_dir: Path) -> tuple[Found | None, list[str], list[Entry]]:
+    """The newest checkpoint that verifies, one line per newer corrupt one, and those
+    corrupt ones (set aside by the run that skips them: :func:`set_aside`).
 
     A newer checkpoint that cannot be read for a reason other than proven corruption
     (another format version, an I/O error, a load error) raises
     :class:`CheckpointUnreadable`: resuming from an older one, or from step 0, would throw
     away the progress it may hold, and pruning might then delete it."""
     skipped: list[str] = []
+    bad: list[Entry] = []
     for entry in reversed(list_all(ckpt_dir)):
         try:
-            return Found(entry, read(entry)), skipped
+            state, note = read(entry)
+            return Found(entry, state, note), skipped, bad
         except CheckpointUnreadable:
             raise
         except CheckpointError as exc:
             skipped.append(str(exc))
-    return None, skipped
+            bad.append(entry)
+    return None, skipped, bad
 
 
-def read(entry: Entry) -> dict[str, Any]:
-    """Verify and read one checkpoint (``.pt``: all of it; ``dcp``: its marker and
-    ``extra.pt``). :class:`CheckpointError` when corrupt, :class:`CheckpointUnreadable`
-    when this build cannot read it."""
+def read(entry: Entry) -> tuple[dict[str, Any], str]:
+    """Verify and read one checkpoint (``.pt``: all of it; ``dcp``: every file against
+    its sha256, its metadata through the safe unpickler, then ``extra.pt``), and a note
+    ('' or the line for a ``dcp-*`` written before checksums). :class:`CheckpointError`
+    when corrupt, :class:`CheckpointUnreadable` when this build cannot read it."""
     if entry.kind == "pt":
-        return checkpoint.load(entry.path)
-    info = dcp.inspect(entry.path)
-    if not info.valid:
-        cls = CheckpointError if info.corrupt else CheckpointUnreadable
-        raise cls(f"{entry.name}: {info.reason}")
+        return checkpoint.load(entry.path), ""
     try:
-        return dcp.read_extra(entry.path)
+        info = dcp.checked(entry.path)
+        extra = dcp.read_extra(entry.path)
     except dcp.DistCheckpointError as exc:
-        raise CheckpointUnreadable(str(exc)) from None
+        cls = CheckpointError if exc.corrupt else CheckpointUnreadable
+        raise cls(str(exc)) from None
+    note = ""
+    if not info.checksummed:
+        note = (
+            f"{entry.name} was written before checkpoints carried checksums: its files "
+            "cannot be checked for damage (it is read without running code from it)"
+        )
+    return extra, note
+
+
+INVALID = "invalid"
+
+
+def set_aside(ckpt_dir: Path, entries: list[Entry]) -> list[str]:
+    """Move checkpoints a resume skipped as corrupt into ``<ckpt_dir>/invalid/`` (kept,
+    never pruned, and out of the way of the step the run will write again; a name taken
+    there gets a suffix). Returns the names moved."""
+    from rootopt._atomic import own_dir
+
+    moved = []
+    for e in entries:
+        if not os.path.lexists(e.path):
+            continue
+        dest = own_dir(ckpt_dir / INVALID)
+        for f in (e.path, e.path.with_suffix(".json")) if e.kind == "pt" else (e.path,):
+            if os.path.lexists(f):
+                target = dest / f.name
+                n = 1
+                while os.path.lexists(target):
+                    target = dest / f"{f.name}.{n}"
+                    n += 1
+                shutil.move(f, target)
+        moved.append(e.name)
+    return moved
 
 
 def entry_for(path: Path) -> Entry:

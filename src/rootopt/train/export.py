@@ -83,7 +83,7 @@ def _newest(run_dir: Path) -> tuple[Any, dict[str, Any]]:
         raise ExportError(f"{str(run_dir)!r} is not a rootopt run directory (no run.json)")
     ckpt_dir = _ckpt_dir(run_dir)
     try:
-        found, skipped = ckpts.newest_readable(ckpt_dir)
+        found, skipped, _ = ckpts.newest_readable(ckpt_dir)
     except CheckpointUnreadable as exc:
         raise ExportError(f"cannot export: {exc}") from None
     if found is None:

@@ -32,6 +32,7 @@ from rootopt.config import Config, ConfigError, dump_yaml
 from rootopt.data import CorpusError, ShardError, load_manifest
 from rootopt.distributed import CollectiveError, CollectiveTimeoutError
 from rootopt.monitor import Monitor, plot_loss, read_jsonl
+from rootopt.train import ckpts
 from rootopt.train import plan as planning
 from rootopt.train.agree import JobError, agreed, broadcast, gather
 from rootopt.train.build import (
@@ -64,7 +65,7 @@ from rootopt.train.resume import (
     resume,
     save_checkpoint,
 )
-from rootopt.train.rundir import Locks, default_run_dir, identity_key
+from rootopt.train.rundir import Locks, default_run_dir, identity_key, other_runs_note
 from rootopt.train.schedule import GradClipper, LRMultiplier
 from rootopt.train.state import Hooks, Run, Summary, TrainState
 from rootopt.train.step import evaluate, train_step
@@ -216,11 +217,24 @@ def setup(
         if info.note:
             say(info.note)
         say(f"run dir: {chosen}")
-    plan = agreed(
-        info,
-        lambda: planning.check(cfg, chosen, data_path, say) if info.is_main else None,
-        what="checks before writing",
-    )
+        if not explicit:
+            note = other_runs_note(cfg, data_path, config_path, chosen)
+            if note:
+                say(f"note: {note}")
+
+    def check() -> planning.Plan | planning.Complete | None:
+        if not info.is_main:
+            return None
+        try:
+            return planning.check(cfg, chosen, data_path, say)
+        except planning.AlreadyComplete as done:  # a read-only directory, nothing to do
+            return done.done
+
+    checked = agreed(info, check, what="checks before writing")
+    done = broadcast(info, checked if isinstance(checked, planning.Complete) else None, "complete")
+    if done is not None:
+        raise planning.AlreadyComplete(done)
+    plan = checked if isinstance(checked, planning.Plan) else None
     locks = plan.locks if plan is not None else Locks()
     try:
         return _build(cfg, info, plan, say), locks
@@ -236,9 +250,13 @@ def _build(
     public: dict[str, Any] = broadcast(info, plan.public() if plan else None, "run plan")
     run_dir, ckpt_dir = Path(public["run_dir"]), Path(public["ckpt_dir"])
     data_dir = Path(public["data_dir"])
-    if info.is_main:
-        for line in plan.skipped if plan else []:
-            say(f"skipping invalid checkpoint: {line}")
+    if info.is_main and plan is not None:
+        kept = plan.ckpt_dir / ckpts.INVALID
+        for line in plan.skipped:
+            moved = any(line.startswith(f"{e.name}:") for e in plan.invalid)
+            say(f"skipping invalid checkpoint: {line}" + (f" (kept in {kept})" if moved else ""))
+        if plan.choice is not None and plan.choice.note:
+            say(f"note: {plan.choice.note}")
 
     cfg = agreed(info, lambda: _resolved(cfg0, public["meta"]), what="building the model")
 
@@ -353,15 +371,17 @@ def _validate(cfg: Config, data_dir: Path) -> int:
 
 
 def _write_run_files(run: Run) -> None:
-    """The resolved config, the environment and the routing table (rank 0)."""
-    (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg), encoding="utf-8")
+    """The resolved config, the environment, the routing table and the tokenizer's files
+    (rank 0), each a new file renamed into place (never written through a link planted at
+    its name)."""
+    atomic_write(run.run_dir / "config.yaml", dump_yaml(run.cfg).encode())
     env = environment()
     if run.peak is not None:  # what the mfu metric divides by (rootopt.train.mfu)
         env["peak"] = run.peak.record()
         env["flops_per_token"] = run.flops_per_token
     atomic_write(run.run_dir / "env.json", (json.dumps(env, indent=1) + "\n").encode())
     if run.routing:
-        (run.run_dir / "routing.txt").write_text(run.routing + "\n", encoding="utf-8")
+        atomic_write(run.run_dir / "routing.txt", (run.routing + "\n").encode())
     if run.manifest.get("task") == "lm":  # the tokenizer travels with the run (rootopt export)
         from rootopt.data.tokenizer import hf_files
         from rootopt.train.export import write_tokenizer_copy
@@ -387,7 +407,10 @@ def train(
     TRAINING = False
     hooks = hooks or Hooks()
     with interruptible():
-        run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
+        try:
+            run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
+        except planning.AlreadyComplete as exc:
+            return _complete(cfg, exc.done)
     try:
         summary = _train(run, hooks, say)
     except BaseException as exc:
@@ -408,6 +431,28 @@ def train(
     finally:
         locks.release()
     return summary
+
+
+def _complete(cfg: Config, done: planning.Complete) -> Summary:
+    """The summary of a run found complete in a directory this process cannot write."""
+    nan = float("nan")
+    return Summary(
+        status="completed",
+        steps=done.step,
+        session_steps=0,
+        wall_s=0.0,
+        steps_per_s=0.0,
+        tokens_per_s=0.0,
+        initial_loss=nan,
+        final_loss=nan,
+        val_loss=nan,
+        nonfinite_steps=0,
+        checkpoint=done.checkpoint,
+        run_dir=done.run_dir,
+        resumed_from=done.checkpoint,
+        max_steps=cfg.run.max_steps,
+        detail=f"nothing was written: {done.why}",
+    )
 
 
 def _line(exc: BaseException) -> str:

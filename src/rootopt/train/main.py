@@ -73,8 +73,54 @@ def _world() -> Any:
 def _speaks_alone() -> bool:
     """Before the ranks can talk: the first process of each machine speaks (under
     torchrun every rank of a machine gets the same arguments and files, so the others
-    would only repeat it)."""
-    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+    would only repeat it). A ``LOCAL_RANK`` that is not a number speaks too: it is the
+    error to report."""
+    raw = os.environ.get("LOCAL_RANK", "0").strip()
+    try:
+        return raw == "" or int(raw) == 0
+    except ValueError:
+        return True
+
+
+# Set by torchrun and other launchers; a value that is not an integer is refused.
+_LAUNCHER_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _environment_problems(cfg: Any) -> list[str]:
+    """What in the environment this run cannot use, checked before anything starts."""
+    problems = []
+    for name in _LAUNCHER_INTS:
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip():
+            continue
+        try:
+            int(raw)
+        except ValueError:
+            problems.append(
+                f"environment: {name}={raw[:40]!r} is not an integer (it is set by the "
+                "launcher, e.g. torchrun; unset it to run one process)"
+            )
+    return problems
+
+
+def _environment_notes(cfg: Any) -> list[str]:
+    """What the run accepts on purpose but says (docs/training.md, "Configuration"): a
+    backend that cannot work here is unused by one process (a launch of several is refused
+    when it starts its process group)."""
+    import torch
+
+    d = cfg.distributed
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world:
+        alone = world.isdigit() and int(world) <= 1
+    else:  # no launcher: one process unless another init_method starts a group
+        alone = d.init_method == "env://" or d.world_size <= 1
+    if d.backend == "nccl" and alone and not torch.cuda.is_available():
+        return [
+            "note: distributed.backend=nccl is unused by one process; it needs CUDA, which "
+            "this machine lacks, so a launch of several processes here would be refused"
+        ]
+    return []
 
 
 def _err(msg: str, *, for_the_job: bool = False) -> None:
@@ -141,10 +187,22 @@ def _main(argv: list[str] | None) -> int:
             ],
             speak=_speaks_alone(),
         )
+    if args.data_path is not None and not args.data_path.strip():
+        return _fail(
+            2,
+            [
+                "--data_path: empty path; omit it to prepare data.corpus into the run "
+                "directory, or name a prepared shard directory"
+            ],
+            speak=_speaks_alone(),
+        )
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         return _fail(2, [f"config error: {line}" for line in exc.problems], speak=_speaks_alone())
+    problems = _environment_problems(cfg)
+    if problems:
+        return _fail(2, problems, speak=_speaks_alone())
     from rootopt.config import dump_yaml
 
     if args.print_config:
@@ -154,6 +212,10 @@ def _main(argv: list[str] | None) -> int:
 
     from rootopt.train.agree import exit_status
     from rootopt.train.loop import train
+
+    if _speaks_alone():
+        for note in _environment_notes(cfg):
+            print(note)
 
     try:
         summary = train(
@@ -228,6 +290,8 @@ def _report(summary: Any) -> None:
             "To train longer rerun with --log_dir and a larger run.max_steps; to start again "
             "use another --log_dir or checkpoint.resume=restart"
         )
+        if summary.detail:
+            print(summary.detail)
         return
     total = f" ({summary.steps} in total)" if summary.steps != summary.session_steps else ""
     loss = f"loss {summary.initial_loss:.3f} → {summary.final_loss:.3f}"

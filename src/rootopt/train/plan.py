@@ -17,7 +17,10 @@ into ``<run dir>/data``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
+import re
 import shutil
 import time
 import uuid
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rootopt import checkpoint
-from rootopt._atomic import atomic_write
+from rootopt._atomic import atomic_write, own_dir
 from rootopt.checkpoint import CheckpointError, CheckpointUnreadable
 from rootopt.config import Config, ConfigError, to_dict
 from rootopt.data import (
@@ -52,19 +55,8 @@ from rootopt.train import ckpts, rundir
 from rootopt.train.model import resume_key
 
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
-RUN_OUTPUTS = (
-    "metrics.jsonl",
-    "metrics.superseded.jsonl",
-    "events.jsonl",
-    "summary.json",
-    "loss_curve.png",
-    "tensorboard",
-    "config.yaml",
-    "env.json",
-    "routing.txt",
-    "tokenizer",  # the tokenizer's files (rootopt export)
-    rundir.RUN_FILE,
-)
+RUN_OUTPUTS = rundir.RUN_OUTPUTS
+_CKPT_NAME = re.compile(r"^ckpt-\d{8}\.pt$")
 # The data settings a run prepares its own corpus with (data/ in the run directory).
 _PREP_KEYS = ("corpus", "seq_len", "max_bytes", "samples_per_shard", "val_fraction")
 # ... and those of a text corpus, with their values before they existed
@@ -78,6 +70,25 @@ class Choice:
     kind: str  # "pt" | "dcp"
     path: Path
     state: dict[str, Any] = field(repr=False)
+    note: str = ""  # a line about it (a dcp-* written before checksums)
+
+
+@dataclass(frozen=True)
+class Complete:
+    """A run found complete without a write (its directory is read-only)."""
+
+    run_dir: str
+    checkpoint: str
+    step: int
+    why: str
+
+
+class AlreadyComplete(Exception):
+    """The run is complete and nothing can or need be written (see :class:`Complete`)."""
+
+    def __init__(self, done: Complete) -> None:
+        self.done = done
+        super().__init__(f"already complete: {done.checkpoint}")
 
 
 @dataclass
@@ -93,8 +104,10 @@ class Plan:
     staged: Staged | None  # the data prepared for the run directory, to publish
     choice: Choice | None
     skipped: list[str]
+    invalid: list[ckpts.Entry]  # the skipped ones: set aside into checkpoints/invalid/
     archive: bool
     move_data: bool  # restart: the old run's prepared data goes to previous/ too
+    identity: dict[str, Any]  # what the run computes (rundir.identity), kept in run.json
     write_run_file: bool
 
     @property
@@ -125,18 +138,50 @@ def check(cfg: Config, run_dir: Path, data_path: str | None, say: Callable[[str]
     """Rank 0's checks before the first write; see the module docstring. On a refusal the
     locks are released and the directories this launch created are removed again."""
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    given = data_path or cfg.data.path
+    rundir.refuse_links(run_dir, ckpt_dir, own_data=not given)
     rundir.read_run_file(run_dir)  # a foreign directory is refused before the lock file
     _not_a_file(ckpt_dir, "checkpoint.dir")
-    given = data_path or cfg.data.path
     manifest = load_manifest(given) if given else None
     locks = rundir.Locks()
     try:
-        locks.take(run_dir, "run directory", "wait for it to finish, or use another --log_dir")
-        locks.take(ckpt_dir, "checkpoint directory", "wait for it or use another checkpoint.dir")
+        try:
+            locks.take(run_dir, "run directory", "wait for it to finish, or use another --log_dir")
+            locks.take(
+                ckpt_dir, "checkpoint directory", "wait for it or use another checkpoint.dir"
+            )
+        except rundir.RunDirError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                _complete_without_writing(cfg, run_dir, ckpt_dir, given, manifest, say, str(exc))
+            raise
         return _check_locked(cfg, run_dir, ckpt_dir, given, manifest, locks, say)
     except BaseException:
         locks.abandon()
         raise
+
+
+def _complete_without_writing(
+    cfg: Config,
+    run_dir: Path,
+    ckpt_dir: Path,
+    given: str,
+    manifest: dict[str, Any] | None,
+    say: Callable[[str], None],
+    why: str,
+) -> None:
+    """A directory that cannot be written (a read-only file system, no permission): run
+    every check of a launch, reading only, and raise :class:`AlreadyComplete` when the
+    checkpoint it would resume from already holds ``run.max_steps`` (the rerun would train
+    nothing). Otherwise return, and the launch is refused as not writable."""
+    plan = _check_locked(cfg, run_dir, ckpt_dir, given, manifest, rundir.Locks(), say)
+    if plan.choice is None or plan.skipped:
+        return
+    try:
+        step = int(plan.choice.state["state"]["step"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if step >= cfg.run.max_steps:
+        raise AlreadyComplete(Complete(str(run_dir), plan.choice.path.name, step, why))
 
 
 def _check_locked(
@@ -167,10 +212,13 @@ def _check_locked(
     archive = mode == "restart" and bool(run_id or mine or _outputs(run_dir))
     choice: Choice | None = None
     skipped: list[str] = []
+    invalid: list[ckpts.Entry] = []
     if mode == "auto":
-        found, skipped = _newest(ckpt_dir, run_id)
+        found, skipped, invalid = _newest(ckpt_dir, run_id)
+        # set aside only this run's (or those whose run is unknown); another run's stay
+        invalid = [e for e in invalid if ckpts.run_id_of(e) in (run_id, "")]
         if found is not None:
-            choice = Choice(found.entry.kind, found.entry.path, found.state)
+            choice = Choice(found.entry.kind, found.entry.path, found.state, found.note)
     elif mode not in ("never", "restart"):
         choice = _explicit(Path(mode), run_id)
     before = (lambda: _same_settings(cfg, choice, run_dir)) if choice is not None else None
@@ -187,6 +235,7 @@ def _check_locked(
             _discard(staged.dir)
         raise
     new_id = uuid.uuid4().hex if archive or not run_id else run_id
+    ident = rundir.identity(cfg, given or None)
     return Plan(
         cfg=cfg,
         run_dir=run_dir,
@@ -199,12 +248,15 @@ def _check_locked(
         staged=staged,
         choice=choice,
         skipped=skipped,
+        invalid=invalid,
         archive=archive,
         move_data=move_data,
+        identity=ident,
         write_run_file=have is None
         or archive
         or have.get("data_dir") != str(data_dir.resolve())
-        or have.get("log_dir") != str(run_dir.resolve()),
+        or have.get("log_dir") != str(run_dir.resolve())
+        or have.get("identity") != json.loads(json.dumps(ident)),
     )
 
 
@@ -219,9 +271,9 @@ def _outputs(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_OUTPUTS)
 
 
-def _newest(ckpt_dir: Path, run_id: str) -> tuple[ckpts.Found | None, list[str]]:
+def _newest(ckpt_dir: Path, run_id: str) -> tuple[ckpts.Found | None, list[str], list[ckpts.Entry]]:
     try:
-        found, skipped = ckpts.newest_readable(ckpt_dir)
+        found, skipped, invalid = ckpts.newest_readable(ckpt_dir)
     except CheckpointUnreadable as exc:
         raise CheckpointUnreadable(
             f"cannot resume: {exc}. It may hold this run's progress, so nothing was started "
@@ -236,7 +288,7 @@ def _newest(ckpt_dir: Path, run_id: str) -> tuple[ckpts.Found | None, list[str]]
                 f"{found.entry.name} in {str(ckpt_dir)!r} was written by another run (run id "
                 f"{saved[:12]}); point checkpoint.dir at a directory of this run"
             )
-    return found, skipped
+    return found, skipped, invalid
 
 
 def _saved_run_id(entry: ckpts.Entry, state: dict[str, Any]) -> str:
@@ -244,12 +296,21 @@ def _saved_run_id(entry: ckpts.Entry, state: dict[str, Any]) -> str:
 
 
 def _explicit(path: Path, run_id: str) -> Choice:
+    if (
+        path.is_file()
+        and not path.with_suffix(".json").exists()
+        and not _CKPT_NAME.match(path.name)
+    ):
+        raise CheckpointError(
+            f"checkpoint.resume: {str(path)!r} is not a rootopt checkpoint (one is a "
+            "ckpt-<step>.pt file next to its ckpt-<step>.json sidecar, or a dcp-<step> directory)"
+        )
     entry = ckpts.entry_for(path)
     try:
-        state = ckpts.read(entry)
+        state, note = ckpts.read(entry)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.resume: {exc}") from None
-    return Choice(entry.kind, path, state)
+    return Choice(entry.kind, path, state, note)
 
 
 def settings_of(cfg: Config) -> Settings:
@@ -451,6 +512,8 @@ def commit(plan: Plan) -> dict[str, Any]:
     rundir.remove_stale(
         rundir.stale_files(plan.run_dir, plan.ckpt_dir, plan.data_dir if own_data else None)
     )
+    if plan.invalid:
+        ckpts.set_aside(plan.ckpt_dir, plan.invalid)
     if plan.archive:
         _archive(plan)
     if plan.write_run_file:
@@ -458,6 +521,7 @@ def commit(plan: Plan) -> dict[str, Any]:
             "run_id": plan.run_id,
             "data_dir": str(plan.data_dir.resolve()),
             "log_dir": str(plan.run_dir.resolve()),
+            "identity": plan.identity,
         }
         atomic_write(plan.run_dir / rundir.RUN_FILE, (json.dumps(data, indent=1) + "\n").encode())
     checkpoint.claim(plan.ckpt_dir, plan.run_id, str(plan.run_dir.resolve()))
@@ -474,24 +538,28 @@ def _archive(plan: Plan) -> Path:
     """Move the previous run's outputs, checkpoints (and, when it is prepared again, its
     data) to ``previous/<time>-<id>/``: nothing is deleted."""
     old = plan.old_run_id or "unknown"
-    dest = plan.run_dir / "previous" / f"{time.strftime('%Y%m%d-%H%M%S')}-{old[:12]}"
+    previous = own_dir(plan.run_dir / "previous")
+    dest = previous / f"{time.strftime('%Y%m%d-%H%M%S')}-{old[:12]}"
     n = 1
-    while dest.exists():
+    while os.path.lexists(dest):
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
         n += 1
-    dest.mkdir(parents=True)
+    dest.mkdir()  # new: never an existing path or a link
+    # shutil.move renames an entry itself (a link stays a link, never followed) and copies
+    # only across file systems (a checkpoint.dir elsewhere), links again as links
     for name in RUN_OUTPUTS:
-        if (plan.run_dir / name).exists():
-            shutil.move(str(plan.run_dir / name), str(dest / name))
+        if os.path.lexists(plan.run_dir / name):
+            shutil.move(plan.run_dir / name, dest / name)
     moved = dest / "checkpoints"
     for e in ckpts.list_all(plan.ckpt_dir):
         if ckpts.run_id_of(e) not in (plan.old_run_id, ""):
             continue  # another run's (a shared checkpoint.dir): not ours to move
-        moved.mkdir(exist_ok=True)
+        if not moved.exists():
+            moved.mkdir()
         for f in (e.path, e.path.with_suffix(".json")) if e.kind == "pt" else (e.path,):
-            if f.exists():
-                shutil.move(str(f), str(moved / f.name))
+            if os.path.lexists(f):
+                shutil.move(f, moved / f.name)
     (plan.ckpt_dir / checkpoint.OWNER).unlink(missing_ok=True)
-    if plan.move_data and (plan.run_dir / "data").exists():
-        shutil.move(str(plan.run_dir / "data"), str(dest / "data"))
+    if plan.move_data and os.path.lexists(plan.run_dir / "data"):
+        shutil.move(plan.run_dir / "data", dest / "data")
     return dest

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rootopt import checkpoint
+from rootopt._atomic import own_dir
 from rootopt.config import to_dict
 from rootopt.data import data_identity
 from rootopt.train import ckpts
@@ -155,12 +156,12 @@ def set_aside_suspects(run: Run) -> list[str]:
         if name == run.good_checkpoint:
             continue
         src = run.ckpt_dir / name
-        if src.exists():
-            dest.mkdir(exist_ok=True)
+        if os.path.lexists(src):
+            own_dir(dest)  # never a link to somewhere else
             extras = [] if src.is_dir() else [src.with_suffix(".json")]
             for f in (src, *extras):
-                if f.exists():
-                    shutil.move(str(f), str(dest / f.name))
+                if os.path.lexists(f):
+                    shutil.move(f, dest / f.name)
             moved.append(name)
     run.suspect = []
     run.last_checkpoint = run.good_checkpoint
@@ -204,8 +205,8 @@ def resume(
     if kind == "dcp":
         from rootopt.distributed import checkpoint as dcp
 
-        try:
-            _, state = dcp.load(path, run.model, run.optimizer)
+        try:  # rank 0 checked every file's sha256 before anything was read (plan.check)
+            _, state = dcp.load(path, run.model, run.optimizer, verified=True)
         except dcp.DistCheckpointError as exc:
             raise checkpoint.CheckpointUnreadable(
                 f"cannot resume: {exc}; nothing was moved or deleted"

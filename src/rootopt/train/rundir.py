@@ -1,18 +1,22 @@
 """The run directory: its default name, who may write into it, and its lock.
 
 Policy (docs/training.md, "The run directory"): without ``--log_dir`` a run lives in
-``runs/<name>-<key>``, where ``key`` is 8 hex digits of a sha256 over the resolved config
-(less the keys that only steer one session, :data:`SESSION_KEYS`) and the resolved
-``--data_path``. The same command from the same working directory therefore finds the same
-directory again: a rerun after Ctrl-C, a kill or ``run.max_time`` resumes, and so do the
-workers that ``torchrun --max-restarts`` starts again. Every rank computes the name itself
-and rank 0 checks that they agree. The world size is not part of the key: a checkpoint
-loads at any world size (docs/distributed.md), and an elastic restart may change it.
+``runs/<name>-<key>``, where ``key`` is 8 hex digits of a sha256 over what the run computes
+(:func:`identity`: the resolved config less the keys that only say how it is observed,
+hosted, checkpointed or resumed, :data:`NOT_IDENTITY`, and the resolved data path). The
+same command from the same working directory therefore finds the same directory again: a
+rerun after Ctrl-C, a kill or ``run.max_time`` resumes, and so do the workers that
+``torchrun --max-restarts`` starts again, also with another ``data.num_workers``,
+``checkpoint.keep_last`` or monitoring setting. Every rank computes the name itself and
+rank 0 checks that they agree. The world size is not part of the key: a checkpoint loads at
+any world size (docs/distributed.md), and an elastic restart may change it. A new default
+directory next to runs of the same name with other settings is announced with the keys that
+differ (:func:`other_runs_note`).
 
 A directory is this run's when it is new, empty, or holds ``run.json``; anything else is
-refused before a byte is written. A live run holds ``<run dir>/.lock`` (and
-``<checkpoint dir>/.lock``) with ``flock``; a second process is refused without touching
-them.
+refused before a byte is written, and so is a symbolic link at any path the run writes
+(:func:`refuse_links`). A live run holds ``<run dir>/.lock`` (and ``<checkpoint dir>/.lock``)
+with ``flock``; a second process is refused without touching them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -27,27 +32,60 @@ from pathlib import Path
 from typing import Any
 
 from rootopt import checkpoint
+from rootopt._atomic import LinkError, own_dir
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import Config, ConfigError, RunConfig, to_dict
 from rootopt.data import STAGING, is_staging
 
 RUN_FILE = "run.json"
-# Keys that change how one session runs, not what the run computes: changing them keeps
-# the default run directory (so e.g. `checkpoint.resume=restart` acts on the same run).
-SESSION_KEYS: tuple[tuple[str, str], ...] = (
-    ("checkpoint", "resume"),
-    ("run", "max_time"),
-    ("distributed", "timeout_s"),
-    ("distributed", "rendezvous_timeout_s"),
-    ("monitoring", "progress_bar"),
-    ("monitoring", "prometheus"),
+# Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "metrics.superseded.jsonl",
+    "events.jsonl",
+    "summary.json",
+    "loss_curve.png",
+    "tensorboard",
+    "config.yaml",
+    "env.json",
+    "routing.txt",
+    "tokenizer",  # the tokenizer's files (rootopt export reads them)
+    RUN_FILE,
 )
-# Keys added after runs existed, at the value that does what runs did before them: left out
-# of the key there, so that an older run's default directory stays its own.
-LATER_KEYS: dict[tuple[str, str], object] = {
-    ("data", "tokenizer"): "bytes",
-    ("data", "text_field"): "text",
+# Every other path a run writes, appends, moves or prunes: in its log dir (its lock, the
+# old runs set aside by `restart`; the data it prepares, checked when it prepares it) and
+# in its checkpoint directory (its lock and owner, checkpoints set aside after a divergence
+# or a failed check).
+RUN_PATHS = (*RUN_OUTPUTS, checkpoint.LOCK, "previous")
+CKPT_PATHS = (checkpoint.LOCK, checkpoint.OWNER, "diverged", "invalid")
+_CKPT_ENTRY = re.compile(r"^(ckpt-\d{8}\.(pt|json)|dcp-\d{8})$")
+# What does NOT name a run: keys that change how a run is observed, hosted, checkpointed
+# or resumed, not the numbers it computes (tests/test_integrity.py trains with each one
+# changed and compares the parameters bit for bit). Every other key, and so every key
+# added later, is part of the identity. "*": the whole section.
+NOT_IDENTITY: dict[str, tuple[str, ...]] = {
+    "run": ("name", "max_time", "log_every", "eval_every", "eval_batches", "peak_tflops"),
+    "distributed": (
+        "init_method",
+        "rank",
+        "world_size",  # a checkpoint loads at any world size; an elastic restart changes it
+        "timeout_s",
+        "rendezvous_timeout_s",
+    ),
+    "data": ("num_workers", "verify_checksums"),  # workers get whole batches of indices
+    "checkpoint": ("*",),
+    "monitoring": ("*",),
 }
+# The data settings that only say how a run prepares its own corpus (unused with
+# --data_path / data.path: the shards are given).
+_PREP_ONLY = (
+    "corpus",
+    "max_bytes",
+    "samples_per_shard",
+    "val_fraction",
+    "tokenizer",
+    "text_field",
+)
 # Temporary files an interrupted atomic write of ours leaves in a run directory or in the
 # data it prepared (rootopt._atomic: ".<name>.<random>.tmp").
 _STALE_RUN = re.compile(r"^\.(run\.json|metrics\.jsonl|summary\.json)\..+\.tmp$")
@@ -57,15 +95,94 @@ _DEFAULT_NAME = RunConfig().name
 
 class RunDirError(CheckpointError):
     """The run directory (or the checkpoint directory) cannot be used: not writable, or a
-    path that cannot be created (status 2, one line)."""
+    path that cannot be created (status 2, one line). ``errno``: the OS error's, if any."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        self.errno = errno
+        super().__init__(message)
+
+
+def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
+    """What a run computes, as flat ``section.key -> value`` pairs (plus ``data_path``):
+    the resolved config less :data:`NOT_IDENTITY`, with a device, backend or autocast
+    dtype equal to what ``auto`` resolves to on this machine written as ``auto``, the
+    autocast settings dropped when autocast is off, and the corpus settings dropped when
+    the shards are given."""
+    import torch
+
+    data = to_dict(cfg)
+    given = data_path or cfg.data.path
+    where = str(Path(given).resolve()) if given else ""
+    device = cfg.run.device
+    cuda = torch.cuda.is_available()
+    resolved_device = "cuda" if device == "cuda" or (device == "auto" and cuda) else "cpu"
+    if device == ("cuda" if cuda else "cpu"):
+        data["run"]["device"] = "auto"
+    if cfg.distributed.backend == ("nccl" if resolved_device == "cuda" else "gloo"):
+        data["distributed"]["backend"] = "auto"
+    mp = data["mixed_precision"]
+    if not mp["enabled"]:
+        data["mixed_precision"] = {"enabled": False}
+    elif mp["dtype"] == ("fp16" if resolved_device == "cuda" else "bf16"):
+        mp["dtype"] = "auto"
+    data["data"].pop("path", None)  # named by data_path below, resolved
+    if given:
+        for key in _PREP_ONLY:
+            data["data"].pop(key, None)
+    flat: dict[str, Any] = {}
+    for section, values in data.items():
+        skip = NOT_IDENTITY.get(section, ())
+        if "*" in skip:
+            continue
+        for key, value in _flatten(values):
+            if key.split(".")[0] not in skip:
+                flat[f"{section}.{key}"] = value
+    flat["data_path"] = where
+    return flat
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def identity_key(cfg: Config, data_path: str | None) -> str:
     """8 hex digits naming the run a command describes (see the module docstring)."""
+    text = json.dumps(identity(cfg, data_path), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+# The keys the first release left out of the key; a run directory it named is still found
+# (see default_run_dir).
+_LEGACY_SESSION_KEYS: tuple[tuple[str, str], ...] = (
+    ("checkpoint", "resume"),
+    ("run", "max_time"),
+    ("distributed", "timeout_s"),
+    ("distributed", "rendezvous_timeout_s"),
+    ("distributed", "ddp_design"),
+    ("distributed", "fsdp_design"),
+    ("monitoring", "progress_bar"),
+    ("monitoring", "prometheus"),
+)
+# Keys added later, left out of that key at the value that does what runs did before them.
+_LEGACY_LATER_KEYS: dict[tuple[str, str], object] = {
+    ("data", "tokenizer"): "bytes",
+    ("data", "text_field"): "text",
+}
+
+
+def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
+    """The key earlier versions named a default run directory with (the whole config
+    less a few session keys), to find such a run again after an upgrade."""
     data = to_dict(cfg)
-    for section, key in SESSION_KEYS:
+    for section, key in _LEGACY_SESSION_KEYS:
         data[section].pop(key, None)
-    for (section, key), value in LATER_KEYS.items():
+    for (section, key), value in _LEGACY_LATER_KEYS.items():
         if data[section].get(key) == value:
             data[section].pop(key)
     payload = {
@@ -76,17 +193,109 @@ def identity_key(cfg: Config, data_path: str | None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def default_run_dir(cfg: Config, data_path: str | None, config_path: str | None) -> Path:
-    """``runs/<name>-<key>``: ``name`` is ``run.name`` when set, else the config file's
-    stem, else ``default``."""
+def _run_name(cfg: Config, config_path: str | None) -> str:
     if cfg.run.name != _DEFAULT_NAME:
         name = cfg.run.name
     elif config_path:
         name = Path(config_path).stem
     else:
         name = "default"
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:40] or "run"
-    return Path("runs") / f"{name}-{identity_key(cfg, data_path)}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:40] or "run"
+
+
+def default_run_dir(cfg: Config, data_path: str | None, config_path: str | None) -> Path:
+    """``runs/<name>-<key>``: ``name`` is ``run.name`` when set, else the config file's
+    stem, else ``default``. When that directory does not exist but the one an earlier
+    version's key named does (a run directory, ``run.json``), that one is the run."""
+    name = _run_name(cfg, config_path)
+    path = Path("runs") / f"{name}-{identity_key(cfg, data_path)}"
+    if not os.path.lexists(path):
+        old = Path("runs") / f"{name}-{legacy_identity_key(cfg, data_path)}"
+        if (old / RUN_FILE).is_file() and not old.is_symlink():
+            return old
+    return path
+
+
+def other_runs_note(
+    cfg: Config, data_path: str | None, config_path: str | None, run_dir: Path
+) -> str:
+    """One line when ``run_dir`` (a default directory) is new while runs of the same
+    name exist with another key: the closest one and the keys that differ ('' otherwise).
+    Reads only."""
+    if os.path.lexists(run_dir) or not run_dir.parent.is_dir():
+        return ""
+    name = _run_name(cfg, config_path)
+    mine = identity(cfg, data_path)
+    pattern = re.compile(rf"^{re.escape(name)}-[0-9a-f]{{8}}$")
+    found: list[tuple[int, float, str, list[str]]] = []
+    with contextlib.suppress(OSError):
+        for other in run_dir.parent.iterdir():
+            if not pattern.match(other.name) or other == run_dir:
+                continue
+            theirs = recorded_identity(other)
+            if theirs is None:
+                continue
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            if keys:
+                mtime = (other / RUN_FILE).stat().st_mtime
+                found.append((len(keys), -mtime, str(other), keys))
+    if not found:
+        return ""
+    n, _, other_dir, keys = min(found)
+    shown = ", ".join(keys[:6]) + (f" and {n - 6} more" if n > 6 else "")
+    return (
+        f"a run named {name!r} exists in {other_dir} with other settings ({shown}); this "
+        f"starts a new run in {run_dir}. To continue that one, pass --log_dir {other_dir}"
+    )
+
+
+def recorded_identity(run_dir: Path) -> dict[str, Any] | None:
+    """The identity a run recorded in its ``run.json`` (or, for a run written before it
+    did, the one of its ``config.yaml``); None when neither can be read."""
+    try:
+        data = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    ident = data.get("identity")
+    if isinstance(ident, dict):
+        return ident
+    from rootopt.config import load_config
+
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+    except (ConfigError, OSError):
+        return None
+    data_dir = str(data.get("data_dir", ""))
+    own = data_dir in (
+        str((run_dir / "data").resolve()),
+        str(Path(str(data.get("log_dir"))) / "data"),
+    )
+    return identity(cfg, None if own else data_dir or None)
+
+
+def refuse_links(run_dir: Path, ckpt_dir: Path, own_data: bool) -> None:
+    """Refuse, reading only, a run whose directories, or any path in them that the run
+    writes, appends, moves or prunes, is a symbolic link (:data:`RUN_PATHS`,
+    :data:`CKPT_PATHS`, the checkpoints). Each write also refuses or replaces a link on its
+    own (:mod:`rootopt._atomic`); this check makes the refusal come before the first write."""
+    from rootopt._atomic import LinkError, is_link, refuse_link
+
+    try:
+        refuse_link(run_dir, "--log_dir")
+        refuse_link(ckpt_dir, "checkpoint directory")
+        names = [*RUN_PATHS, "data", STAGING] if own_data else RUN_PATHS
+        for name in names:
+            refuse_link(run_dir / name)
+        for name in CKPT_PATHS:
+            refuse_link(ckpt_dir / name)
+        if ckpt_dir.is_dir():
+            for p in ckpt_dir.iterdir():
+                if _CKPT_ENTRY.match(p.name) and is_link(p):
+                    raise LinkError(p)
+    except LinkError as exc:
+        raise RunDirError(str(exc)) from None
 
 
 def read_run_file(run_dir: Path, created: tuple[Path, ...] = ()) -> dict[str, Any] | None:
@@ -159,14 +368,16 @@ class Locks:
             missing.append(p)
             p = p.parent
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            own_dir(directory, what)
+        except LinkError as exc:
+            raise RunDirError(str(exc)) from None
         except FileExistsError:
             raise RunDirError(
                 f"{what} {str(directory)!r}: a part of the path exists and is not a directory"
             ) from None
         except OSError as exc:
             raise RunDirError(
-                f"{what} {str(directory)!r} cannot be created ({exc.strerror or exc})"
+                f"{what} {str(directory)!r} cannot be created ({exc.strerror or exc})", exc.errno
             ) from None
         self.created += reversed(missing)
         lock = checkpoint.DirLock(directory)
@@ -177,9 +388,11 @@ class Locks:
                 f"{what} {str(directory)!r} is in use by another training process "
                 f"({exc.holder}); {hint}"
             ) from None
+        except LinkError as exc:
+            raise RunDirError(str(exc)) from None
         except OSError as exc:
             raise RunDirError(
-                f"{what} {str(directory)!r} is not writable ({exc.strerror or exc})"
+                f"{what} {str(directory)!r} is not writable ({exc.strerror or exc})", exc.errno
             ) from None
         self.held.append(lock)
 
