@@ -24,6 +24,7 @@ of ours).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -207,18 +208,26 @@ def stage(
     spec: tokenizers.TokenizerSpec | None = None,
 ) -> Staged:
     """Prepare ``settings`` into ``staging`` (see the module docstring); on any failure the
-    staging directory is removed again."""
+    staging directory is removed again. The first two batches are read and tokenized
+    before anything is written, so an empty or too short corpus (or a bad line among its
+    first MiBs) is refused with nothing written; ``bpe:N`` reads the whole corpus first."""
     s = settings
     spec = spec or check(s)
     if s.corpus in CLASS_CORPORA:
         return _stage_classify(s, staging)
-    tok = _tokenizer(spec, s, progress)  # bpe:N reads the whole corpus: errors before a write
-    try:
-        _start(staging)
-        return _stage_text(s, tok, staging, progress)
-    except BaseException:
-        _quietly_discard(staging)
-        raise
+    tok = _tokenizer(spec, s, progress)
+    with _bar(progress, total=_progress_total(s), unit="B", unit_scale=True) as bar:
+        bar.set_description("tokenizing")
+        stream = _tokenized(tok, _batches(_text_stream(s, bar), BATCH_BYTES))
+        head = list(itertools.islice(stream, 2))
+        if len(head) < 2:  # the whole corpus
+            _count(s, sum(n for n, _ in head), sum(int(ids.size) for _, ids in head))
+        try:
+            _start(staging)
+            return _stage_text(s, tok, staging, itertools.chain(head, stream), progress)
+        except BaseException:
+            _quietly_discard(staging)
+            raise
 
 
 def _quietly_discard(staging: Path) -> None:
@@ -226,28 +235,44 @@ def _quietly_discard(staging: Path) -> None:
         discard(staging)
 
 
-def _stage_text(s: Settings, tok: tokenizers.Tokenizer, staging: Path, progress: bool) -> Staged:
-    dtype = tok.dtype
-    used = tokens = 0
-    path = staging / TOKENS
-    with (
-        _bar(progress, total=_progress_total(s), unit="B", unit_scale=True) as bar,
-        _writing(path) as fh,
-    ):
-        bar.set_description("tokenizing")
-        for batch in _batches(_text_stream(s, bar), BATCH_BYTES):
-            ids = tok.pack(batch)
-            if ids.dtype != dtype:
-                raise CorpusError(f"tokenizer returned {ids.dtype} ids, expected {dtype}")
-            fh.write(ids.tobytes())
-            used += sum(len(p.data) + len(p.sep) for p in batch)
-            tokens += int(ids.size)
-    block = s.seq_len + 1
-    n = tokens // block
+def _tokenized(
+    tok: tokenizers.Tokenizer, batches: Iterator[list[Piece]]
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(text bytes, token ids)`` of each batch, ids in the tokenizer's storage dtype."""
+    for batch in batches:
+        ids = tok.pack(batch)
+        if ids.dtype != tok.dtype:
+            raise CorpusError(f"tokenizer returned {ids.dtype} ids, expected {tok.dtype}")
+        yield sum(len(p.data) + len(p.sep) for p in batch), ids
+
+
+def _count(s: Settings, used: int, tokens: int) -> int:
+    """The number of samples ``tokens`` make; refuses fewer than two."""
+    n = tokens // (s.seq_len + 1)
     if n < 2:
         raise ShardError(
             f"corpus of {used} bytes ({tokens} tokens) is too small for seq_len={s.seq_len}"
         )
+    return n
+
+
+def _stage_text(
+    s: Settings,
+    tok: tokenizers.Tokenizer,
+    staging: Path,
+    stream: Iterator[tuple[int, np.ndarray]],
+    progress: bool,
+) -> Staged:
+    dtype = tok.dtype
+    used = tokens = 0
+    path = staging / TOKENS
+    with _writing(path) as fh:
+        for size, ids in stream:
+            fh.write(ids.tobytes())
+            used += size
+            tokens += int(ids.size)
+    n = _count(s, used, tokens)
+    block = s.seq_len + 1
     width = block * dtype.itemsize
     meta = {
         "task": "lm",
