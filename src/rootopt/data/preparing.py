@@ -47,9 +47,11 @@ from rootopt.data.shards import FORMAT, VERSION, ShardError, ShardWriteError
 STAGING = ".rootopt-staging"
 MARKER = "staging.json"
 TOKENS = "tokens.bin"
-# Text per tokenizer call: many pieces (corpora.PIECE_BYTES each) for the library's thread
-# pool, a few MiB of ids in Python lists at a time (see benchmarks/bench_prepare.py).
-BATCH_BYTES = 1 << 22
+# Text per tokenizer call: four pieces (corpora.PIECE_BYTES each) per core for the library's
+# thread pool, at least 1 MiB. A batch's encodings cost about 80 bytes of memory per byte of
+# text (ids as Python lists, the library's Encoding objects): ~80 MiB at 2 cores, which is
+# what preparing holds besides its imports (benchmarks/bench_prepare.py).
+BATCH_BYTES = max(1 << 20, 4 * corpora.PIECE_BYTES * (os.cpu_count() or 1))
 _OURS = re.compile(r"^(staging\.json|tokens\.bin|tokenizer\.json|\..+\.tmp)$")
 
 
