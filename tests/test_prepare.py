@@ -285,8 +285,9 @@ def test_split_pieces_cut_where_tokenization_is_unchanged() -> None:
     out, rest = corpora.split_pieces(buf, final=True)
     assert rest == b"" and b"".join(out) == buf and len(out) > 5
     assert all(len(p) <= corpora.MAX_PIECE_BYTES for p in out)
-    assert all(p.endswith(b"\n") and not p[-2:-1].isspace() for p in out[:-1])
-    one_line = "é" * 700_000  # 1.4 MB without a newline: cut at a character boundary
+    # each later piece starts with a space before a non-space character
+    assert all(p[:1] == b" " and not p[1:2].isspace() for p in out[1:])
+    one_line = "é" * 700_000  # 1.4 MB without a space: cut at a character boundary
     out, _ = corpora.split_pieces(one_line.encode(), final=True)
     assert len(out) == 2 and "".join(p.decode() for p in out) == one_line
 

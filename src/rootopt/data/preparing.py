@@ -158,15 +158,16 @@ def _bar(progress: bool, **kw: Any) -> Any:
 
 
 def _batches(stream: Iterator[Piece], limit: int) -> Iterator[list[Piece]]:
-    """Consecutive pieces, about ``limit`` bytes of text per batch."""
+    """Consecutive pieces, at most ``limit`` bytes of text per batch (or one piece)."""
     batch: list[Piece] = []
     size = 0
     for p in stream:
-        batch.append(p)
-        size += len(p.data) + len(p.sep)
-        if size >= limit:
+        n = len(p.data) + len(p.sep)
+        if batch and size + n > limit:
             yield batch
             batch, size = [], 0
+        batch.append(p)
+        size += n
     if batch:
         yield batch
 
