@@ -505,3 +505,23 @@ def test_a_launch_refused_after_preparing_leaves_nothing(
     assert train_main(["--log_dir", str(run), *TOK_RUN, "data.tokenizer=bpe:300"]) == 2
     assert "model.vocab_size: 256 is smaller than the data's vocabulary" in _one_line(capsys)
     assert not run.exists()
+
+
+def test_the_results_page_is_generated_from_its_json() -> None:
+    """docs/results/prepare.md is bench_prepare.py's rendering of the committed JSON, and
+    the JSON's summary is what its rows say."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "bench_prepare", root / "benchmarks" / "bench_prepare.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = json.loads((root / "docs" / "results" / "prepare.json").read_text())
+    assert (root / "docs" / "results" / "prepare.md").read_text() == bench.render(data)
+    sizes = data["settings"]["sizes_mb"]
+    assert bench.summarize(data["memory"], data["throughput"], sizes) == data["summary"]
+    assert sorted({r["corpus_mb"] for r in data["memory"]}) == sorted(sizes) == [20, 200]
+    assert len(data["throughput"]) == data["settings"]["rounds"] >= 3
