@@ -19,6 +19,13 @@ from rootopt.optim.registry import REGISTRY
 
 # The optimizer registry is the one list of valid names.
 OPTIMIZERS: tuple[str, ...] = tuple(REGISTRY)
+# Keys of earlier releases: a config naming one gets one line saying what replaced it.
+REMOVED: dict[str, str] = {
+    "distributed.ddp_design": "removed; under ddp, ROOT and Muon use the owner design and "
+    "synchronise the gradients themselves (docs/distributed.md); delete the key",
+    "distributed.fsdp_design": "removed; under fsdp every matrix is orthogonalized whole on "
+    "its owner (docs/distributed.md); delete the key",
+}
 
 
 class ConfigError(ValueError):
@@ -109,7 +116,9 @@ def _build(cls: type[Any], data: Any, where: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
-        if key not in fields:
+        if isinstance(key, str) and f"{where}.{key}" in REMOVED:
+            problems.append(f"{where}.{key}: {REMOVED[f'{where}.{key}']}")
+        elif key not in fields:
             known = ", ".join(fields)
             problems.append(
                 f"{where + '.' if where else ''}{short(key) if not isinstance(key, str) else key[:60]}: "

@@ -86,19 +86,9 @@ class DistributedConfig:
         gt=0,
     )
     parallel: Literal["ddp", "fsdp"] = _f(
-        "ddp", "data parallelism at world size > 1: ddp (replicated) or fsdp (FSDP2, sharded)"
-    )
-    ddp_design: Literal["owner", "gather"] = _f(
-        "owner",
-        "how ROOT spreads its work under ddp: owner (each matrix's owner keeps its momentum "
-        "and all-gathers the new parameters) or gather (every rank keeps all state; owners' "
-        "updates all-gathered); the same numbers either way",
-    )
-    fsdp_design: Literal["whole", "gram"] = _f(
-        "whole",
-        "how ROOT orthogonalizes sharded matrices under fsdp: whole (each matrix on one "
-        "owner) or gram (a matrix larger than a rank's share of the parameters split over "
-        "up to one node's ranks, which iterate together on its Gram matrix)",
+        "ddp",
+        "data parallelism at world size > 1: ddp (replicated; ROOT and Muon synchronise the "
+        "gradients in the optimizer, other optimizers run under DDP) or fsdp (FSDP2, sharded)",
     )
 
 

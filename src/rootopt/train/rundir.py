@@ -39,8 +39,6 @@ SESSION_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "max_time"),
     ("distributed", "timeout_s"),
     ("distributed", "rendezvous_timeout_s"),
-    ("distributed", "ddp_design"),  # the same update either way; checkpoints load in both
-    ("distributed", "fsdp_design"),  # the same update up to the order of sums; same state
     ("monitoring", "progress_bar"),
     ("monitoring", "prometheus"),
 )
