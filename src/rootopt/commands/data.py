@@ -140,6 +140,8 @@ def main(argv: list[str]) -> int:
         from rootopt.data.tokenizer import label, record_of
 
         tok = f" ({label(record_of(manifest))}, {manifest['tokens']} tokens)"
+        if args.max_bytes and manifest["text_bytes"] >= args.max_bytes:
+            tok += f" from its first {args.max_bytes} bytes (--max_bytes 0 reads all of it)"
     print(
         f"{manifest['task']} corpus {manifest['corpus']}{tok}: {sum(e['samples'] for e in tr)} train samples in "
         f"{len(tr)} shards, {sum(e['samples'] for e in va)} validation samples in {len(va)} shards "
