@@ -91,6 +91,7 @@ def run_arm(name: str, rootopt: str) -> dict[str, Any]:
         writes = [e for e in events if e["event"] == "checkpoint"]
         return {
             "arm": name,
+            "load_average_1min": round(os.getloadavg()[0], 2),  # other jobs on the machine
             "command": " ".join(["rootopt", "train", *ARMS[name]]),
             "command_s": round(command_s, 2),
             "wall_s": round(summary["wall_s"], 2),
