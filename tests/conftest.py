@@ -73,6 +73,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_bench_finished_only_reports_a_partial_suite_and_runs_nothing",
             "test_the_adanewton_snippet_runs_after_a_bare_import",
             "test_a_killed_rank_resumes_from_a_default_checkpoint",
+            "test_ctrl_c_under_torchrun_is_torchrun_s_traceback_and_the_run_resumes",
         }
     ),
     "test_dist_alias.py": frozenset(

@@ -380,6 +380,51 @@ def test_a_killed_rank_resumes_from_a_default_checkpoint(tmp_path: Path) -> None
     assert summary["status"] == "completed" and summary["steps"] == 120
 
 
+def test_ctrl_c_under_torchrun_is_torchrun_s_traceback_and_the_run_resumes(
+    tmp_path: Path,
+) -> None:
+    """What docs/training.md ("Ctrl-C under torchrun") says a user sees: rank 0's line,
+    then torchrun's own report of the SIGINT it received (status 1, a SignalException
+    traceback, the only one); the same command resumes from the checkpoint the workers
+    wrote. run.max_steps=40 and run.log_every=2 keep it short and give an early record."""
+    cmd = [
+        console_script("torchrun"),
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "rootopt.train",
+        "run.max_steps=40",
+        "run.log_every=2",
+        "monitoring.progress_bar=false",
+    ]
+    proc = start_session(cmd, env=env(), cwd=tmp_path)
+    try:
+        wait_for(
+            lambda: any(p.stat().st_size > 0 for p in (tmp_path / "runs").glob("*/metrics.jsonl")),
+            400,
+            "the first metrics record",
+            proc,
+        )
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=300)
+    finally:
+        kill_session(proc)
+    assert proc.returncode == 1, err[-3000:]
+    assert "stopped by signal after a checkpoint; run the same command to resume" in out
+    assert "Received 2 death signal, shutting down workers" in err
+    assert err.count("Traceback") == 1, err[-3000:]
+    assert re.search(r"SignalException: Process \d+ got signal: 2\n*$", err), err[-1000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    stopped = json.loads((run / "summary.json").read_text())
+    assert stopped["status"] == "interrupted" and stopped["steps"] < 40
+    again = subprocess.run(
+        cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=400
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from dcp-{stopped['steps']:08d} at step {stopped['steps']}" in again.stdout
+    assert json.loads((run / "summary.json").read_text())["steps"] == 40
+
+
 def _worker(agent: int, rank: int) -> int:
     """pid of the torchrun worker with ``RANK=rank`` (a child of the agent process)."""
     import time
