@@ -68,6 +68,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     "test_first_hour.py": frozenset(
         {
             "test_output_into_a_closed_pipe_ends_quietly",
+            "test_a_training_run_into_a_closed_pipe_still_completes",
             "test_report_into_head_through_a_shell",
             "test_bench_help_without_the_train_extra_names_it",
             "test_bench_finished_only_reports_a_partial_suite_and_runs_nothing",

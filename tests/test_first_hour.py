@@ -87,6 +87,21 @@ def test_output_into_a_closed_pipe_ends_quietly(argv: list[str], run_dir: Path) 
     assert got.stderr == ""
 
 
+def test_a_training_run_into_a_closed_pipe_still_completes(run_dir: Path, tmp_path: Path) -> None:
+    """`rootopt train | head`: the run goes on to its end with its output discarded (it is
+    in the run directory), then ends with the pipe's status, saying nothing."""
+    over = [o for o in FAST if not o.startswith("run.max_steps")]
+    run = tmp_path / "run"
+    shards = str(run_dir.parent / "shards")
+    got = _into_closed_pipe(
+        ["train", "--data_path", shards, "--log_dir", str(run), *over, "run.max_steps=3"]
+    )
+    assert got.returncode == 128 + signal.SIGPIPE, got.stderr[-2000:]
+    assert got.stderr == ""
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3
+
+
 def test_report_into_head_through_a_shell(run_dir: Path) -> None:
     """`rootopt report RUN | head -1`, typed into bash: the first line, nothing else."""
     script = f'{console_script("rootopt")} report "$1" | head -1; echo "status ${{PIPESTATUS[0]}}"'
@@ -440,3 +455,57 @@ def _worker(agent: int, rank: int) -> int:
                 return int(child)
         time.sleep(0.1)
     raise AssertionError(f"no worker with RANK={rank}")
+
+
+# --------------------------------------------------------------------------- numbers in docs
+
+
+def _benchmark(name: str) -> types.ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flat(path: Path) -> str:
+    """A page with its line breaks and runs of spaces as single spaces (prose is wrapped)."""
+    return " ".join(path.read_text(encoding="utf-8").split())
+
+
+def _committed(name: str) -> dict[str, object]:
+    result = json.loads((ROOT / "docs" / name).read_text())
+    assert isinstance(result, dict)
+    assert isinstance(result["commit"], str) and len(result["commit"]) == 40
+    assert result["dirty"] is False  # measured on a committed tree
+    return result
+
+
+def test_readme_and_training_numbers_are_the_committed_measurement() -> None:
+    result = _committed("readme_runs.json")
+    said = _benchmark("bench_readme_runs").sentences(result)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    at = readme.index("rootopt train --config configs/deployment_example.yaml --log_dir runs/a")
+    assert readme[at - 1] == said["readme-deployment"]
+    training = _flat(ROOT / "docs" / "training.md")
+    for key in ("training-deployment", "training-checkpoints"):
+        assert said[key] in training, key
+
+
+def test_outlook_tables_are_the_committed_results() -> None:
+    bench = _benchmark("outlook_tables")
+    result = _committed("outlook_results.json")
+    page = (ROOT / "docs" / "outlook.md").read_text(encoding="utf-8")
+    assert bench.blocks(page) == bench.render(result)
+
+
+def test_hf_trainer_table_is_the_committed_results() -> None:
+    bench = _benchmark("hf_trainer_table")
+    result = _committed("hf_trainer_results.json")
+    assert [(r["optimizer"], r["seed"]) for r in result["rows"]] == [
+        (o, s) for s in (0, 1, 2) for o in ("root", "root-bare", "adamw")
+    ]
+    page = (ROOT / "docs" / "integrations.md").read_text(encoding="utf-8")
+    assert bench.block(page) == bench.render(result)

@@ -11,6 +11,7 @@ import os
 import select
 import signal
 import sys
+import typing
 
 # command name -> one-line description (the module is rootopt.commands.<name>)
 COMMANDS: dict[str, str] = {
@@ -52,19 +53,26 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `rootopt report RUN | head -1`: once the reader has left, Python (which ignores
+    # SIGPIPE) raises BrokenPipeError at the next write, where `cat` would end by SIGPIPE.
+    # Every command writes through this guard: from then on its output is discarded and it
+    # ends normally (a training run is not cut off by `| head`), then with the status a
+    # shell shows for `cat` there, unless the command itself failed.
+    guard = _Stdout(sys.stdout)
+    sys.stdout = typing.cast(typing.TextIO, guard)
     try:
-        return _dispatch_and_flush(argv)
+        code = _dispatch_and_flush(argv)
     except KeyboardInterrupt:  # Ctrl-C before a command installs its own handling
         print("rootopt: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # `rootopt report RUN | head -1`: the reader left. Python ignores SIGPIPE, so a
-        # write raises instead of ending the process as it ends `cat`; end as quietly,
-        # with the status a shell gives `cat` there. Any other broken pipe is a failure.
-        if not _stdout_reader_gone():
-            raise
-        _discard_stdout()
+    except BrokenPipeError:  # a write that bypassed the guard
+        if not _reader_gone(guard.stream):
+            raise  # any other broken pipe is a failure
+        _discard(guard.stream)
         return EXIT_BROKEN_PIPE
+    finally:
+        sys.stdout = guard.stream
+    return EXIT_BROKEN_PIPE if guard.reader_gone and code == 0 else code
 
 
 def _dispatch_and_flush(argv: list[str] | None) -> int:
@@ -79,23 +87,54 @@ def _dispatch_and_flush(argv: list[str] | None) -> int:
     return code
 
 
-def _stdout_reader_gone() -> bool:
-    """True when stdout is a pipe whose read end is closed (poll reports an error on it)."""
+class _Stdout:
+    """``sys.stdout`` while a command runs: writes go through, until the reader of a pipe
+    has left; then they are discarded (see :func:`main`)."""
+
+    def __init__(self, stream: typing.TextIO) -> None:
+        self.stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError as exc:
+            self._left(exc)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError as exc:
+            self._left(exc)
+
+    def _left(self, exc: BrokenPipeError) -> None:
+        if not _reader_gone(self.stream):
+            raise exc  # not stdout's reader: a failure
+        self.reader_gone = True
+        _discard(self.stream)
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(self.stream, name)
+
+
+def _reader_gone(stream: typing.TextIO) -> bool:
+    """True when ``stream`` is a pipe whose read end is closed (poll reports an error on it)."""
     try:
         poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        poller.register(stream.fileno(), select.POLLOUT)
         events = poller.poll(0)
     except (AttributeError, OSError, ValueError):  # no poll(), or no file descriptor
         return False
     return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in events)
 
 
-def _discard_stdout() -> None:
-    """Point stdout at /dev/null so that the interpreter's final flush of what is still
-    buffered does not raise again ("Exception ignored ... BrokenPipeError")."""
+def _discard(stream: typing.TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null: what is still buffered, and every
+    later write, goes there (and the interpreter's final flush does not raise again)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
     finally:
         os.close(devnull)
 
