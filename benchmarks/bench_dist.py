@@ -1,61 +1,50 @@
 """Distributed ROOT: per-rank step time, Newton–Schulz time and work, bytes moved and
-collectives issued per step, and peak memory, at several world sizes (CPU processes with
-gloo, or GPUs with NCCL).
+collectives issued per step, optimizer state and peak memory, at several world sizes (CPU
+processes with gloo, or GPUs with NCCL); and ``rootopt train`` itself at those world sizes.
 
 Designs compared, each in its own torchrun launch (so peak memory is per design):
-  * ``owner``     DistributedROOT's default DDP-mode design (``ddp_design="owner"``,
-                  ``average_grads=True``, no DDP wrapper): per bucket one reduce-scatter
-                  of the gradients to their owners, the owners' update, one all-gather of
-                  the new parameters.
-  * ``gather``    the first DDP-mode design (``ddp_design="gather"``,
-                  ``average_grads=True``): gradients all-reduced, owners' updates
-                  all-gathered (each rank's part padded to the largest).
+  * ``owner``     DistributedROOT on plain tensors with ``average_grads=True`` (no DDP
+                  wrapper): per bucket one reduce-scatter of the gradients to their owners,
+                  the owners' update, one all-gather of the new parameters.
   * ``adamw``     DDP AdamW: the gradients all-reduced in 25 MiB float32 buckets (what
                   DDP's reducer does) and torch.optim.AdamW (foreach).
   * ``fsdp``      DistributedROOT on FSDP2-sharded parameters: shards to owners and
                   updates back with all_to_all_single (FSDP2's own gradient reduce-scatter
                   is not part of the step).
-  * ``gram``      ``fsdp`` with ``fsdp_design="gram"``: matrices larger than a rank's share
-                  split over several ranks (the same as ``fsdp`` where none is).
   * ``broadcast`` rank 0 thresholds + orthogonalizes every matrix and broadcasts the
                   updates; the other ranks wait (no gradient synchronisation in the step).
 The bytes and collectives are what the step issues, counted by
-``rootopt.distributed.counters.CollectiveCounter`` (gradient synchronisation included for owner,
-gather and adamw), with the cost model's prediction (``rootopt.distributed.plan``) beside them.
+``rootopt.tools.counters.CollectiveCounter`` (gradient synchronisation included for owner
+and adamw), with the cost model's prediction (``rootopt.tools.costmodel``) beside them;
+``state MiB`` is the optimizer state this rank holds (its tensors' bytes), ``x1/W`` that
+over one process's ROOT state divided by W.
 
-``--no-overlap`` runs ``owner`` with ``overlap=False`` (one all-gather per bucket, waited
-for at once) to compare with the default overlap.
+``--train`` adds ``rootopt train`` rows: the embedded default model (or ``--train-set``
+overrides) at each W > 1 with ROOT and with AdamW under DDP, ``comm_bytes`` (metrics.jsonl:
+what each rank sent per step, counted at the collectives; AdamW's from DDP's bucket sizes),
+steps/s and the final loss; ROOT's bytes over AdamW's is the target (≤ 1.05).
 
-``--calibrate`` checks the cost model's *time* (``rootopt.distributed.plan.step_time``, the
-model of the GPU verdicts, with this machine's constants) against measured gloo steps:
+``--calibrate`` checks the cost model's *time* (``costmodel.step_time``, the model of the
+GPU verdicts, with this machine's constants) against measured gloo steps of ``owner``:
 
 1. constants from microbenchmarks, never from the steps they predict: the Newton–Schulz
    rate (ROOT's own ``root_direction`` without the clip, on the bench model's matrix
    shapes), the bytes/s of the step's own elementwise functions (the non-finite check,
-   momentum, decay + update, AdamW, a bucket's flatten and copy back, on tensors shaped
-   like the model's parameters, each from a cold cache; bytes as
-   ``counters.TrafficCounter`` counts them), the seconds per ROOT element of the
-   quantile + clamp, and at each W the latency and bandwidth of gloo's all-to-all,
-   all-gather and all-reduce, each fitted on its own (``t = latency + bytes / link``,
-   latency = the smallest message's time). ``--constants alone`` (default): the rates
-   of one rank alone, shared ``min(1, cores / W)`` (``Hardware.compute_units``);
-   ``together``: the rates the slowest rank reaches while all W ranks run the
-   microbenchmarks at once (contention included, no share on top; docs/distributed.md
-   compares the two). Every constant is the median of ``--repeats`` launches, each
-   printed;
-2. the model's optimizer time for ``owner`` and ``gather`` (``average_grads=True``) at each
-   W from those constants;
-3. the measured step (the slowest rank's median over ``--steps`` steps after warm-up; the
-   median of ``--repeats`` launches per design, interleaved), with predicted / measured and
-   the verdict against ``--tolerance`` (15 %); then the step split by term on the rank the
-   others wait for (``StepStats.ns_seconds`` and ``comm_seconds``, the rest by
-   difference) beside the model's terms, and the elementwise bytes of one more step
-   counted with ``TrafficCounter`` beside ``Estimate.traffic``.
+   momentum, decay + update, AdamW, a bucket's flatten and copy back, each from a cold
+   cache; bytes as ``counters.TrafficCounter`` counts them), the seconds per ROOT element
+   of the quantile + clamp, and at each W the latency and bandwidth of gloo's all-to-all,
+   all-gather and all-reduce (``t = latency + bytes / link``). ``--constants alone``
+   (default): one rank's rates, shared ``min(1, cores / W)``; ``together``: the slowest
+   rank's rates with all W ranks at once. Every constant is the median of ``--repeats``
+   launches;
+2. the model's optimizer time for ``owner`` at each W from those constants;
+3. the measured step (the slowest rank's median over ``--steps`` steps; the median of
+   ``--repeats`` launches), predicted / measured and the verdict against ``--tolerance``.
 
-Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner gather adamw fsdp
-       gram broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
-       [--no-overlap] [--calibrate [--repeats 3] [--constants alone|together]]
-       (--json must name a new file)
+Usage: python benchmarks/bench_dist.py [--worlds 1 2 4] [--designs owner adamw fsdp
+       broadcast] [--d-model 256] [--layers 4] [--steps 5] [--backend gloo] [--json out.json]
+       [--train [--train-steps 20]] [--calibrate [--repeats 3] [--constants alone|together]]
+       (--json must name a new file; it records the commit and the machine)
 """
 
 from __future__ import annotations
@@ -82,8 +71,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_step import transformer_matrices  # noqa: E402
 
-DESIGNS = ("owner", "gather", "adamw", "fsdp", "gram", "broadcast")
-SHARDED = ("fsdp", "gram")
+DESIGNS = ("owner", "adamw", "fsdp", "broadcast")
+SHARDED = ("fsdp",)
 DDP_BUCKET_BYTES = 25 << 20  # torch DistributedDataParallel(bucket_cap_mb=25)
 
 
@@ -106,10 +95,10 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from rootopt.distributed import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
-    from rootopt.distributed import plan as P
-    from rootopt.distributed.counters import CollectiveCounter
     from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim.functional import root_direction
+    from rootopt.tools import costmodel as P
+    from rootopt.tools.counters import CollectiveCounter
 
     info = init_distributed(backend=args.backend, timeout_s=600)
     dev = torch.device("cuda", info.local_rank) if args.backend == "nccl" else torch.device("cpu")
@@ -137,14 +126,8 @@ def worker(args: argparse.Namespace) -> None:
                 p.grad = g.clone()
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    if args.design in ("owner", "gather", *SHARDED):
-        kw: dict[str, Any] = {}
-        if args.design not in SHARDED:
-            kw = {"average_grads": True, "ddp_design": args.design}
-        if args.design == "gram":
-            kw = {"fsdp_design": "gram"}
-        if args.design == "owner":
-            kw["overlap"] = not args.no_overlap
+    if args.design in ("owner", *SHARDED):
+        kw: dict[str, Any] = {"average_grads": True} if args.design == "owner" else {}
         opt: torch.optim.Optimizer = DistributedROOT(groups, lr=1e-3, **kw)
 
         def step() -> None:
@@ -182,8 +165,13 @@ def worker(args: argparse.Namespace) -> None:
             stats.update(ns_s=0.0, comm_s=math.nan, ns_matrices=0, ns_cost=0.0, sent=0, received=0)
 
     else:  # broadcast: rank 0 orthogonalizes everything, then one broadcast
-        # for momentum, AdamW and schedules (gather: every rank holds every state)
-        opt = DistributedROOT(groups, lr=1e-3, ddp_design="gather")
+        # for momentum, AdamW and schedules (one process's ROOT: every state on every rank)
+        import rootopt
+
+        opt = rootopt.ROOT(groups, lr=1e-3)
+        for g in opt.param_groups:  # every state now (ROOT creates it at the first step)
+            for p in g["params"]:
+                opt._init_state(g, p)  # type: ignore[attr-defined]
         root_group = opt.param_groups[0]
         mats = root_group["params"]
         buf = torch.empty(sum(p.numel() for p in mats), device=dev)
@@ -197,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
                     st = opt.state[p]
                     st["momentum_buffer"].mul_(0.95).add_(p.grad)
                     v = p.grad.add(st["momentum_buffer"], alpha=0.95)
-                    sched = coefficients_for(opt._coeffs, root_group, dev)(*p.shape)
+                    sched = coefficients_for(opt._coeffs, root_group, dev)(*p.shape)  # type: ignore[attr-defined]
                     U = root_direction(v, sched, quantile=0.9)
                     buf[off : off + p.numel()] = U.reshape(-1)
                     off += p.numel()
@@ -236,22 +224,22 @@ def worker(args: argparse.Namespace) -> None:
             ns_times.append(stats["ns_s"])
             comm_times.append(stats["comm_s"])
     traffic = math.nan  # one more step: its elementwise bytes (threshold + NS apart)
-    if args.design in ("owner", "gather"):
-        from rootopt.distributed.counters import TrafficCounter
+    if args.design == "owner":
+        import rootopt.optim.functional as F
+        from rootopt.tools.counters import TrafficCounter
 
         set_grads()
         if info.world_size > 1:
             dist.barrier()
-        with TrafficCounter([(DistributedROOT, "_orthogonalize")]) as counted:
+        with TrafficCounter([(F, "root_direction")]) as counted:
             step()
         traffic = float(counted.bytes)
     W = info.world_size
-    if args.design in ("owner", "gather", *SHARDED):
+    if args.design in ("owner", *SHARDED):
         opts = P.Options(
             backend=args.backend,
             average_grads=args.design not in SHARDED,
             gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", W)),
-            overlap_groups=1 if args.no_overlap else P.OVERLAP_GROUPS,
         )
         est = P.estimate(specs, W, args.design, opts)  # type: ignore[arg-type]
         model_sent, model_received = est.step_sent[info.rank], est.step_received[info.rank]
@@ -262,8 +250,18 @@ def worker(args: argparse.Namespace) -> None:
     else:
         model_sent = model_received = float("nan")
         model_colls = -1
+    # the optimizer state this rank holds (momentum, AdamW moments; step counts aside),
+    # against one process's ROOT state divided by W (momentum per matrix element, two
+    # moments per AdamW element)
+    held = sum(
+        (v.to_local() if hasattr(v, "to_local") else v).numel() * v.element_size()
+        for st in opt.state.values()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    )
+    one = 4 * (p_root + 2 * (p_all - p_root))
     rec = {
-        "traffic_bytes": traffic,  # counted (TrafficCounter), owner and gather
+        "traffic_bytes": traffic,  # counted (TrafficCounter), owner
         "design": args.design,
         "world": info.world_size,
         "rank": info.rank,
@@ -283,6 +281,8 @@ def worker(args: argparse.Namespace) -> None:
         "adamw_bytes": 2 * (W - 1) / W * p_all * 4,  # DDP AdamW's ring all-reduce
         "root_params": p_root,
         "all_params": p_all,
+        "state_bytes": held,
+        "state_vs_one_over_w": held / (one / W) if args.design != "adamw" else math.nan,
         "peak_rss_mib": _peak_rss_mib(),
         "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None,
     }
@@ -324,10 +324,10 @@ def streaming_rate(model: nn.Module, groups: list[dict[str, Any]], reps: int) ->
     and the other passes evict a pass's tensors (warm, on a model that fits the
     last-level cache, ``apply_`` alone ran at 85 GB/s, all the passes cold at 24.7:
     docs/distributed.md)."""
-    from rootopt.distributed.counters import TrafficCounter
     from rootopt.optim._finite import finite_flags
     from rootopt.optim.adamw import adamw_
     from rootopt.optim.functional import apply_, momentum_
+    from rootopt.tools.counters import TrafficCounter
 
     mats, rest = list(groups[0]["params"]), list(groups[1]["params"])
     R, A = [torch.randn_like(p) for p in mats], [torch.randn_like(p) for p in rest]
@@ -365,10 +365,10 @@ def compute_constants(args: argparse.Namespace, reps: int = 5) -> dict[str, floa
     the seconds per ROOT element of the quantile + clamp, on the bench model's tensors
     (ROOT's own functions; one torch thread)."""
     import rootopt
-    from rootopt.distributed import plan as P
     from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim.functional import root_direction
     from rootopt.optim.quantile import abs_quantile
+    from rootopt.tools import costmodel as P
 
     torch.manual_seed(0)
     model = transformer_matrices(args.d_model, args.layers, args.vocab)
@@ -408,7 +408,7 @@ def calib_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from rootopt.distributed import finish, init_distributed
-    from rootopt.distributed.counters import collective_bytes
+    from rootopt.tools.counters import collective_bytes
 
     info = init_distributed(backend="gloo", timeout_s=600)
     W, rank = info.world_size, info.rank
@@ -447,7 +447,7 @@ def _loadavg() -> str:
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from rootopt.distributed import plan as P
+    from rootopt.tools import costmodel as P
 
     try:
         cores = float(len(os.sched_getaffinity(0)))
@@ -537,23 +537,20 @@ def calibrate(args: argparse.Namespace) -> int:
             links=links,
             compute_units=units,
         )
-        # each design launched --repeats times, interleaved (owner, gather, owner, ...), so
-        # a slow spell of the machine does not land on one design; measured = the median
-        # over launches of each launch's slowest-rank median step
-        launches: dict[str, list[list[dict[str, Any]]]] = {"owner": [], "gather": []}
+        # --repeats launches; measured = the median over launches of each launch's
+        # slowest-rank median step
+        launches: dict[str, list[list[dict[str, Any]]]] = {"owner": []}
         for _ in range(args.repeats):
             for design in launches:
                 launches[design].append(launch(args, design, W))
-        for design in ("owner", "gather"):
-            opts = P.Options(
-                backend="gloo",
-                average_grads=True,
-                overlap_groups=1 if args.no_overlap else P.OVERLAP_GROUPS,
-            )
+        for design in launches:
+            opts = P.Options(backend="gloo", average_grads=True)
             est = P.estimate(specs, W, design, opts)  # type: ignore[arg-type]
             t = P.step_time(est, hw)
-            # what StepStats.ns_seconds times: the quantile + clamp and Newton–Schulz of
-            # the busiest rank (the model books the clamp under elementwise)
+            # what StepStats.ns_seconds times is the owner's whole update (threshold and
+            # Newton–Schulz, and the momentum and decay passes around them); the model's
+            # side of that column is its threshold + Newton–Schulz (the clamp is booked
+            # under elementwise)
             thr = t.threshold
             load = _loadavg()
             per_launch = sorted(max(r["step_ms"] for r in rs) / 1e3 for rs in launches[design])
@@ -651,8 +648,102 @@ def calibrate(args: argparse.Namespace) -> int:
     )
     if args.json:
         with open(args.json, "x") as fh:
-            fh.write(json.dumps({"alone": alone, "alone_launches": alones, "rows": rows}, indent=1))
+            out = {"machine": machine(), "alone": alone, "alone_launches": alones, "rows": rows}
+            fh.write(json.dumps(out, indent=1))
     return 0
+
+
+# ---------------------------------------------------------------------------------------
+# rootopt train at several world sizes: ROOT (no DDP wrapper) against AdamW under DDP
+# ---------------------------------------------------------------------------------------
+def train_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``rootopt train`` under torchrun at each W > 1 of ``--worlds`` with ROOT and with
+    AdamW: the median ``comm_bytes`` per step (rank 0's metrics.jsonl), the steps/s and
+    tokens/s after two warm-up steps (and MFU where the run logs it), the final loss."""
+    n = args.train_steps
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data: Path | None = None
+        for world in [w for w in args.worlds if w > 1]:
+            for optimizer in ("ROOT", "AdamW"):
+                run = Path(tmp) / f"{optimizer}-{world}"
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={world}", "-m", "rootopt.train", "--log_dir", str(run),
+                    *(["--data_path", str(data)] if data is not None else []),
+                    f"run.max_steps={n}", "run.log_every=1", "run.eval_every=0",
+                    f"checkpoint.every={n}", "monitoring.progress_bar=false",
+                    "monitoring.tensorboard=false", "monitoring.plot=false",
+                    "monitoring.histogram_every=0", f"optimization.optimizer={optimizer}",
+                    *args.train_set,
+                ]  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [str(HERE.parent / "src"), env.get("PYTHONPATH", "")]
+                )
+                proc = subprocess.run(
+                    cmd, env=env, capture_output=True, text=True, timeout=args.timeout
+                )
+                if proc.returncode != 0:
+                    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+                    raise SystemExit(f"bench_dist: rootopt train {optimizer} at {world} failed")
+                if data is None:
+                    data = run / "data"  # prepared by the first run, read by the others
+                recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+                steps = [r for r in recs if r.get("loss") is not None and "steps_per_s" in r]
+                later = steps[2:] or steps
+                comm = [r["comm_bytes"] for r in steps if "comm_bytes" in r]
+                mfu = [r["mfu"] for r in later if isinstance(r.get("mfu"), (int, float))]
+                rows.append(
+                    {
+                        "world": world,
+                        "optimizer": optimizer,
+                        "steps": len(steps),
+                        "comm_bytes": statistics.median(comm) if comm else math.nan,
+                        "steps_per_s": statistics.median(r["steps_per_s"] for r in later),
+                        "tokens_per_s": statistics.median(
+                            r["tokens_per_s"] for r in later if r.get("tokens_per_s")
+                        ),
+                        "mfu": statistics.median(mfu) if mfu else None,
+                        "final_loss": steps[-1]["loss"],
+                        "overrides": list(args.train_set),
+                    }
+                )
+    for w in {r["world"] for r in rows}:
+        here = {r["optimizer"]: r for r in rows if r["world"] == w}
+        ratio = here["ROOT"]["comm_bytes"] / here["AdamW"]["comm_bytes"]
+        here["ROOT"]["comm_vs_adamw"] = ratio
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on, and the code (the commit) they were measured with."""
+    import platform
+
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        dirty = bool(
+            subprocess.run(
+                ["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "src", "benchmarks"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip()
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", False
+    return {
+        "commit": commit + ("+changes" if dirty else ""),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load": _loadavg(),
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -674,7 +765,7 @@ def launch(args: argparse.Namespace, design: str, world: int) -> list[dict[str, 
             "--d-model", str(args.d_model), "--layers", str(args.layers),
             "--vocab", str(args.vocab), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--backend", args.backend,
-        ] + (["--no-overlap"] if args.no_overlap else [])  # fmt: skip
+        ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         src = HERE.parent / "src"
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
@@ -703,7 +794,12 @@ def main() -> int:
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--json", default="")
-    ap.add_argument("--no-overlap", action="store_true", help="owner with overlap=False")
+    ap.add_argument("--train", action="store_true", help="add the rootopt train rows")
+    ap.add_argument("--train-steps", type=int, default=20, help="--train: steps per run")
+    ap.add_argument(
+        "--train-set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="--train: config overrides (default: the embedded default model)",
+    )  # fmt: skip
     ap.add_argument(
         "--calibrate", action="store_true", help="check the cost model's time (see above)"
     )
@@ -745,7 +841,7 @@ def main() -> int:
     head = (
         f"{'design':<10}{'W':>3}{'rank':>5}{'step ms':>10}{'NS ms':>9}{'NS mats':>8}"
         f"{'NS work':>9}{'sent MiB':>10}{'recv MiB':>10}{'model MiB':>10}{'xAdamW':>7}"
-        f"{'colls':>6}{'model':>6}{'peak RSS MiB':>13}"
+        f"{'colls':>6}{'model':>6}{'state MiB':>10}{'x1/W':>6}{'peak RSS MiB':>13}"
     )
     print(
         f"d_model={args.d_model} layers={args.layers} vocab={args.vocab} backend={args.backend} "
@@ -765,11 +861,30 @@ def main() -> int:
             f"{r['ns_matrices']:>8}{share:>9.2f}{r['bytes_sent'] / mib:>10.2f}"
             f"{r['bytes_received'] / mib:>10.2f}{r['model_sent'] / mib:>10.2f}"
             f"{vs_adamw:>7.3f}{r['collectives']:>6}{r['model_collectives']:>6}"
+            f"{r['state_bytes'] / mib:>10.2f}{r['state_vs_one_over_w']:>6.2f}"
             f"{r['peak_rss_mib']:>13.0f}"
         )
+    train = train_rows(args) if args.train else []
+    if train:
+        print(f"rootopt train, {args.train_steps} steps, overrides {args.train_set or 'none'}:")
+        print(
+            f"{'W':>3} {'optimizer':<9}{'comm B/step':>13}{'xAdamW':>8}{'steps/s':>9}{'tokens/s':>10}{'final loss':>11}"
+        )
+        for t in train:
+            print(
+                f"{t['world']:>3} {t['optimizer']:<9}{t['comm_bytes']:>13.0f}"
+                f"{t.get('comm_vs_adamw', 1.0):>8.4f}{t['steps_per_s']:>9.2f}"
+                f"{t['tokens_per_s']:>10.0f}{t['final_loss']:>11.4f}"
+            )
     if args.json:
+        out = {
+            "machine": machine(),
+            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "design", "out")},
+            "rows": rows,
+            "train": train,
+        }
         with open(args.json, "x") as fh:
-            fh.write(json.dumps(rows, indent=1))
+            fh.write(json.dumps(out, indent=1))
     return 0
 
 

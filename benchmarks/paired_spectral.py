@@ -3,7 +3,7 @@
 The spectral form (docs/performance.md, section 5) computes the same K quintic steps as the
 plain iteration and is the bfloat16 iteration's default on the CPU for wide shapes. Its
 polar error is a proxy; this script measures the objective. For each cell of the committed
-defaults study (docs/study_results.json), it trains the study's bfloat16 ROOT arm
+defaults study v1 (docs/study_results_v1.json: the settings this check ran with), it trains the study's bfloat16 ROOT arm
 (``root-muon-bf16``) with its tuned setting and report seeds twice: once with the plain
 iteration everywhere (``ns_gram="off"``) and once with the spectral form on every matrix
 (``ns_gram="spectral"``, forced, because the study's models are narrower than the shapes
@@ -28,7 +28,7 @@ from typing import Any
 from rootopt.bench.runner import RunSpec, run_many
 from rootopt.bench.stats import mean_ci, paired_ci
 
-STUDY = Path(__file__).resolve().parents[1] / "docs" / "study_results.json"
+STUDY = Path(__file__).resolve().parents[1] / "docs" / "study_results_v1.json"
 ARM = "root-muon-bf16"
 FORMS = ("off", "spectral")
 

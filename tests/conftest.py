@@ -18,9 +18,8 @@ E2E_MODULES = frozenset(
     {
         "test_bench.py",  # the benchmark pipeline's --quick suite
         "test_dist_edge.py",  # gloo edge cases under torchrun
-        "test_dist_backward.py",  # sync_in_backward against one process and the model, under torchrun
-        "test_dist_gram.py",  # fsdp_design="gram" against one process and the model, under torchrun
-        "test_dist_split.py",  # a matrix split over ranks, under torchrun
+        "test_dist_backward.py",  # reduce-scatter in backward vs one process, under torchrun
+        "test_dist_device.py",  # benchmarks/device_check.sh's dry mode (a subprocess)
         "test_dist_train.py",  # rootopt.train under torchrun
         "test_faults.py",  # real runs killed, starved of disk and data, resumed
         "test_parity.py",  # 100-step default runs under torchrun at world sizes 1, 2, 3
@@ -95,12 +94,19 @@ E2E_TESTS: dict[str, frozenset[str]] = {
     ),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
     "test_monitor.py": frozenset({"test_report_and_diagnose_on_a_real_run"}),
-    # the compiled step and the two-process paths; every other path stays in the fast tier
+    # the compiled step and the two-process paths (one torchrun launch serves them all);
+    # every other path stays in the fast tier
     "test_paths.py": frozenset(
-        {"test_path_matches_the_reference[compiled-*]", "test_path_matches_the_reference[dist2-*]"}
+        {
+            "test_path_matches_the_reference[compiled-*]",
+            "test_path_matches_the_reference[dist2-*]",
+            "test_path_matches_the_reference[avg2-*]",
+            "test_path_matches_the_reference[sharded-*]",
+        }
     ),
     "test_plan.py": frozenset(
         {
+            "test_the_runtime_and_rootopt_train_never_import_the_cost_model",
             "test_cli_table_json_and_plot",
             "test_bench_dist_json_refuses_an_existing_file",
             "test_bench_dist_calibrate_refuses_zero_repeats",

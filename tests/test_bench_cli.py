@@ -46,7 +46,7 @@ def test_paired_spectral_runs_differ_only_in_the_form() -> None:
     import json
 
     mod: Any = _load("paired_spectral")
-    study = json.loads((ROOT / "docs" / "study_results.json").read_text())
+    study = json.loads((ROOT / "docs" / "study_results_v1.json").read_text())
     by_form = mod.specs_for(study, "kjv@150")
     plain, spectral = by_form["off"], by_form["spectral"]
     seeds = study["protocol"]["report_seeds"]

@@ -29,7 +29,8 @@ def _take(stream: ShardStream, n: int, workers: int = 0) -> list[torch.Tensor]:
 
 def test_manifest_and_sha256sums(shards: Path) -> None:
     m = load_manifest(shards)
-    assert m["task"] == "lm" and m["tokenizer"] == "bytes" and m["seq_len"] == 32
+    assert m["task"] == "lm" and m["tokenizer"]["kind"] == "bytes" and m["seq_len"] == 32
+    assert m["token_dtype"] == "uint8" and m["tokenizer"]["vocab_size"] == 256
     assert len(m["splits"]["train"]) >= 4 and len(m["splits"]["val"]) == 1
     sums = (shards / "SHA256SUMS").read_text().split("\n")
     assert any(line.endswith("train-000000.tar") for line in sums)

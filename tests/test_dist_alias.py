@@ -21,17 +21,18 @@ def test_old_name_warns_and_is_the_same_package() -> None:
     assert old.DistributedROOT is rootopt.distributed.DistributedROOT
     assert sorted(old.__all__) == sorted(rootopt.distributed.__all__)
     # every submodule resolves to the very same module object, so isinstance and pickles agree
-    for name in ("checkpoint", "counters", "group", "model", "owners", "plan", "root", "sampler"):
+    for name in ("checkpoint", "group", "model", "owners", "root", "sampler"):
         assert importlib.import_module(f"rootopt.dist.{name}") is importlib.import_module(
             f"rootopt.distributed.{name}"
         )
 
 
 def test_a_pickle_naming_the_old_module_loads() -> None:
-    """An object pickled when its class lived in ``rootopt.dist.root`` unpickles to the new class."""
+    """An object pickled when its class lived in ``rootopt.dist.root`` unpickles to the new
+    class (StepStats now lives in rootopt.distributed.flat; root still names it)."""
     stats = rootopt.distributed.root.StepStats(ns_matrices=3)
     blob = pickle.dumps(stats, protocol=2).replace(
-        b"rootopt.distributed.root", b"rootopt.dist.root"
+        b"rootopt.distributed.flat", b"rootopt.dist.root"
     )
     assert b"rootopt.dist.root" in blob
     code = (
@@ -42,7 +43,7 @@ def test_a_pickle_naming_the_old_module_loads() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], input=blob, capture_output=True, check=True
     ).stdout.decode()
-    assert out.split() == ["rootopt.distributed.root", "StepStats"]
+    assert out.split() == ["rootopt.distributed.flat", "StepStats"]
 
 
 def test_new_name_does_not_warn() -> None:

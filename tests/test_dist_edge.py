@@ -1,8 +1,7 @@
 """Edge cases of distributed ROOT on gloo (real processes under torchrun, each launch under a
 timeout): uneven and empty shards for (rows, ranks) = (1, 2), (3, 2), (5, 4), (2, 4),
-(15, 4), (18, 8), for FSDP2 and both DDP-mode designs (``gather`` and ``owner``); a rank
-without a gradient; no hidden ``full_tensor()`` in the sharded
-path; the bytes of every step counted, predicted by the cost model and checked against
+(15, 4), (18, 8), for FSDP2 and the replicated owner design; a rank without a gradient; no
+hidden ``full_tensor()`` in the sharded path; the bytes of every step counted, predicted by the cost model and checked against
 the bytes the processes wrote to their sockets; a checkpoint saved at W = 4 and loaded
 at W = 3 equal to the uninterrupted run.
 """
@@ -14,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from rootopt.distributed import plan as P
 from rootopt.distributed.owners import chunk_rows
+from rootopt.tools import costmodel as P
 from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, free_port, results, run_ok  # noqa: F401
 
 # What gloo writes beyond the payload: its framing, a small header per message; a ring or
@@ -59,7 +58,7 @@ def check(res: list[dict[str, Any]], rows: list[int], world: int) -> None:
             opts = P.Options(
                 backend="gloo", average_grads=not sharded, ns_bytes=2 if layout == "fsdp16" else 4
             )
-            est = P.estimate(specs(rows), world, "fsdp" if sharded else design, opts)
+            est = P.estimate(specs(rows), world, "fsdp" if sharded else "owner", opts)
             assert c["bytes_sent"] == pytest.approx(est.step_sent[rank]), what
             assert c["bytes_received"] == pytest.approx(est.step_received[rank]), what
             assert c["collectives"] == est.exposed_collectives, what
@@ -89,14 +88,14 @@ def check_wire(res: list[dict[str, Any]], world: int) -> None:
 
 
 def test_two_ranks_one_and_three_rows(tmp_path: Path) -> None:
-    run_ok("edge.py", 2, str(tmp_path), "1,3", "gather,owner", "wire")
+    run_ok("edge.py", 2, str(tmp_path), "1,3", "owner", "wire")
     res = results(tmp_path, "edge", 2)
     check(res, [1, 3], 2)
     check_wire(res, 2)
 
 
 def test_four_ranks_five_two_and_fifteen_rows(tmp_path: Path) -> None:
-    run_ok("edge.py", 4, str(tmp_path), "5,2,15", "gather,owner", "wire", "bf16")
+    run_ok("edge.py", 4, str(tmp_path), "5,2,15", "owner", "wire", "bf16")
     res = results(tmp_path, "edge", 4)
     # bfloat16 Newton–Schulz on FSDP2: the updates go back in bfloat16, exact (the run
     # matches one process with the same ns_dtype, in check), in fewer bytes on every rank
@@ -114,7 +113,7 @@ def test_four_ranks_five_two_and_fifteen_rows(tmp_path: Path) -> None:
 
 def test_eight_ranks_eighteen_rows(tmp_path: Path) -> None:
     """(18, 8): chunks of 3 rows, the last two ranks hold none (dion PR 74's hang)."""
-    run_ok("edge.py", 8, str(tmp_path), "18", "gather,owner")
+    run_ok("edge.py", 8, str(tmp_path), "18", "owner")
     check(results(tmp_path, "edge", 8), [18], 8)
 
 

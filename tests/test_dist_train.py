@@ -1,5 +1,7 @@
 """``rootopt.train`` under real torchrun processes (CPU, gloo, loopback): the world size
-changes nothing but the speed (docs/distributed.md, "Training under torchrun").
+changes nothing but the speed (docs/distributed.md, "Training under torchrun"), ROOT
+synchronises the gradients at DDP AdamW's bytes, checkpoints reshard in every direction
+(bit for bit at the same world size), and runs saved with the DDP wrapper still resume.
 
 Each launch runs in a subprocess with a timeout, so a hang fails fast. Several checks share
 one set of launches to keep the default suite's time budget.
@@ -8,6 +10,7 @@ one set of launches to keep the default suite's time budget.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,33 +92,88 @@ def _one_process(run: Path, data: Path, over: list[str]) -> None:
     train(load_config(None, over), run, str(data), say=lambda _: None)
 
 
-def test_world_sizes_1_2_3_fsdp_and_resharded_resume_agree(shards: Path, tmp_path: Path) -> None:
-    """1, 2 and 3 (uneven: 8 = 3+3+2) ranks, DDP and FSDP2: the same logged losses and
-    final parameters; a run saved at world 2, continued at world 1 and then at world 3,
-    equals the uninterrupted one step for step."""
-    ref = tmp_path / "w1"
-    _one_process(ref, shards, CFG)
-    base_losses, base_model = logged_losses(ref), _model(ref)
-    assert len(set(base_losses.values())) == STEPS  # the model trains: losses change
-    assert base_losses[STEPS] < base_losses[1] - 0.5
+def _comm_bytes(run: Path) -> list[float]:
+    from rootopt.monitor import read_jsonl
 
-    runs = {
-        "ddp2": (2, []),
-        "ddp3": (3, []),
-        "fsdp2": (2, ["distributed.parallel=fsdp"]),
-    }
-    for name, (n, extra) in runs.items():
-        out = torchrun(n, tmp_path / name, shards, [*CFG, *extra])
+    return [r["comm_bytes"] for r in read_jsonl(run / "metrics.jsonl") if "comm_bytes" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process, STEPS steps: the run every world size must reproduce."""
+    ref = tmp_path_factory.mktemp("w1") / "run"
+    _one_process(ref, shards, CFG)
+    losses = logged_losses(ref)
+    assert len(set(losses.values())) == STEPS  # the model trains: losses change
+    assert losses[STEPS] < losses[1] - 0.5
+    return ref
+
+
+@pytest.fixture(scope="module")
+def ddp2(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two processes, uninterrupted (the run a resume at world size 2 must equal bitwise)."""
+    run = tmp_path_factory.mktemp("ddp2") / "run"
+    out = torchrun(2, run, shards, CFG)
+    assert "2 processes (ddp, gloo), global batch 8" in out.stdout
+    return run
+
+
+def test_world_sizes_1_2_3_and_fsdp_agree_at_ddp_adamws_bytes(
+    reference: Path, ddp2: Path, shards: Path, tmp_path: Path
+) -> None:
+    """1, 2 and 3 (uneven: 8 = 3+3+2) ranks with ROOT under ``parallel: ddp`` (no DDP
+    wrapper: the optimizer reduce-scatters the gradients) and FSDP2: the same logged losses
+    and final parameters; the default clipping is on and clips. Each rank sends per step
+    (``comm_bytes``, counted at the collectives) at most 1.05x what AdamW under DDP sends
+    on the same model."""
+    from rootopt.monitor import read_jsonl
+
+    base_losses, base_model = logged_losses(reference), _model(reference)
+    clips = [r["clip_scale"] for r in read_jsonl(reference / "metrics.jsonl") if "clip_scale" in r]
+    assert len(clips) == STEPS and min(clips) < 1.0  # global-norm clipping did clip
+    runs = {"ddp2": ddp2}
+    for name, n, extra in (("ddp3", 3, []), ("fsdp2", 2, ["distributed.parallel=fsdp"])):
+        runs[name] = tmp_path / name
+        out = torchrun(n, runs[name], shards, [*CFG, *extra])
         mode = "fsdp" if extra else "ddp"
         assert f"{n} processes ({mode}, gloo), global batch 8" in out.stdout
-        assert (tmp_path / name / "checkpoints" / f"dcp-{STEPS:08d}").is_dir()
-        _assert_same_losses(base_losses, logged_losses(tmp_path / name))
-        _assert_same(base_model, _model(tmp_path / name))
+    for name, run in runs.items():
+        assert (run / "checkpoints" / f"dcp-{STEPS:08d}").is_dir()
+        _assert_same_losses(base_losses, logged_losses(run))
+        _assert_same(base_model, _model(run))
+        clipped = [r["clip_scale"] for r in read_jsonl(run / "metrics.jsonl") if "clip_scale" in r]
+        assert clipped == pytest.approx(clips, rel=1e-4), name  # the same global norm
+    assert not _comm_bytes(reference) and not _comm_bytes(runs["fsdp2"])  # not counted there
+    for world, root in ((2, runs["ddp2"]), (3, runs["ddp3"])):
+        adamw = tmp_path / f"adamw{world}"
+        torchrun(world, adamw, shards, [*CFG, "run.max_steps=2", "optimization.optimizer=AdamW"])
+        ours, theirs = _comm_bytes(root), _comm_bytes(adamw)
+        assert len(ours) == STEPS and len(theirs) == 2
+        assert len(set(ours)) == 1 and len(set(theirs)) == 1  # the same every step
+        ratio = ours[0] / theirs[0]
+        # 2·(W−1)/W of the model's bytes each, plus sync_grads' flags (a few hundred bytes)
+        assert 1.0 <= ratio <= 1.05, (world, ours[0], theirs[0])
 
-    # save at 2 → continue at 1 → continue at 3 (checkpoints: dcp → .pt → DCP, resharded)
-    chain = tmp_path / "chain"
-    torchrun(2, chain, shards, [*CFG, "run.max_steps=5"])
-    assert (chain / "checkpoints" / "dcp-00000005").is_dir()
+
+def test_resume_across_world_sizes_and_bitwise_at_the_same(
+    reference: Path, ddp2: Path, shards: Path, tmp_path: Path
+) -> None:
+    """A run saved at world size 2 continues at 1 and at 3, one saved at 3 continues at 2,
+    one saved at 1 continues at 2 (checkpoints dcp → .pt → dcp, resharded), each equal to
+    the uninterrupted run step for step; saved at 2 and continued at 2 it is the
+    uninterrupted world-2 run bit for bit."""
+    base_losses, base_model = logged_losses(reference), _model(reference)
+    first = tmp_path / "first"
+    torchrun(2, first, shards, [*CFG, "run.max_steps=5"])
+    assert (first / "checkpoints" / "dcp-00000005").is_dir()
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(first, dst, ignore=shutil.ignore_patterns(".lock"))
+        return dst
+
+    # 2 → 1 → 3
+    chain = copy("chain")
     said: list[str] = []
     train(load_config(None, [*CFG, "run.max_steps=9"]), chain, str(shards), say=said.append)
     assert "resumed from dcp-00000005 at step 5 (saved at world size 2)" in said
@@ -129,6 +187,88 @@ def test_world_sizes_1_2_3_fsdp_and_resharded_resume_agree(shards: Path, tmp_pat
     kept = sorted(p.name for p in (chain / "checkpoints").iterdir() if p.name[0] != ".")
     want = ["ckpt-00000008.json", "ckpt-00000008.pt", "ckpt-00000009.json", "ckpt-00000009.pt"]
     assert kept == [*want, "dcp-00000012", "owner.json"], kept
+    # 2 → 3 → 2
+    back = copy("back")
+    out = torchrun(3, back, shards, [*CFG, "run.max_steps=9"])
+    assert "resumed from dcp-00000005 at step 5 (saved at world size 2)" in out.stdout
+    out = torchrun(2, back, shards, CFG)
+    assert "resumed from dcp-00000009 at step 9 (saved at world size 3)" in out.stdout
+    _assert_same_losses(base_losses, logged_losses(back))
+    _assert_same(base_model, _model(back))
+    # 1 → 2
+    one = tmp_path / "one"
+    _one_process(one, shards, [*CFG, "run.max_steps=5"])
+    out = torchrun(2, one, shards, CFG)
+    assert "resumed from ckpt-00000005.pt at step 5 (saved at world size 1)" in out.stdout
+    _assert_same_losses(base_losses, logged_losses(one))
+    _assert_same(base_model, _model(one))
+    # 2 → 2: bit for bit the uninterrupted world-2 run
+    same = copy("same")
+    out = torchrun(2, same, shards, CFG)
+    assert "resumed from dcp-00000005 at step 5" in out.stdout
+    assert logged_losses(same) == logged_losses(ddp2)
+    got, want_model = _model(same), _model(ddp2)
+    assert sorted(got) == sorted(want_model)
+    for k in got:
+        assert torch.equal(got[k], want_model[k]), k
+
+
+OLD_RUN = Path(__file__).resolve().parent / "data" / "ddp_run_3ad6c87"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_run_saved_with_the_ddp_wrapper_still_resumes(
+    world: int, shards: Path, tmp_path: Path
+) -> None:
+    """tests/data/ddp_run_3ad6c87 (tests/data/make_ddp_run.py): a world-2 run saved when
+    the loop wrapped the model in DDP. Its step-4 checkpoint resumes at world sizes 2 (no
+    wrapper now) and 1 and logs the losses of steps 5 and 6 that version logged."""
+    run = tmp_path / "old"
+    shutil.copytree(OLD_RUN, run)
+    old = logged_losses(run)
+    assert sorted(old) == [1, 2, 3, 4, 5, 6]
+    over = [*CFG, "run.max_steps=6"]
+    if world == 1:
+        said: list[str] = []
+        train(load_config(None, over), run, str(shards), say=said.append)
+        assert "resumed from dcp-00000004 at step 4 (saved at world size 2)" in said
+    else:
+        out = torchrun(2, run, shards, over)
+        assert "resumed from dcp-00000004 at step 4" in out.stdout
+    new = logged_losses(run)
+    assert sorted(new) == [1, 2, 3, 4, 5, 6]
+    for step in (5, 6):
+        assert abs(new[step] - old[step]) <= 1e-5 * abs(old[step]), (step, new[step], old[step])
+    assert (run / "checkpoints" / "dcp-00000006").is_dir() or world == 1
+
+
+def test_fp16_loss_scaling_is_agreed_across_ranks(shards: Path, tmp_path: Path) -> None:
+    """fp16 autocast with a dynamic loss scale (growing every 3 steps): the optimizer
+    unscales the synchronised gradients inside the step and every rank updates the scale
+    the same way, so world size 2 logs the loss scales and losses of one process."""
+    over = [
+        *CFG,
+        "run.max_steps=8",
+        "mixed_precision.enabled=true",
+        "mixed_precision.dtype=fp16",
+        "mixed_precision.loss_scale=dynamic",
+        "mixed_precision.growth_interval=3",
+        "mixed_precision.init_scale=256",
+    ]
+    from rootopt.monitor import read_jsonl
+
+    ref, run = tmp_path / "w1", tmp_path / "w2"
+    _one_process(ref, shards, over)
+    torchrun(2, run, shards, over)
+    scales = [
+        [r["loss_scale"] for r in read_jsonl(d / "metrics.jsonl") if "loss" in r]
+        for d in (ref, run)
+    ]
+    assert scales[0] == scales[1] and scales[0][-1] > 256  # it grew, on every rank alike
+    a, b = logged_losses(ref), logged_losses(run)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-3 * abs(a[step]), (step, a[step], b[step])
 
 
 def test_bad_launch_settings_are_one_line(shards: Path, tmp_path: Path) -> None:

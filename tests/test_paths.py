@@ -6,7 +6,8 @@ it; the AdamW part is checked against ``torch.optim.AdamW``. Paths: the class's 
 loop (``batched=False``, bit for bit), the batched path (the default), small buckets (stacks
 split and chunked), the whole step compiled (``compile_step=True``), ``DistributedROOT`` at
 world size 1 (no process group), and at world size 2 replicated (``dist2``: the owner
-design, the default; ``gather2``: the first DDP-mode design) and sharded (``DTensor``
+design on gradients averaged by DDP; ``avg2``: the owner design reduce-scattering them
+itself) and sharded (``DTensor``
 parameters, as FSDP2 holds them; gloo, launched once by torchrun). Every path runs every
 option set of ``tests/path_cases.py`` — default coefficients (AdaNewton), float64 and
 bfloat16 parameters, Nesterov off, robust scaling, a bfloat16
@@ -163,7 +164,7 @@ def by_path(path: str, name: str, request: pytest.FixtureRequest) -> Result:
     if path == "dist1":
         return by_class(name, DistributedROOT)
     out = request.getfixturevalue("world2")
-    mode = {"dist2": "replicated", "gather2": "gather", "sharded": "sharded"}[path]
+    mode = {"dist2": "replicated", "avg2": "averaged", "sharded": "sharded"}[path]
     saved = torch.load(out / f"{mode}-{name}.pt")
     assert saved["world"] == 2
     return saved["params"], saved["state"]
@@ -172,7 +173,7 @@ def by_path(path: str, name: str, request: pytest.FixtureRequest) -> Result:
 def _cases() -> list[Any]:
     cases = []
     paths = (
-        "reference", "batched", "buckets", "compiled", "inductor", "dist1", "dist2", "gather2",
+        "reference", "batched", "buckets", "compiled", "inductor", "dist1", "dist2", "avg2",
         "sharded",
     )  # fmt: skip
     for path in paths:

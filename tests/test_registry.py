@@ -103,30 +103,39 @@ def test_ablation_fixed_options_win_over_config() -> None:
     assert opt.param_groups[0]["momentum"] == 0.8 and opt.param_groups[0]["nesterov"]
 
 
-def test_ddp_design_reaches_distributed_root_and_is_validated() -> None:
-    """``distributed.ddp_design`` picks DistributedROOT's DDP-mode design (world size > 1;
-    built here without a process group, where it is the plain step); a wrong value is one
-    config line."""
+def test_distributed_root_synchronises_gradients_under_ddp_not_fsdp() -> None:
+    """At world size > 1 ROOT and Muon are DistributedROOT; under ``parallel: ddp`` it
+    synchronises the gradients itself (no DDP wrapper, ``average_grads``), under fsdp FSDP2
+    does (built here without a process group, where the step is the plain one)."""
     from rootopt.distributed import DistributedROOT
+    from rootopt.train.build import optimizer_syncs_grads
 
-    for override, design in (([], "owner"), (["distributed.ddp_design=gather"], "gather")):
-        opt, _ = build_optimizer(load_config(None, override), Mixed(), world_size=2)
-        assert isinstance(opt, DistributedROOT) and opt.ddp_design == design
-    with pytest.raises(ConfigError, match="distributed.ddp_design: expected one of owner, gather"):
-        load_config(None, ["distributed.ddp_design=ring"])
+    for parallel, synced in (("ddp", True), ("fsdp", False)):
+        for name in ("ROOT", "Muon"):
+            cfg = load_config(
+                None, [f"distributed.parallel={parallel}", f"optimization.optimizer={name}"]
+            )
+            opt, _ = build_optimizer(cfg, Mixed(), world_size=2)
+            assert isinstance(opt, DistributedROOT) and opt.average_grads is synced
+            assert optimizer_syncs_grads(cfg, 2) is synced
+            assert not optimizer_syncs_grads(cfg, 1)
+    adamw = load_config(None, ["optimization.optimizer=AdamW"])
+    assert not optimizer_syncs_grads(adamw, 2)  # other optimizers keep DDP
 
 
-def test_fsdp_design_reaches_distributed_root_and_is_validated() -> None:
-    """``distributed.fsdp_design`` picks how sharded matrices are orthogonalized under
-    ``parallel=fsdp`` (default ``whole``); a wrong value is one config line."""
-    from rootopt.distributed import DistributedROOT
-
-    for override, design in (([], "whole"), (["distributed.fsdp_design=gram"], "gram")):
-        cfg = load_config(None, ["distributed.parallel=fsdp", *override])
-        opt, _ = build_optimizer(cfg, Mixed(), world_size=2)
-        assert isinstance(opt, DistributedROOT) and opt.fsdp_design == design
-    with pytest.raises(ConfigError, match="distributed.fsdp_design: expected one of whole, gram"):
-        load_config(None, ["distributed.fsdp_design=split"])
+def test_removed_distributed_keys_say_what_replaced_them() -> None:
+    """``distributed.ddp_design`` and ``distributed.fsdp_design`` were removed: a config (or
+    an override) naming one gets one line saying what replaced it, whatever the value."""
+    for key, why in (
+        ("distributed.ddp_design", "ROOT and Muon use the owner design"),
+        ("distributed.fsdp_design", "orthogonalized whole on its owner"),
+    ):
+        for value in ("owner", "gather", "whole", "gram", "nonsense"):
+            with pytest.raises(ConfigError) as err:
+                load_config(None, [f"{key}={value}"])
+            assert err.value.problems == [f"{key}: {err.value.problems[0].split(': ', 1)[1]}"]
+            line = err.value.problems[0]
+            assert line.startswith(f"{key}: removed;") and why in line, line
 
 
 def test_muon_routes_like_root_and_schedules_reach_children() -> None:

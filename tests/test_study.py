@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -152,8 +153,8 @@ def test_missing_runs_are_requested_not_guessed() -> None:
         Tuner(p, COEFFICIENT_CANDIDATES[1], Cell("kjv", 150), lambda s: None).tune(None)
     specs = exc.value.specs
     assert len(specs) == len(p.lr_grid) * len(p.selection_seeds)
-    assert all(s.suite == "study" and s.task == "kjv" and s.steps == 150 for s in specs)
-    assert all(dict(s.options)["ns_coefficients"] == "muon" for s in specs)
+    assert all(s.suite == study.SELECT_SUITE and s.task == "kjv" and s.steps == 150 for s in specs)
+    assert all(dict(s.options)["ns_coefficients"] == "adanewton" for s in specs)
 
 
 def test_official_coefficients_are_muons_on_every_matrix_the_study_trains() -> None:
@@ -176,8 +177,13 @@ def test_official_coefficients_are_muons_on_every_matrix_the_study_trains() -> N
 # ----------------------------------------------------------------------------- decisions
 
 
-def _walk_with(losses: dict[str, dict[str, list[float]]], costs: dict[str, float]) -> Walk:
-    """A Walk whose report runs have the given test losses per (arm, cell)."""
+def _walk_with(
+    losses: dict[str, dict[str, list[float]]],
+    costs: dict[str, float],
+    test: dict[str, dict[str, list[float]]] | None = None,
+) -> Walk:
+    """A Walk whose decision runs have the given validation losses per (arm, cell), and whose
+    report runs have the given test losses (default: the same numbers)."""
     cells = tuple(Cell(c.split("@")[0], int(c.split("@")[1])) for c in next(iter(losses.values())))
     w = Walk(_proto(cells=cells))
     for name, per in losses.items():
@@ -185,8 +191,12 @@ def _walk_with(losses: dict[str, dict[str, list[float]]], costs: dict[str, float
         w.arms[name] = arm
         for c in cells:
             ac = study.ArmCell(arm, c, study.Tuned(Setting(0)))
+            ac.decide = [
+                {"final_val_loss": x, "diverged": not math.isfinite(x)} for x in per[c.name]
+            ]
             ac.report = [
-                {"final_test_loss": x, "diverged": not math.isfinite(x)} for x in per[c.name]
+                {"final_test_loss": x, "diverged": not math.isfinite(x)}
+                for x in (test or losses)[name][c.name]
             ]
             w.cells[(name, c.name)] = ac
         for t in {c.task for c in cells}:
@@ -232,23 +242,61 @@ def test_a_divergence_makes_a_candidate_worse_on_that_cell() -> None:
 
 def test_decision_waits_for_every_cell() -> None:
     w = _walk_with({"x": {"t@1": [1.0, 1.1]}, "y": {"t@1": [1.0, 1.2]}}, {"x": 1, "y": 1})
-    w.cells[("y", "t@1")].report = None
+    w.cells[("y", "t@1")].decide = None
     assert decide(w, ["x", "y"], "k") is None
+
+
+def test_decision_reads_validation_of_the_decision_seeds_never_test() -> None:
+    """Protocol v2: the rule ranks on the decision runs' validation loss; the report runs'
+    test loss (here the opposite ranking) changes nothing."""
+    good = [2.00, 2.01, 1.99, 2.02, 2.00]
+    bad = [x + 0.05 + 0.001 * i for i, x in enumerate(good)]
+    val = {"x": {"t@1": good, "u@1": good}, "y": {"t@1": bad, "u@1": bad}}
+    test = {"x": {"t@1": bad, "u@1": bad}, "y": {"t@1": good, "u@1": good}}
+    d = decide(_walk_with(val, {"x": 1.0, "y": 1.0}, test), ["y", "x"], "k")
+    assert d is not None and d["winner"] == "x" and d["split"] == "validation"
+    assert d["worse_on_cells"] == {"y": 2, "x": 0}
+    # swapping the test losses alone does not move the decision
+    d2 = decide(_walk_with(val, {"x": 1.0, "y": 1.0}, val), ["y", "x"], "k")
+    assert d2 is not None and d2["winner"] == "x" and d2["cells"] == d["cells"]
+
+
+def test_decision_reports_whether_one_cell_decides() -> None:
+    """The winner with each cell left out: a win carried by one cell is flagged."""
+    base = [2.00, 2.01, 1.99, 2.02, 2.00]
+    lower = [x - 0.05 - 0.001 * i for i, x in enumerate(base)]
+    tie = [x + 0.001 * (-1) ** i for i, x in enumerate(base)]
+    # x is better only on t@1; elsewhere tied, and y is listed first (wins exact ties)
+    val = {
+        "y": {"t@1": base, "u@1": base, "v@1": base},
+        "x": {"t@1": lower, "u@1": tie, "v@1": tie},
+    }
+    d = decide(_walk_with(val, {"x": 1.0, "y": 1.0}), ["y", "x"], "k")
+    assert d is not None and d["winner"] == "x"
+    assert d["winner_without_cell"]["t@1"] == "y" and not d["stable"]
+    assert d["winner_without_cell"]["u@1"] == "x"
 
 
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_quick_study_runs_decides_resumes_and_renders(tmp_path: Path) -> None:
-    out = tmp_path / "study"
+def _quick_cli(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rootopt.cli", "bench", "study", "--quick", "--no-progress"]
-    p = subprocess.run(
-        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600, env=env
+    return subprocess.run(
+        [*cmd, "--out", str(out), *extra], capture_output=True, text=True, timeout=900, env=env
     )
+
+
+RECORD = ("runs.jsonl", "timing.jsonl", "study-log.jsonl", "bench-manifest.json")
+
+
+def test_quick_study_runs_decides_resumes_and_renders(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    p = _quick_cli(out)
     assert p.returncode == 0, p.stderr[-2000:]
     s = json.loads((out / "study.json").read_text())
-    assert s["complete"] and s["jobs_left"] == 0
+    assert s["complete"] and s["jobs_left"] == 0 and s["pending"] == {}
     assert set(s["decisions"]) == {
         "screening",
         "ns_coefficients",
@@ -256,8 +304,10 @@ def test_quick_study_runs_decides_resumes_and_renders(tmp_path: Path) -> None:
         "ns_dtype",
         "final",
     }
+    assert s["default"] == {"arm": s["decisions"]["final"], "decided": True}
     survivors = s["decisions"]["screening"]["survivors"]
     assert survivors and s["decisions"]["ns_coefficients"]["candidates"] == survivors
+    assert all(d["split"] == "validation" for k, d in s["decisions"].items() if k != "final")
     proto = Protocol.quick()
     for cell in proto.cells:
         rows = s["cells"][cell.name]["arms"]
@@ -265,23 +315,63 @@ def test_quick_study_runs_decides_resumes_and_renders(tmp_path: Path) -> None:
         for name in names:
             r = rows[name]
             assert len(r["test_loss"]) == len(proto.report_seeds)
+            assert len(r["decision_val_loss"]) == len(proto.decision_seeds)
             assert r["setting"]["lr"] > 0
-    assert s["meta"]["commands"] and s["meta"]["runs"] > 0
+    # the long horizon and the autocast cell ran their arms; the tail was recorded
+    assert proto.long_cell is not None and proto.amp_cell is not None
+    long_rows = s["cells"][proto.long_cell.name]["arms"]
+    assert set(long_rows) >= {*study.LONG_ARMS, f"{study.SHIPPED}-q0.8"}
+    assert long_rows[study.SHIPPED]["momentum_tail"]["step"]
+    assert set(s["cells"][proto.amp_cell.name]["arms"]) == set(study.AMP_ARMS)
+    # the robustness family: every optimizer with and without clipping, the Holm family whole
     rob = s["robustness"]
-    assert set(rob["arms"]) >= {"muon-bf16", "muon-bf16+clip", "adamw", "adamw+clip"}
+    tags = {f"{a}{sfx}" for a in study.ROBUST_ARMS for sfx in ("", "+clip")}
+    assert set(rob["cells"][proto.robust_cells[0]]) == tags
+    fam = rob["family"]
+    n_metrics = len(proto.robust_conditions) + 1
+    assert fam["complete"] and fam["size"] == 2 * (len(study.ROBUST_ARMS) - 1) * n_metrics
+    assert all(0 <= x["diff"]["p"] <= x["p_holm"] <= 1 for x in fam["rows"])
+    # the index lists every run of the record once, each with its commit and times
+    idx = s["index"]
+    ids = [row[0] for row in idx["rows"]]
+    assert len(ids) == len(set(ids)) == s["meta"]["runs"] > 0
+    col = {c: i for i, c in enumerate(idx["columns"])}
+    assert all(row[col["commit"]] and row[col["started (UTC)"]] for row in idx["rows"])
+    assert idx["superseded"] == 0
     md = (out / "study.md").read_text()
     assert md.startswith("<!-- study:begin")
-    # Resume: a second invocation runs nothing and rewrites the same tables.
-    files = sorted((out / "runs").glob("*.json"))
-    before = {f: f.stat().st_mtime_ns for f in files}
-    p2 = subprocess.run(
-        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600, env=env
-    )
+    assert {"study_lr.png", "study_long.png", "study_tail.png"} <= {f.name for f in out.iterdir()}
+    # Resume: a second invocation runs nothing and writes the same summary.
+    before = (out / "runs.jsonl").read_bytes()
+    p2 = _quick_cli(out)
     assert p2.returncode == 0, p2.stderr[-2000:]
-    assert sorted((out / "runs").glob("*.json")) == files
-    assert all(f.stat().st_mtime_ns == t for f, t in before.items())
+    assert (out / "runs.jsonl").read_bytes() == before
     s2 = json.loads((out / "study.json").read_text())
     assert s2["cells"] == s["cells"] and s2["decisions"] == s["decisions"]
+    # Resume from the committed record alone (a fresh checkout has only these files): nothing
+    # runs, and the summary is the same.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for name in RECORD:
+        (fresh / name).write_bytes((out / name).read_bytes())
+    p3 = _quick_cli(fresh)
+    assert p3.returncode == 0, p3.stderr[-2000:]
+    assert (fresh / "runs.jsonl").read_bytes() == before
+    assert not list((fresh / "runs").glob("*.json"))  # nothing was trained
+    s3 = json.loads((fresh / "study.json").read_text())
+    for key in ("cells", "decisions", "comparisons", "robustness", "index"):
+        assert s3[key] == s[key], key
+    # --import adds what a directory lacks, and only that
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "bench-manifest.json").write_bytes((out / "bench-manifest.json").read_bytes())
+    lines = before.decode().splitlines(keepends=True)
+    (part / "runs.jsonl").write_text("".join(lines[:10]))
+    p4 = _quick_cli(part, "--import", str(out), "--finished-only")
+    assert p4.returncode == 0, p4.stderr[-2000:]
+    assert f"imported {len(lines) - 10} runs" in p4.stdout
+    got = sorted((part / "runs.jsonl").read_text().splitlines())
+    assert got == sorted(before.decode().splitlines())
 
 
 def test_study_refuses_flags_that_would_change_its_protocol(tmp_path: Path) -> None:
@@ -306,27 +396,29 @@ def test_selection_runs_evaluate_only_at_the_end_with_the_same_losses(tmp_path: 
 
 def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> None:
     """A session logs at its start, so a kill (or a reboot) leaves its commit and command on
-    record; its end is the last result it wrote before the next session started."""
+    record; its end is the end of the last run it finished before the next session started."""
     from rootopt.bench.study_report import provenance, read_sessions
 
     out = tmp_path / "study"
-    (out / "runs").mkdir(parents=True)
-    (out / "timing").mkdir()
-    base = {"command": f"rootopt bench study --out {out}", "machine": "m", "compute": True}
+    out.mkdir()
+    base = {"command": "rootopt bench study --out OUT", "machine": "m", "compute": True}
     a = {**base, "commit": "aaa", "session": "a", "start": 1000.0, "end": None}
     b = {**base, "commit": "bbb", "session": "b", "start": 5000.0, "end": None}
     log = out / "study-log.jsonl"
     # a was killed (start entry only); b finished (its end entry follows); one torn line
     lines = [json.dumps(a), json.dumps(b), '{"torn', json.dumps({**b, "end": 6000.0})]
     log.write_text("\n".join(lines) + "\n")
-    for name, t, wall in (("r1", 1500.0, 10.0), ("r2", 2500.0, 20.0), ("r3", 5500.0, 5.0)):
-        f = out / "runs" / f"{name}.json"
-        f.write_text(json.dumps({"run_id": name, "wall_s": wall}))
-        os.utime(f, (t, t))
+    store = study.open_store(out)
+    store.add_runs(
+        [
+            {"run_id": n, "format": 2, "spec": {}, "ended": t, "wall_s": wall, "smoothness": 0.0}
+            for n, t, wall in (("r1", 1500.0, 10.0), ("r2", 2500.0, 20.0), ("r3", 5500.0, 5.0))
+        ]
+    )
     sessions = read_sessions(log)
     assert len(sessions) == 2
     assert [s["end"] for s in sessions] == [None, 6000.0]
-    meta = provenance(sessions, out)
+    meta = provenance(sessions, store)
     assert meta["commits"] == ["aaa", "bbb"]
     assert meta["commands"] == ["rootopt bench study --out OUT"]
     assert meta["sessions stopped before their end"] == 1
@@ -344,5 +436,350 @@ def test_benchmarks_page_is_the_committed_study() -> None:
     page = (docs / "benchmarks.md").read_text(encoding="utf-8")
     assert page.count(BEGIN) == 1 and page.count(END) == 1
     block = markdown(summary)
-    assert "#### Decisions" in block and summary["decisions"]["ns_coefficients"]["winner"]
+    assert "#### Decisions" in block
+    if "ns_coefficients" in summary["decisions"]:
+        assert (
+            f"**ns_coefficients** → `{summary['decisions']['ns_coefficients']['winner']}`" in block
+        )
+    else:
+        assert "**not decided yet**" in block and not summary["default"]["decided"]
     assert splice(page, block) == page
+
+
+def test_v1_rereading_is_v1s_summary() -> None:
+    """The corrections to v1 on docs/benchmarks.md are rendered from v1's committed summary,
+    and read validation where v1 read test."""
+    from rootopt.bench.study_report import V1_BEGIN, V1_END, splice, v1_markdown, v1_rereading
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    v1 = json.loads((docs / "study_results_v1.json").read_text(encoding="utf-8"))
+    page = (docs / "benchmarks.md").read_text(encoding="utf-8")
+    assert splice(page, v1_markdown(v1), V1_BEGIN, V1_END) == page
+    r = v1_rereading(v1)
+    # v1's published decision is what its rule gives on test loss
+    assert r["rule"]["test"]["winner"] == v1["decisions"]["ns_coefficients"]["winner"]
+    cell = "kjv@150"
+    val = {
+        n: v1["cells"][cell]["arms"][n]["val_loss"] for n in r["rule"]["validation"]["candidates"]
+    }
+    best = r["rule"]["validation"]["cells"][cell]["best"]
+    assert best == min(val, key=lambda n: statistics.fmean(val[n]))
+
+
+# ----------------------------------------------------------------------------- v2 machinery
+
+
+def test_holm_matches_the_step_down_procedure() -> None:
+    from rootopt.bench.stats import holm
+
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([]) == [] and holm([0.7]) == [0.7] and holm([0.6, 0.9]) == [1.0, 1.0]
+    rng = __import__("random").Random(0)
+    for _ in range(200):
+        ps = [rng.random() ** 3 for _ in range(rng.randint(1, 12))]
+        adj = holm(ps)
+        # Holm's procedure: walk up the sorted p, reject while p_(i) <= a / (m - i)
+        order = sorted(range(len(ps)), key=lambda i: ps[i])
+        rejected = set()
+        for rank, i in enumerate(order):
+            if ps[i] > 0.05 / (len(ps) - rank):
+                break
+            rejected.add(i)
+        assert {i for i, a in enumerate(adj) if a <= 0.05} == rejected
+        assert all(a >= q for a, q in zip(adj, ps, strict=True))
+
+
+def test_paired_p_agrees_with_the_interval() -> None:
+    from rootopt.bench.stats import paired_p
+
+    rng = __import__("random").Random(1)
+    for _ in range(100):
+        a = [rng.gauss(0, 1) for _ in range(5)]
+        b = [x + rng.gauss(0.5, 0.6) for x in a]
+        ci = paired_ci(a, b)
+        assert (paired_p(a, b) < 0.05) == ci.excludes_zero
+    assert paired_p([1.0, 2.0], [1.0, 2.0]) == 1.0
+    with pytest.raises(ValueError, match="differ in length"):
+        paired_p([1.0], [1.0, 2.0])
+
+
+def test_pooled_estimate_is_t_over_the_seed_means() -> None:
+    per = {"a@1": {"diffs": [0.1, 0.2, 0.0]}, "b@1": {"diffs": [0.3, 0.0, 0.1]}}
+    got = study._pooled(per, ["a@1", "b@1"])
+    assert got is not None
+    want = mean_ci([0.2, 0.1, 0.05])
+    assert (got["mean"], got["lo"], got["hi"]) == pytest.approx((want.mean, want.lo, want.hi))
+    assert study._pooled(per, ["a@1", "b@1", "c@1"]) is None  # a cell without the pair
+
+
+def test_run_ids_of_earlier_specs_do_not_change() -> None:
+    """The precision field is left out of a default spec, so runs finished before it existed
+    keep their ids (the id below was computed by the code before the field)."""
+    kw: dict[str, Any] = dict(
+        suite="study", task="stdlib", optimizer="root", lr=0.03, seed=0, steps=150,
+        weight_decay=0.1, options=(("ns_coefficients", "muon"),), side_lr_mult=0.316228,
+    )  # fmt: skip
+    assert RunSpec(**kw).run_id == "stdlib-root-lr0.03-s0-clean-x1-10dddf310e"
+    amp = RunSpec(**kw, precision="bf16")
+    assert amp.run_id != RunSpec(**kw).run_id and amp.run_id.startswith("stdlib-amp-")
+    assert RunSpec.from_dict(amp.to_dict()) == amp
+    with pytest.raises(ValueError, match="unknown precision"):
+        RunSpec(**kw, precision="fp8")
+
+
+def _sweep_lookup(diverge_from: int, optimum: int) -> Any:
+    def lookup(spec: RunSpec) -> dict[str, Any]:
+        k = round(4 * math.log10(spec.lr / 3e-3))
+        div = k >= diverge_from
+        v = 2.0 + 0.01 * (k - optimum) ** 2 + 0.001 * spec.seed
+        return {
+            "final_val_loss": math.nan if div else v,
+            "final_test_loss": math.nan if div else v + 0.01,
+            "initial_test_loss": 5.5,
+            "diverged": div,
+        }
+
+    return lookup
+
+
+def test_lr_sweep_stops_after_consecutive_divergence_and_corrupts_at_its_optimum() -> None:
+    p = _proto()
+    cell = Cell("stdlib", 150)
+    w = Walk(p)
+    arm = study.arm_by_name("muon-fp32")
+    seen: list[RunSpec] = []
+    base = _sweep_lookup(diverge_from=9, optimum=5)
+
+    def lookup(spec: RunSpec) -> dict[str, Any] | None:
+        seen.append(spec)
+        return base(spec) if spec.suite == study.SWEEP_SUITE else None
+
+    study._robust(w, arm, cell, None, lookup, (1,))
+    e = w.robust[("stdlib@150", "muon-fp32", None)]
+    assert sorted(e["sweep"]) == list(range(0, 11))  # 9 and 10 diverged: stop
+    assert e["optimum"] == 5
+    sweep_specs = [s for s in seen if s.suite == study.SWEEP_SUITE]
+    assert {s.weight_decay for s in sweep_specs} == {p.robust_wd}
+    assert {s.side_lr_mult for s in sweep_specs} == {1.0} and {s.clip for s in seen} == {None}
+    assert {s.seed for s in seen} == set(p.report_seeds)
+    wanted = [s for _, s in w.jobs]
+    assert len(wanted) == len(p.robust_conditions) * len(p.report_seeds)
+    assert all(s.suite == study.ROBUST_SUITE and s.lr == study._lr(arm, 5, 4) for s in wanted)
+    assert {s.corruption for s in wanted} == {c for _, c in p.robust_conditions}
+
+
+def test_lr_sweep_asks_for_at_most_three_points_ahead() -> None:
+    p = _proto()
+    w = Walk(p)
+    study._robust(w, study.arm_by_name("adamw"), Cell("kjv", 150), 1.0, lambda s: None, (1,))
+    ks = {round(4 * math.log10(s.lr / 3e-3)) for _, s in w.jobs}
+    assert ks == {0, 1, 2} and all(s.clip == 1.0 for _, s in w.jobs)
+
+
+def test_lr_stability_counts_diverged_points_at_their_initial_loss() -> None:
+    p = _proto()
+    w = Walk(p)
+    cell = Cell("stdlib", 150)
+    base = _sweep_lookup(diverge_from=8, optimum=5)
+
+    def lookup(spec: RunSpec) -> dict[str, Any] | None:
+        r = base(spec)
+        if spec.suite == study.ROBUST_SUITE:
+            r = {**r, "final_test_loss": r["final_test_loss"] + 0.1}
+        return r
+
+    study._robust(w, study.arm_by_name("muon-fp32"), cell, 1.0, lookup, (1,))
+    s = study._robust_summary(w)
+    assert s is not None
+    row = s["cells"]["stdlib@150"]["muon-fp32+clip"]
+    # region k = 6..10: 6 and 7 finite (+0.01, +0.04 above the optimum), 8, 9 diverged
+    # (initial 5.5), 10 past the stop: initial too
+    for i, seed in enumerate(p.report_seeds):
+        best = 2.01 + 0.001 * seed
+        want = statistics.fmean([2.02 + 0.001 * seed - best, 2.05 + 0.001 * seed - best,
+                                 *[5.5 - best] * 3])  # fmt: skip
+        assert row["lr_degradation_per_seed"][i] == pytest.approx(want)
+    deg = row["conditions"][p.robust_conditions[0][0]]["degradation"]
+    assert deg["mean"] == pytest.approx(0.1)
+
+
+def test_store_closes_a_torn_line_and_imports_stray_files(tmp_path: Path) -> None:
+    out = tmp_path / "s"
+    (out / "runs").mkdir(parents=True)
+    losses = [3.0 / (1 + i) for i in range(20)]
+    rec = {"run_id": "a", "format": 2, "spec": {"steps": 20}, "train_loss": losses}
+    store = study.open_store(out)
+    store.add_runs([rec], commit="c1")
+    with open(out / "runs.jsonl", "a") as f:
+        f.write('{"run_id": "torn", "form')  # a kill during an append
+    (out / "runs" / "b.json").write_text(json.dumps({**rec, "run_id": "b"}))
+    (out / "runs" / "c.json").write_text('{"run_id": "c", "format": 2, "sp')  # torn file
+    again = study.open_store(out)
+    assert set(again.runs) == {"a", "b"}
+    assert again.runs["a"]["commit"] == "c1" and "train_loss" not in again.runs["a"]
+    assert again.runs["a"]["smoothness"] == again.runs["b"]["smoothness"] > 0
+    lines = (out / "runs.jsonl").read_text().splitlines()
+    assert [json.loads(x)["run_id"] for x in lines if x.startswith('{"run_id":"')] == ["a", "b"]
+    assert study.open_store(out).runs.keys() == again.runs.keys()  # nothing imported twice
+
+
+def test_index_lists_runs_the_protocol_no_longer_uses(tmp_path: Path) -> None:
+    p = Protocol.quick()
+    store = study.open_store(tmp_path)
+    old = RunSpec(suite="study-report-v2", task="digits", optimizer="adamw", lr=0.01, seed=0,
+                  steps=6, weight_decay=0.1)  # fmt: skip
+    store.add_runs([{"run_id": old.run_id, "format": 2, "spec": old.to_dict(),
+                     "final_val_loss": 1.0, "final_test_loss": 1.1, "diverged": False,
+                     "started": 0.0, "ended": 1.0, "smoothness": 0.0}], commit="old")  # fmt: skip
+    w = study.walk(p, lambda s: store.runs.get(s.run_id), store.timing.get)
+    idx = study._index(w, store)
+    assert idx["runs"] == 1 and idx["superseded"] == 1
+    row = dict(zip(idx["columns"], idx["rows"][0], strict=True))
+    assert row["run_id"] == old.run_id and row["commit"] == "old" and row["used"] is False
+    assert row["cell"] == "digits@6" and row["final_test_loss"] == 1.1
+    assert row["started (UTC)"] == "1970-01-01 00:00:00"
+
+
+def test_momentum_tail_sees_what_root_thresholds() -> None:
+    import torch
+
+    from rootopt.bench.runner import _orthogonalized, momentum_tail
+    from rootopt.optim import ROOT
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 100))
+    opt = ROOT([w], lr=1e-3, momentum=0.9, nesterov=True)
+    g = torch.randn(64, 100)
+    g.view(-1)[:32] = 1e3  # 0.5 % of the entries are far out in the tail
+    w.grad = g.clone()
+    opt.step()
+    ((p, v),) = _orthogonalized(opt)
+    buf = opt.state[w]["momentum_buffer"]
+    assert p is w and torch.equal(v, g + 0.9 * buf)  # the threshold's input (sum form)
+    t = momentum_tail(opt, 1)
+    assert t is not None and t["matrices"] == 1
+    assert t["above10rms_share"] == pytest.approx(0.005, rel=1e-3)
+    assert t["kurtosis_max"] > 100  # far from a Gaussian's 3
+    w.grad = torch.randn(64, 100)
+    opt.state[w]["momentum_buffer"].zero_()
+    opt.step()
+    t2 = momentum_tail(opt, 2)
+    assert t2 is not None and 2.5 < t2["kurtosis_median"] < 3.5 and t2["above10rms_share"] == 0
+    assert momentum_tail(torch.optim.AdamW([w]), 1) is None
+
+
+def test_flops_count_the_optimizer_and_do_not_depend_on_load(tmp_path: Path) -> None:
+    (tmp_path / "timing").mkdir()
+    cell = Cell("digits", 6)
+    got = {}
+    for name in ("adamw", "root-muon"):
+        spec = study.FlopSpec("digits", make_spec(study.arm_by_name(name), cell, Setting(0), 0, 4))
+        a = study.count_flops(spec, str(tmp_path))["flops"]
+        assert study.count_flops(spec, str(tmp_path))["flops"] == a  # a count, not a clock
+        got[name] = a
+    assert got["root-muon"] > got["adamw"] > 0  # the Newton-Schulz products are counted
+
+
+def test_bf16_autocast_runs_train_under_autocast(tmp_path: Path) -> None:
+    from rootopt.bench.runner import run_one
+
+    (tmp_path / "runs").mkdir()
+    kw: dict[str, Any] = dict(suite=study.REPORT_SUITE, task="digits", optimizer="adamw",
+                              lr=3e-3, seed=1, steps=8, weight_decay=0.1)  # fmt: skip
+    fp = run_one(RunSpec(**kw), str(tmp_path))
+    amp = run_one(RunSpec(**kw, precision="bf16"), str(tmp_path))
+    assert fp["initial_val_loss"] == amp["initial_val_loss"]  # same model, fp32 evaluation
+    assert fp["train_loss"] != amp["train_loss"]  # the forward ran in bfloat16
+    assert abs(fp["final_val_loss"] - amp["final_val_loss"]) < 0.05
+
+
+def test_committed_summary_is_rendered_from_the_committed_record() -> None:
+    """docs/study_results.json is what the committed record (docs/study/: one line per run)
+    gives, rendered again here: every number, decision and index row, nothing trained."""
+    from rootopt.bench.study_report import provenance, read_sessions
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    committed = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    record = docs / "study"
+    store = study.open_store(record)
+    assert len(store.runs) == committed["index"]["runs"]
+    w = study.walk(Protocol.full(), lambda s: store.runs.get(s.run_id), store.timing.get)
+    meta = provenance(read_sessions(record / "study-log.jsonl"), store)
+    again = json.loads(json.dumps(study.summarize(w, store, meta)))
+    # compared as canonical JSON: a diverged run's loss is NaN, which equals nothing
+    assert json.dumps(again, sort_keys=True) == json.dumps(committed, sort_keys=True)
+
+
+def _publish_module() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "study_publish.py"
+    spec = importlib.util.spec_from_file_location("study_publish", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _mini_repo(root: Path, *, readme_markers: bool = True) -> None:
+    from rootopt.bench.study_report import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END
+
+    (root / "docs" / "study").mkdir(parents=True)
+    (root / "docs" / "img").mkdir()
+    (root / "docs" / "study" / "bench-manifest.json").write_text('{"tool": "rootopt bench"}')
+    (root / "docs" / "benchmarks.md").write_text(
+        f"# page\n\nkept\n\n{BEGIN}\nold\n{END}\n\nkept too\n"
+    )
+    markers = f"{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n" if readme_markers else "| a table |\n"
+    (root / "README.md").write_text(f"# readme\n\n## Measured\n\n{markers}\nafter\n")
+
+
+def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
+    from rootopt.bench.study_report import headline, markdown
+
+    mod = _publish_module()
+    _mini_repo(tmp_path)
+    got = mod.publish(tmp_path)
+    assert got["runs"] == 0 and got["complete"] is False
+    summary = json.loads((tmp_path / "docs" / "study_results.json").read_text())
+    page = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert page.startswith("# page\n\nkept\n\n") and page.endswith("\n\nkept too\n")
+    assert markdown(summary).rstrip("\n") in page and "\nold\n" not in page
+    readme = (tmp_path / "README.md").read_text()
+    assert readme == f"# readme\n\n## Measured\n\n{headline(summary)}\nafter\n"
+    assert "Still running: stdlib@150" in readme
+
+
+def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path: Path) -> None:
+    mod = _publish_module()
+    _mini_repo(tmp_path, readme_markers=False)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match="README.md must hold"):
+        mod.publish(tmp_path)
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_study_refuses_an_import_that_is_not_a_study_directory(tmp_path: Path) -> None:
+    from rootopt.commands.bench import main
+
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    assert main(["study", "--out", str(tmp_path / "o"), "--import", str(tmp_path / "foreign")]) == 2
+    assert not (tmp_path / "o").exists()
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+
+
+def test_summary_text_is_json_with_one_index_row_per_line() -> None:
+    from rootopt.bench.study_report import dump_summary
+
+    s = {
+        "a": [1, 2],
+        "index": {"columns": ["x", "y"], "rows": [[1, {"k": 2}], [3, None]], "runs": 2},
+    }
+    text = dump_summary(s)
+    assert json.loads(text) == s
+    assert '  [1,{"k":2}],\n  [3,null]\n' in text
+    empty = {"a": 1, "index": {"columns": [], "rows": [], "runs": 0}}
+    assert json.loads(dump_summary(empty)) == empty
+    assert json.loads(dump_summary({"a": 1})) == {"a": 1}

@@ -1,16 +1,19 @@
-"""The owner design's reduce-scatter started in backward (``sync_in_backward=True``) on
-gloo: equal to one process and to the same design with the reduce-scatter in the step;
-the buckets started from gradient hooks, counted; the same bytes and collectives, counted
-over backward + step; a parameter without a gradient on one rank; gradient accumulation
-with ``no_sync()``; a gradient accumulated again after its bucket started refused with one
-line and nothing updated; a backward discarded by ``zero_grad()``; and a rank built without
-the option refused at construction.
+"""The owner design's reduce-scatter started in backward (``average_grads=True``) on gloo:
+equal to one process and to the same design with every backward inside ``no_sync()`` (all
+reduce-scatters with the step); the buckets started from gradient hooks, counted; the same
+bytes and collectives, counted over backward + step; a parameter without a gradient on one
+rank; gradient accumulation with ``no_sync()``; a gradient accumulated again, or scaled,
+after its bucket started refused with one line and nothing updated; a backward discarded by
+``zero_grad()``; unscaling and clipping through ``sync_grads`` / ``clip_grad_norm_`` equal to
+doing it on one process's gradients; and a rank built with ``average_grads=False`` refused
+at construction.
 
 Usage: backward.py OUT_DIR (under torchrun).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +26,7 @@ from owner import groups as owner_groups
 
 import rootopt
 from rootopt.distributed import DistributedROOT, finish, init_distributed
-from rootopt.distributed.counters import CollectiveCounter
+from rootopt.tools.counters import CollectiveCounter
 
 STEPS = 3
 SMALL_BUCKETS = 2048  # bytes: about one owner.py matrix per bucket, so several start early
@@ -44,21 +47,23 @@ def diffs(model: torch.nn.Module, opt: Any, ref: torch.nn.Module, ref_opt: Any) 
 # ---------------------------------------------------------------------------------------
 # owner.py's model: parity, buckets started in backward, bytes and collectives
 # ---------------------------------------------------------------------------------------
-def owner_model(sync_in_backward: bool) -> dict[str, Any]:
+def owner_model(early: bool) -> dict[str, Any]:
+    """``early``: plain backward (the hooks start the reduce-scatters); otherwise backward
+    inside ``no_sync()``, and every reduce-scatter starts with the step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Model(6)
     opt = DistributedROOT(
-        owner_groups(model), **HYPER, average_grads=True, bucket_bytes=SMALL_BUCKETS,
-        sync_in_backward=sync_in_backward,
-    )  # fmt: skip
+        owner_groups(model), **HYPER, average_grads=True, bucket_bytes=SMALL_BUCKETS
+    )
     x = torch.randn(BATCH, 48, generator=torch.Generator().manual_seed(1))
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]
     res: dict[str, Any] = {}
     for _ in range(STEPS):
         opt.zero_grad()
         dist.barrier()
-        with CollectiveCounter() as in_backward:
+        hold = opt.no_sync() if not early else contextlib.nullcontext()
+        with CollectiveCounter() as in_backward, hold:
             model(x[sl]).backward()
         with CollectiveCounter() as in_step:
             opt.step()
@@ -137,9 +142,7 @@ def net_run(
 ) -> tuple[Any, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    opt = DistributedROOT(
-        groups(model), **HYPER, average_grads=True, bucket_bytes=256, sync_in_backward=True
-    )
+    opt = DistributedROOT(groups(model), **HYPER, average_grads=True, bucket_bytes=256)
     for step in range(steps):
         opt.zero_grad()
         if before_step is not None:
@@ -180,45 +183,72 @@ def net_cases() -> dict[str, Any]:
     ref, ref_opt = net_reference(1, world, STEPS)
     out["discarded"] = diffs(model, opt, ref, ref_opt)
 
-    # two backward passes without no_sync: refused, nothing updated, the next step fine
-    model = make_model()
-    opt = DistributedROOT(
-        groups(model), **HYPER, average_grads=True, bucket_bytes=256, sync_in_backward=True
-    )
-    parts = net_batches(0, 2, world)
-    before = [p.detach().clone() for p in model.parameters()]
-    state_before = {k: dict(v) for k, v in opt.state_dict()["state"].items()}
-    for m in range(2):
-        net_loss(model, rank, parts[m][rank]).backward()
-    try:
+    # two backward passes without no_sync, or p.grad scaled after backward (clipping it
+    # by hand): refused on every rank, nothing updated, the next step fine
+    for case in ("late", "scaled"):
+        model = make_model()
+        opt = DistributedROOT(groups(model), **HYPER, average_grads=True, bucket_bytes=256)
+        parts = net_batches(0, 2, world)
+        before = [p.detach().clone() for p in model.parameters()]
+        state_before = {k: dict(v) for k, v in opt.state_dict()["state"].items()}
+        for m in range(2 if case == "late" else 1):
+            net_loss(model, rank, parts[m][rank]).backward()
+        if case == "scaled" and rank == world - 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        try:
+            opt.step()
+            out[case] = ""
+        except ValueError as exc:
+            out[case] = str(exc)
+        out[f"{case}_unchanged"] = all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)
+        )
+        state_after = opt.state_dict()["state"]
+        out[f"{case}_state_unchanged"] = all(
+            torch.equal(state_after[i][k], v)
+            for i, st in state_before.items()
+            for k, v in st.items()
+        )
+        opt.zero_grad()
+        net_loss(model, rank, net_batches(0, 1, world)[0][rank]).backward()
         opt.step()
-        out["late"] = ""
-    except ValueError as exc:
-        out["late"] = str(exc)
-    out["late_unchanged"] = all(
-        torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)
-    )
-    state_after = opt.state_dict()["state"]
-    out["late_state_unchanged"] = all(
-        torch.equal(state_after[i][k], v) for i, st in state_before.items() for k, v in st.items()
-    )
-    opt.zero_grad()
-    net_loss(model, rank, net_batches(0, 1, world)[0][rank]).backward()
-    opt.step()
-    ref, ref_opt = net_reference(1, world, 1)
-    out["after_late"] = diffs(model, opt, ref, ref_opt)
+        ref, ref_opt = net_reference(1, world, 1)
+        out[f"after_{case}"] = diffs(model, opt, ref, ref_opt)
+    out.update(unscale_and_clip())
     return out
 
 
-def mismatch() -> str:
-    """The last rank builds without sync_in_backward: a different plan."""
+def unscale_and_clip() -> dict[str, Any]:
+    """A loss scaled by 1024, unscaled by sync_grads(inv_scale=...), clipped by
+    clip_grad_norm_: the same update and norm as one process that unscales and clips its
+    averaged gradients with torch's clip_grad_norm_ (3 steps, the norm clipped each)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    return refused(
-        lambda: DistributedROOT(
-            groups(model), **HYPER, average_grads=True, sync_in_backward=rank != world - 1
-        )
-    )
+    opt = DistributedROOT(groups(model), **HYPER, average_grads=True, bucket_bytes=256)
+    ref = make_model()
+    ref_opt = rootopt.ROOT(groups(ref), **HYPER)
+    norms, ref_norms = [], []
+    for step in range(STEPS):
+        parts = net_batches(step, 1, world)[0]
+        opt.zero_grad()
+        (net_loss(model, rank, parts[rank]) * 1024).backward()
+        opt.sync_grads(inv_scale=1 / 1024)
+        norms.append(float(opt.clip_grad_norm_(0.01)))
+        opt.step()
+        ref_opt.zero_grad()
+        loss = sum(net_loss(ref, r, parts[r]) for r in range(world)) / world
+        loss.backward()  # type: ignore[union-attr]
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)))
+        ref_opt.step()
+    return {"clipped": {**diffs(model, opt, ref, ref_opt), "norms": norms, "ref_norms": ref_norms}}
+
+
+def mismatch() -> str:
+    """The last rank builds with average_grads=False (it would issue no reduce-scatter): a
+    different plan."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    return refused(lambda: DistributedROOT(groups(model), **HYPER, average_grads=rank != world - 1))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 the single-process reference, train, save. Usage: ckpt.py OUT CKPT_DIR LAYOUT STEPS.
 
 LAYOUT: ``none``, ``ddp``, ``fsdp`` (wrap_model's modes) or ``owner`` (no wrapper; the
-optimizer reduce-scatters the gradients to their owners, ``ddp_design="owner"``)."""
+optimizer reduce-scatters the gradients to their owners, ``average_grads=True``)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def run(out_dir: str, ck_dir: str, layout: str, steps: int) -> dict[str, Any]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     mode = "none" if layout == "owner" else layout
     model = wrap_model(make_model(), mode, find_unused_parameters=True)  # type: ignore[arg-type]
-    kw: dict[str, Any] = {"average_grads": True, "ddp_design": "owner"} if layout == "owner" else {}
+    kw: dict[str, Any] = {"average_grads": True} if layout == "owner" else {}
     opt = DistributedROOT(groups(unwrap_model(model)), **HYPER, **kw)
     res: dict[str, Any] = {"world": world, "layout": layout}
     start = 0

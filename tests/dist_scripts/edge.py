@@ -1,13 +1,13 @@
 """Uneven and empty shards, matrices fewer than ranks, a rank without a gradient, and the
 bytes gloo really writes: run under torchrun (gloo, CPU).
 
-Usage: edge.py OUT_DIR ROWS[,ROWS...] [DESIGN[,DESIGN...]] [wire]
+Usage: edge.py OUT_DIR ROWS[,ROWS...] [owner] [wire] [bf16]
 
 For every ``rows`` a matrix ``(rows, 6)`` is in the model (plus a ``(7, 6)`` matrix that
 every rank holds rows of, and a bias for AdamW). Each layout (FSDP2's sharded path, and
 each replicated DDP design) trains 3 steps on the same global batch and is compared with
-single-process ROOT; the step's collectives, bytes and DTensor ``full_tensor`` calls are
-counted, and the bytes this process wrote to its sockets during the step are measured.
+single-process ROOT (``owner``: the replicated design synchronising the gradients); the
+step's collectives, bytes and DTensor ``full_tensor`` calls are counted, and the bytes this process wrote to its sockets during the step are measured.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import rootopt
 from rootopt.distributed import DistributedROOT, finish, init_distributed, wrap_model
-from rootopt.distributed.counters import CollectiveCounter, bytes_written
+from rootopt.tools.counters import CollectiveCounter, bytes_written
 
 STEPS = 3
 BATCH = 24  # divisible by 2, 3, 4 and 8: every rank's mean loss has the same weight
@@ -87,14 +87,17 @@ def run(rows: list[int], layout: str, design: str, drop: bool) -> dict[str, Any]
     if layout in ("fsdp", "fsdp16"):  # fsdp16: bfloat16 Newton–Schulz, updates sent back in it
         model = wrap_model(model, "fsdp")
         kw = {"ns_dtype": "bfloat16"} if layout == "fsdp16" else {}
-    else:
-        kw = {"average_grads": True, "ddp_design": design}
+    else:  # the owner design synchronising the gradients
+        kw = {"average_grads": True}
     opt = DistributedROOT(groups(model), **HYPER, **kw)
     res: dict[str, Any] = {"layout": layout, "design": design}
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]
     for step in range(STEPS):
         opt.zero_grad()
-        model(batch(step)[sl]).backward()
+        # inside no_sync(): every reduce-scatter starts with the step, where it is counted
+        # (and a gradient dropped after backward is a rank without one, not a change)
+        with opt.no_sync():
+            model(batch(step)[sl]).backward()
         if drop and step == STEPS - 1 and rank == world - 1:
             model.mats[0].grad = None
         dist.barrier()
@@ -161,7 +164,7 @@ def wire() -> dict[str, Any]:
 def main() -> None:
     out_dir = sys.argv[1]
     rows = [int(r) for r in sys.argv[2].split(",")]
-    designs = sys.argv[3].split(",") if len(sys.argv) > 3 else ["gather"]
+    designs = sys.argv[3].split(",") if len(sys.argv) > 3 else ["owner"]
     init_distributed(backend="gloo", timeout_s=60)
     ref = reference(rows)
     init = {n: p.detach().clone() for n, p in make(rows).named_parameters()}

@@ -1,9 +1,10 @@
 """The owner design's communication on gloo: bytes per rank and collectives per step
 measured with the collective counter for two models with different numbers of matrix
-shapes and one whose largest parameter is an AdamW table (split over owners), today's
-gather design and DDP AdamW's 2·f·P for comparison; every run against single-process ROOT
-(parameters, the state gathered by ``state_dict()``, and a step after reloading it); and a
-layout that differs on one rank stopping every rank with one line.
+shapes and one whose largest parameter is an AdamW table (split over owners), against DDP
+AdamW's 2·f·P; the same bytes whether the reduce-scatters start in backward or with the
+step; every run against single-process ROOT (parameters, the state gathered by
+``state_dict()``, and a step after reloading it); and a layout that differs on one rank
+stopping every rank with one line.
 
 Usage: owner.py OUT_DIR (under torchrun).
 """
@@ -19,8 +20,10 @@ from common import refused, write
 from torch import nn
 
 import rootopt
+import rootopt.distributed.flat as flat
+import rootopt.optim.functional as F
 from rootopt.distributed import DistributedROOT, finish, init_distributed
-from rootopt.distributed.counters import CollectiveCounter, TrafficCounter, bytes_written
+from rootopt.tools.counters import CollectiveCounter, TrafficCounter, bytes_written
 
 HYPER: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9)
 BATCH = 12  # divisible by 2, 3 and 4
@@ -63,7 +66,7 @@ def groups(model: Model) -> list[dict[str, Any]]:
 STEPS = 3
 # threshold + Newton–Schulz (and its stacking copies) left out of the elementwise count:
 # the cost model charges them as FLOPs and per thresholded element
-APART = [(DistributedROOT, "_orthogonalize")]
+APART = [(F, "root_direction")]
 
 
 def reference(shapes: int, table: bool, x: torch.Tensor) -> tuple[Model, rootopt.ROOT]:
@@ -77,12 +80,14 @@ def reference(shapes: int, table: bool, x: torch.Tensor) -> tuple[Model, rootopt
     return model, opt
 
 
-def measure(shapes: int, design: str, table: bool = False, overlap: bool = True) -> dict[str, Any]:
+def measure(shapes: int, table: bool = False, early: bool = False) -> dict[str, Any]:
+    """3 steps of the owner design. ``early``: backward starts the reduce-scatters (counted
+    over backward + step); otherwise backward runs inside ``no_sync()`` and every one starts
+    with the step (counted over the step, with its elementwise bytes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Model(shapes, table)
-    kw: dict[str, Any] = {"average_grads": True, "ddp_design": design, "overlap": overlap}
-    opt = DistributedROOT(groups(model), **HYPER, **kw)
+    opt = DistributedROOT(groups(model), **HYPER, average_grads=True)
     x = torch.randn(BATCH, 48, generator=torch.Generator().manual_seed(1))
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]
     res: dict[str, Any] = {}
@@ -91,15 +96,26 @@ def measure(shapes: int, design: str, table: bool = False, overlap: bool = True)
             # the state through state_dict() (gathered) and back (kept where owned)
             opt.load_state_dict(opt.state_dict())
         opt.zero_grad()
-        model(x[sl]).backward()
         dist.barrier()
-        before = bytes_written()
-        with CollectiveCounter() as counts, TrafficCounter(APART) as traffic:
-            opt.step()
-        after = bytes_written()
-        res = counts.as_dict()
+        if early:
+            before = bytes_written()
+            with CollectiveCounter() as counts:
+                model(x[sl]).backward()
+                opt.step()
+            after = bytes_written()
+            res = counts.as_dict()
+            res["traffic"] = None
+        else:
+            with opt.no_sync():
+                model(x[sl]).backward()
+            before = bytes_written()
+            with CollectiveCounter() as counts, TrafficCounter(APART) as traffic:
+                opt.step()
+            after = bytes_written()
+            res = counts.as_dict()
+            res["traffic"] = traffic.bytes  # elementwise bytes read + written
         res["wrote"] = None if before is None or after is None else after - before
-        res["traffic"] = traffic.bytes  # elementwise bytes read + written
+        res["in_backward"] = opt.stats.in_backward
     ref_model, ref_opt = reference(shapes, table, x)
     pairs = list(zip(model.parameters(), ref_model.parameters(), strict=True))
     res["param_diff"] = max(float((p - q).abs().max()) for p, q in pairs)
@@ -111,13 +127,26 @@ def measure(shapes: int, design: str, table: bool = False, overlap: bool = True)
     torch.manual_seed(0)
     init = list(Model(shapes, table).parameters())
     res["moved"] = max(float((q - p0).abs().max()) for (_, q), p0 in zip(pairs, init))
+    # the optimizer state this rank holds (momentum, AdamW moments; step counts aside), and
+    # one process's for every parameter (float32 momentum per matrix element, two moments
+    # per AdamW element; ROOT creates it lazily, DistributedROOT for all at construction)
+    res["state_bytes"] = sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    )
+    res["state_bytes_one"] = 4 * sum(
+        p.numel() * (1 if g["algorithm"] == "root" else 2)
+        for g in groups(model)
+        for p in g["params"]
+    )
     layout = opt.owner_layout
     res["pieces"] = len(layout.items) - len(pairs) if layout else 0
     res["params"] = sum(p.numel() for p in model.parameters())
     res["n_params"] = len(list(model.parameters()))
     res["shapes"] = len({tuple(p.shape) for p in model.mats})
     res["buckets"] = len(opt.owner_layout.buckets) if opt.owner_layout else 0
-    res["overlapped"] = opt.stats.overlapped
     res["times"] = [opt.stats.ns_seconds, opt.stats.comm_seconds, opt.stats.seconds]
     res["segments"] = (
         [list(b.segments) for b in opt.owner_layout.buckets] if opt.owner_layout else []
@@ -131,29 +160,25 @@ def mismatch() -> str:
     torch.manual_seed(0)
     model = Model(1)
     bucket = 1024 if rank == world - 1 else 32 << 20
-    return refused(
-        lambda: DistributedROOT(groups(model), **HYPER, ddp_design="owner", bucket_bytes=bucket)
-    )
+    return refused(lambda: DistributedROOT(groups(model), **HYPER, bucket_bytes=bucket))
 
 
 def main() -> None:
     init_distributed(backend="gloo", timeout_s=60)
     payload: dict[str, Any] = {"world": dist.get_world_size()}
     for shapes in (1, 6):
-        for design in ("gather", "owner"):
-            payload[f"{design}_{shapes}"] = measure(shapes, design)
-    for design in ("gather", "owner"):
-        payload[f"{design}_table"] = measure(1, design, table=True)
-    payload["owner_6_sync"] = measure(6, "owner", overlap=False)  # one bucket, waited for
+        payload[f"owner_{shapes}"] = measure(shapes)
+    payload["owner_table"] = measure(1, table=True)
+    payload["owner_6_early"] = measure(6, early=True)  # reduce-scatters from backward
     # the branches NCCL takes for equal segments (reduce_scatter_tensor,
     # all_gather_into_tensor), run on gloo, which has both for equal parts; its missing
     # uneven all_gather is why gloo takes all-to-alls otherwise
-    real = DistributedROOT._backend
-    DistributedROOT._backend = lambda self: "nccl"  # type: ignore[method-assign]
+    real = flat.backend
+    flat.backend = lambda group: "nccl"  # type: ignore[assignment]
     try:
-        payload["nccl_branches"] = measure(6, "owner", overlap=False)
+        payload["nccl_branches"] = measure(6)
     finally:
-        DistributedROOT._backend = real  # type: ignore[method-assign]
+        flat.backend = real  # type: ignore[assignment]
     payload["mismatch"] = mismatch()
     # the group is still usable after the refusal (nobody is left inside a collective)
     t = torch.ones(1)

@@ -27,8 +27,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(out: Path, mode: str, name: str) -> None:
-    """``mode``: ``replicated`` (the default DDP-mode design, owner), ``gather`` (the first
-    DDP-mode design) or ``sharded`` (DTensor parameters)."""
+    """``mode``: ``replicated`` (the owner design, the gradients already averaged as after
+    DDP's all-reduce), ``averaged`` (the owner design reduce-scattering the gradients
+    itself: equal on every rank here, so their mean is each) or ``sharded`` (DTensor
+    parameters)."""
     options, dtype = OPTION_SETS[name]
     params = make_params(dtype)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if mode == "sharded" else None
@@ -37,8 +39,8 @@ def run(out: Path, mode: str, name: str) -> None:
             n: nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
             for n, p in params.items()
         }
-    design = {"ddp_design": "gather"} if mode == "gather" else {}
-    opt = DistributedROOT(groups(params, options), lr=LR, **options, **design)
+    avg = {"average_grads": True} if mode == "averaged" else {}
+    opt = DistributedROOT(groups(params, options), lr=LR, **options, **avg)
     for grads in gradients(dtype):
         for n, p in params.items():
             g = grads[n]
@@ -62,7 +64,7 @@ def main() -> None:
     init_distributed(backend="gloo", timeout_s=120)
     for name in OPTION_SETS:
         run(out, "replicated", name)
-        run(out, "gather", name)
+        run(out, "averaged", name)
         if not OPTION_SETS[name][0].get("robust_scaling"):  # not supported when sharded
             run(out, "sharded", name)
     finish(0)

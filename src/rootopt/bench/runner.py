@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +22,19 @@ from typing import Any
 
 from rootopt._threads import one_thread
 
-# Suites whose runs only choose hyperparameters: they evaluate at the end only (evaluation
-# draws no random numbers, so the final losses are the same either way; an evaluation of both
-# held-out splits costs about ten training steps of the small LM).
-FINAL_EVAL_ONLY = frozenset({"study"})
+# Suites whose runs only choose hyperparameters or feed a decision, and the learning-rate
+# sweep: they evaluate at the end only (evaluation draws no random numbers, so the final losses
+# are the same either way; an evaluation of both held-out splits costs about ten training
+# steps of the small LM).
+FINAL_EVAL_ONLY = frozenset({"study", "study-select-v3", "study-decide-v3", "study-sweep-v3"})
+# Suites whose runs record no momentum tail (only their final losses are ever read).
+NO_TAIL = frozenset({"study", "study-select-v3", "study-decide-v3"})
+# Evaluations (and momentum-tail records) per run, at most: a long run evaluates every
+# steps / 20 steps instead of its task's interval (the curves keep their shape; the cost stays
+# bounded).
+MAX_EVALS = 20
 FORMAT = 2  # bump when the meaning of a run's result changes; old results are then rerun
+PRECISIONS = ("fp32", "bf16")  # bf16: the forward and loss under torch.autocast(bfloat16)
 
 
 @dataclass(frozen=True)
@@ -68,16 +77,26 @@ class RunSpec:
     # lr of the parameters an orthogonalizing optimizer leaves to its internal AdamW
     # (embeddings, norms, heads), as a multiple of lr; 1.0 = the same lr.
     side_lr_mult: float = 1.0
+    # Training precision (PRECISIONS). Added after results existed: left out of the spec's
+    # dict (and so of its id) at its default, so every earlier run keeps its id.
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r} (choose from {PRECISIONS})")
 
     @property
     def run_id(self) -> str:
         blob = json.dumps({"format": FORMAT, **self.to_dict()}, sort_keys=True)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
-        return f"{self.task}-{self.optimizer}-lr{self.lr:.3g}-s{self.seed}-{self.corruption.tag}-x{self.lr_mult:g}-{digest}"
+        amp = "-amp" if self.precision != "fp32" else ""
+        return f"{self.task}{amp}-{self.optimizer}-lr{self.lr:.3g}-s{self.seed}-{self.corruption.tag}-x{self.lr_mult:g}-{digest}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["options"] = [list(kv) for kv in self.options]
+        if d["precision"] == "fp32":
+            del d["precision"]
         return d
 
     @staticmethod
@@ -146,6 +165,82 @@ def _corrupt(params: Sequence[Any], c: Corruption, gen: Any) -> None:
             g.add_(mask * sign * rms * c.scale)
 
 
+def _orthogonalized(opt: Any) -> list[tuple[Any, Any]]:
+    """``(param, v)`` for every matrix that ``opt`` (ROOT, ``torch.optim.Muon``, or a chain of
+    them) orthogonalized in its last step, ``v`` the vector it orthogonalized: ROOT's
+    ``g + mu * buf`` (sum-form momentum; the input of its threshold, rootopt.optim.functional),
+    Muon's ``g.lerp(buf, mu)`` (torch.optim.Muon's Nesterov form)."""
+    import torch
+
+    from rootopt.optim.registry import OptimizerChain
+    from rootopt.optim.root import ROOT
+
+    out: list[tuple[Any, Any]] = []
+    kids = opt.children if isinstance(opt, OptimizerChain) else [opt]
+    for o in kids:
+        is_root = isinstance(o, ROOT)
+        if not is_root and not isinstance(o, torch.optim.Muon):
+            continue
+        for g in o.param_groups:
+            alg = g.get("algorithm")
+            if is_root and alg == "adamw":
+                continue
+            mu, nesterov = float(g["momentum"]), bool(g["nesterov"])
+            for p in g["params"]:
+                if is_root and alg != "root" and p.ndim < 2:  # "auto": ROOT takes ndim >= 2
+                    continue
+                buf = o.state.get(p, {}).get("momentum_buffer")
+                if buf is None or p.grad is None:
+                    continue
+                grad = p.grad.to(buf.dtype)
+                if not nesterov:
+                    v = buf
+                elif is_root:
+                    v = grad + mu * buf
+                else:
+                    v = grad.lerp(buf, mu)
+                out.append((p, v))
+    return out
+
+
+def momentum_tail(opt: Any, step: int) -> dict[str, Any] | None:
+    """The tail of what the optimizer orthogonalized this step, per matrix: kurtosis
+    (``E[(x-m)^4] / Var^2``; 3 for a Gaussian), the share of entries above 10x the RMS, and the
+    0.9-quantile of ``|x|`` over the RMS (where ROOT's default threshold clips). Summarised as
+    the median and maximum over matrices (the share also pooled over all entries); None when
+    the optimizer orthogonalizes nothing (AdamW)."""
+    import torch
+
+    pairs = _orthogonalized(opt)
+    if not pairs:
+        return None
+    kurt, share, q90 = [], [], []
+    above = total = 0
+    for _, v in pairs:
+        x = v.detach().float().flatten()
+        rms = x.pow(2).mean().sqrt().clamp_min(1e-30)
+        c = x - x.mean()
+        var = c.pow(2).mean().clamp_min(1e-30)
+        kurt.append(float(c.pow(4).mean() / var**2))
+        n_above = int((x.abs() > 10 * rms).sum())
+        above, total = above + n_above, total + x.numel()
+        share.append(n_above / x.numel())
+        q90.append(float(torch.quantile(x.abs(), 0.9) / rms))
+
+    def r4(x: float) -> float:
+        return float(f"{x:.4g}")
+
+    return {
+        "step": step,
+        "matrices": len(pairs),
+        "kurtosis_median": r4(statistics.median(kurt)),
+        "kurtosis_max": r4(max(kurt)),
+        "above10rms_share": r4(above / total),
+        "above10rms_max": r4(max(share)),
+        "q90_over_rms_median": r4(statistics.median(q90)),
+    }
+
+
 def run_one(spec: RunSpec, out_dir: str, progress: Any = None) -> dict[str, Any]:
     """Train one run and write ``<out_dir>/runs/<run_id>.json``; returns the result.
 
@@ -165,6 +260,7 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     from rootopt.train.schedule import LRMultiplier
 
     t_all = time.perf_counter()
+    started = time.time()
     t = task(spec.task)
     data = load_task_data(spec.task)
     torch.manual_seed(spec.seed)
@@ -196,11 +292,19 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     init_loss = evals[0]["val_loss"]
     train_loss: list[float] = []
     step_times: list[float] = []
+    tail: dict[str, list[Any]] = {}
     diverged, error = False, ""
+    every = max(t.eval_every, spec.steps // MAX_EVALS)
+    # the tail at every evaluation (a run evaluated at its end only: at its end)
+    tail_every = 0 if spec.suite in NO_TAIL else every
+    if spec.suite in FINAL_EVAL_ONLY and tail_every:
+        tail_every = spec.steps
+    amp = spec.precision == "bf16"
     for step in range(1, spec.steps + 1):
         t0, c0 = time.perf_counter(), time.process_time()
         x, y = t.batch(data, gen)
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         if spec.corruption.kind != "none":
@@ -222,7 +326,11 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
             diverged = True
             error = error or "non-finite training loss"
             break
-        if step == spec.steps or (step % t.eval_every == 0 and spec.suite not in FINAL_EVAL_ONLY):
+        if tail_every and (step % tail_every == 0 or step == spec.steps):
+            rec = momentum_tail(opt, step)
+            for key, value in (rec or {}).items():  # columns: {"step": [...], ...}
+                tail.setdefault(key, []).append(value)
+        if step == spec.steps or (step % every == 0 and spec.suite not in FINAL_EVAL_ONLY):
             evals.append(evaluate(step))
             if not math.isfinite(evals[-1]["val_loss"]):
                 diverged, error = True, "non-finite validation loss"
@@ -259,6 +367,11 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
         "param_count": sum(p.numel() for p in params),
         "train_cpu_s": cpu_s,
         "wall_s": time.perf_counter() - t_all,
+        # information only (no result depends on a clock): when the run started and ended
+        "started": started,
+        "ended": time.time(),
+        "initial_test_loss": evals[0]["test_loss"],
+        "momentum_tail": tail,
     }
     path = Path(out_dir) / "runs" / f"{spec.run_id}.json"
     atomic_write(path, json.dumps(result).encode())

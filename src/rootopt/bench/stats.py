@@ -59,3 +59,32 @@ def paired_ci(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> In
     if len(a) != len(b):
         raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
     return mean_ci([x - y for x, y in zip(a, b, strict=True)], level)
+
+
+def paired_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided p-value of the paired t test of ``a`` against ``b`` (mean difference 0)."""
+    from scipy.stats import ttest_rel
+
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    if len(d) < 2 or not all(math.isfinite(x) for x in d):
+        raise ValueError(f"a paired test needs at least 2 finite differences; got {d}")
+    if statistics.pstdev(d) == 0.0:  # no spread: p is 0 unless the difference is 0
+        return 1.0 if d[0] == 0 else 0.0
+    return float(ttest_rel(a, b).pvalue)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979, Scand. J. Statist. 6:65-70), in the
+    order given: sorted ascending, the i-th smallest (from 0) is multiplied by ``m - i``, made
+    non-decreasing, capped at 1. A hypothesis is rejected at level a when its adjusted p <= a;
+    this controls the family-wise error rate at a for any dependence between the tests."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted

@@ -1,18 +1,21 @@
-"""The defaults study: which ``ns_coefficients``, selector, ``outlier_quantile`` and ``ns_dtype``
-ROOT defaults to, decided by paired training evidence (protocol: docs/benchmarks.md).
+"""The defaults study: which ``ns_coefficients``, ``outlier_quantile`` and ``ns_dtype`` ROOT
+defaults to, decided by paired training evidence (protocol v2: docs/benchmarks.md).
 
 The whole study is plain data (:class:`Protocol`, :class:`Arm`, :class:`Cell`) plus pure
-functions that, given the finished runs, say which runs are still needed (:func:`plan`) and
+functions that, given the finished runs, say which runs are still needed (:func:`walk`) and
 what was found (:func:`summarize`). :func:`run_study` keeps a pool of worker processes busy with
-the needed runs, highest priority first, and asks :func:`plan` again after every finished run;
-each run's result is a JSON file named by its spec, so an interrupted study resumes where it
-stopped and a finished one is summarised without running anything.
+the needed runs, highest priority first, and walks the protocol again after every finished
+run; each finished run is one line of the study directory's ``runs.jsonl``
+(:mod:`rootopt.bench.store`), so an interrupted study resumes where it stopped, from the
+directory it ran in or from a committed copy of its record.
 
-Tuning (per arm and cell, on the validation split, selection seeds only): the matrix lr on a
-quarter-decade grid that extends itself when the best point is on an edge; then the lr of the
-AdamW side (embeddings, norms, head) as a multiple of the matrix lr; then the lr again near the
-optimum; then the weight decay. Reporting (test split, report seeds disjoint from the selection
-seeds): the chosen setting, each claim a paired difference with a 95 % interval.
+Three disjoint seed sets: selection seeds tune each arm (validation split: the matrix lr on a
+quarter-decade grid that extends itself on an edge, the AdamW side's lr multiple, the weight
+decay); decision seeds feed the decision rule (validation split); report seeds give every
+reported number (test split), each claim a paired difference with a 95 % interval. Beside the
+decision: the robustness family (a common absolute lr grid, with and without clipping,
+injected gradient corruption, Holm-corrected between-arm comparisons), a long horizon and a
+bf16-autocast cell.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rootopt.bench.runner import Corruption, RunSpec
-from rootopt.bench.stats import mean_ci, paired_ci
-from rootopt.bench.suites import smoothness
+from rootopt.bench.stats import holm, mean_ci, paired_ci, paired_p
+from rootopt.bench.store import Store
 
 Result = dict[str, Any]
 Lookup = Callable[[RunSpec], Result | None]
@@ -76,17 +79,13 @@ def root_arm(name: str, label: str, **opts: Any) -> Arm:
 
 # "official" is not a candidate: the paper's table has only 2048-wide shapes and falls back to
 # Muon's tuple for every other shape, so on every matrix of these tasks it *is* `root-muon`
-# (tests/test_study.py checks this for every shape the study trains).
+# (tests/test_study.py checks this for every shape the study trains). "adanewton-static" is an
+# alias of "adanewton" since the selector was removed (v1's decision), so it is no arm either.
 COEFFICIENT_CANDIDATES: tuple[Arm, ...] = (
     # Order matters only for exact ties: the current default first.
-    root_arm("root-adanewton", "ROOT, AdaNewton (per-shape table + per-matrix selector)"),
     root_arm("root-muon", "ROOT, Muon's coefficients", ns_coefficients="muon"),
+    root_arm("root-adanewton", "ROOT, AdaNewton (per-shape table)"),
     root_arm("root-polar", "ROOT, Polar Express", ns_coefficients="polar_express"),
-    root_arm(
-        "root-adanewton-static",
-        "ROOT, AdaNewton table without the selector",
-        ns_coefficients="adanewton-static",
-    ),
 )
 REFERENCES: tuple[Arm, ...] = (
     root_arm(
@@ -101,28 +100,48 @@ REFERENCES: tuple[Arm, ...] = (
 ABLATIONS: tuple[Arm, ...] = (
     root_arm("root-svd", "ROOT, exact polar factor (SVD)", ortho_method="svd"),
 )
+# ROOT as shipped when protocol v2 was written (Muon's coefficients, q = 0.9, float32): the arm
+# of the robustness family, the long horizon and the autocast cell, which do not wait for the
+# coefficient decision (docs/benchmarks.md, protocol v2).
+SHIPPED = "root-muon"
+# The robustness family's optimizers: ROOT, Muon at ROOT's Newton-Schulz precision,
+# torch.optim.Muon, AdamW.
+ROBUST_ARMS = (SHIPPED, "muon-fp32", "muon-bf16", "adamw")
+LONG_ARMS = (SHIPPED, "muon-fp32", "muon-bf16")
+AMP_ARMS = (SHIPPED, "muon-fp32", "muon-bf16", "adamw")
 DEFAULT_WD = 0.1
+
+
+def arm_by_name(name: str) -> Arm:
+    for a in (*COEFFICIENT_CANDIDATES, *REFERENCES, *ABLATIONS):
+        if a.name == name:
+            return a
+    raise KeyError(name)
 
 
 @dataclass(frozen=True)
 class Cell:
     """A task trained for ``steps`` steps. ``base``: the cell whose tuned setting this one
     starts from (its AdamW-side lr and decay are inherited, its lr grid is centred on the
-    base's optimum); None: tuned from scratch."""
+    base's optimum); None: tuned from scratch. ``precision``: "bf16" trains under bf16
+    autocast (the runner's RunSpec.precision)."""
 
     task: str
     steps: int
     base: str | None = None
+    precision: str = "fp32"
 
     @property
     def name(self) -> str:
-        return f"{self.task}@{self.steps}"
+        amp = "-amp" if self.precision != "fp32" else ""
+        return f"{self.task}{amp}@{self.steps}"
 
 
 @dataclass(frozen=True)
 class Protocol:
-    cells: tuple[Cell, ...]
+    cells: tuple[Cell, ...]  # the decision cells
     selection_seeds: tuple[int, ...]
+    decision_seeds: tuple[int, ...]
     report_seeds: tuple[int, ...]
     lr_grid: tuple[int, ...]  # exponents k of base_lr·10^(k/4)
     transfer_grid: tuple[int, ...]  # offsets of k around a base cell's optimum
@@ -131,11 +150,19 @@ class Protocol:
     wd_extension: float  # tried when the largest decay of the grid is best
     max_extensions: int
     ablation_cells: tuple[str, ...]
+    ablation_quantiles: tuple[float, ...]
     # A coefficient candidate worse (by the decision rule) on at least this many of the
     # default-horizon cells is screened out before the longer horizons and the larger model.
     screen_worse: int
-    robust_cell: str
-    robust_conditions: tuple[tuple[str, Corruption, float], ...]
+    robust_cells: tuple[str, ...]
+    robust_conditions: tuple[tuple[str, Corruption], ...]
+    robust_wd: float  # the family's common weight decay
+    sweep_k: tuple[int, int]  # first and last k of the common absolute lr grid
+    sweep_stop: int  # consecutive all-diverged points that end an optimizer's sweep
+    lr_region: tuple[int, ...]  # the k whose mean loss is the lr-stability degradation
+    long_cell: Cell | None
+    long_quantiles: tuple[float, ...]
+    amp_cell: Cell | None
     timing_steps: int
     timing_warmup: int
     cost_tie: float  # relative step-cost difference treated as equal
@@ -143,6 +170,12 @@ class Protocol:
 
     @staticmethod
     def full() -> Protocol:
+        """Protocol v2 (docs/benchmarks.md)."""
+        corruptions = (
+            ("t(2) noise ×2", Corruption("student_t", scale=2.0, df=2)),
+            ("outliers 0.1% ×100", Corruption("outliers", scale=100.0, rate=1e-3)),
+            ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2)),
+        )
         return Protocol(
             cells=(
                 Cell("stdlib", 150),
@@ -154,6 +187,7 @@ class Protocol:
                 Cell("stdlib-large", 200, base="stdlib@150"),
             ),
             selection_seeds=(100, 101),
+            decision_seeds=(200, 201, 202, 203, 204),
             report_seeds=(0, 1, 2, 3, 4),
             lr_grid=(-1, 0, 1, 2, 3, 4),
             transfer_grid=(-1, 0, 1),
@@ -162,15 +196,17 @@ class Protocol:
             wd_extension=1.0,
             max_extensions=4,
             ablation_cells=("stdlib@150",),
+            ablation_quantiles=(0.8, 0.95, 0.99),
             screen_worse=2,
-            robust_cell="stdlib@150",
-            robust_conditions=(
-                ("clean", Corruption(), 1.0),
-                ("t(2) noise ×2", Corruption("student_t", scale=2.0, df=2), 1.0),
-                ("outliers 0.1% ×100", Corruption("outliers", scale=100.0, rate=1e-3), 1.0),
-                ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2), 1.0),
-                ("lr ×10", Corruption(), 10.0),
-            ),
+            robust_cells=("stdlib@150", "kjv@150"),
+            robust_conditions=corruptions,
+            robust_wd=0.1,
+            sweep_k=(0, 14),
+            sweep_stop=2,
+            lr_region=(6, 7, 8, 9, 10),
+            long_cell=Cell("stdlib", 2400, base="stdlib@600"),
+            long_quantiles=(0.8, 0.95),
+            amp_cell=Cell("stdlib", 150, base="stdlib@150", precision="bf16"),
             timing_steps=100,
             timing_warmup=5,
             cost_tie=0.05,
@@ -182,6 +218,7 @@ class Protocol:
         return Protocol(
             cells=(Cell("digits", 6), Cell("digits", 12, base="digits@6")),
             selection_seeds=(100,),
+            decision_seeds=(200, 201),
             report_seeds=(0, 1),
             lr_grid=(0, 4),
             transfer_grid=(0,),
@@ -190,28 +227,31 @@ class Protocol:
             wd_extension=0.3,
             max_extensions=1,
             ablation_cells=(),
+            ablation_quantiles=(),
             screen_worse=1,
-            robust_cell="digits@6",
+            robust_cells=("digits@6",),
             robust_conditions=(
-                ("clean", Corruption(), 1.0),
-                ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2), 1.0),
+                ("outliers 1% ×100", Corruption("outliers", scale=100.0, rate=1e-2)),
             ),
+            robust_wd=0.1,
+            sweep_k=(2, 6),
+            sweep_stop=1,
+            lr_region=(4, 5, 6),
+            long_cell=Cell("digits", 24, base="digits@12"),
+            long_quantiles=(0.8,),
+            amp_cell=Cell("digits", 6, base="digits@6", precision="bf16"),
             timing_steps=3,
             timing_warmup=1,
             cost_tie=0.03,
         )
 
-    @staticmethod
-    def reduced() -> Protocol:
-        """:meth:`full` on its first four cells: the three default-horizon cells and stdlib@600.
-        A recorded deviation (docs/benchmarks.md, "What ran"): kjv@600, digits@800 and
-        stdlib-large@200 were dropped before any of their runs finished, because the shared
-        2-core machine could not finish them; everything else is the full protocol."""
-        full = Protocol.full()
-        return replace(full, cells=full.cells[:4])
+    @property
+    def all_cells(self) -> tuple[Cell, ...]:
+        extra = tuple(c for c in (self.long_cell, self.amp_cell) if c is not None)
+        return (*self.cells, *extra)
 
     def cell(self, name: str) -> Cell:
-        for c in self.cells:
+        for c in self.all_cells:
             if c.name == name:
                 return c
         raise KeyError(name)
@@ -274,7 +314,7 @@ def make_spec(
     seed: int,
     per_decade: int,
     *,
-    suite: str = "study",
+    suite: str = "study-select-v3",
     steps: int | None = None,
     clip: float | str | None = "arm",
     corruption: Corruption | None = None,
@@ -293,6 +333,7 @@ def make_spec(
         lr_mult=lr_mult,
         options=arm.options,
         side_lr_mult=_mult(s.j, per_decade) if arm.side else 1.0,
+        precision=cell.precision,
     )
 
 
@@ -434,7 +475,8 @@ class Tuner:
 @dataclass(frozen=True)
 class TimingSpec:
     """Per-step CPU time of ``arm`` relative to ``ref`` on ``task``, measured interleaved in one
-    process (one thread) so both see the same machine load."""
+    process (one thread) so both see the same machine load. A cost for the decision's tie-break
+    (within ``cost_tie``), never a budget."""
 
     task: str
     arm: RunSpec
@@ -453,11 +495,28 @@ class TimingSpec:
                 "ref": self.ref.to_dict(),
                 "steps": self.steps,
                 "warmup": self.warmup,
-                "code": 2,  # see REPORT_SUITE
+                "code": 3,  # see REPORT_SUITE
             },
             sort_keys=True,
         )
         return f"timing-{self.task}-{self.arm.optimizer}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+@dataclass(frozen=True)
+class FlopSpec:
+    """The floating-point operations of one training step of ``arm`` (forward, backward and
+    optimizer step) as ``torch.utils.flop_counter.FlopCounterMode`` counts them: the budget
+    unit of the equal-compute runs (a count, so it does not depend on the machine's load)."""
+
+    task: str
+    arm: RunSpec
+
+    @property
+    def run_id(self) -> str:
+        import hashlib
+
+        blob = json.dumps({"task": self.task, "arm": self.arm.to_dict(), "code": 1}, sort_keys=True)
+        return f"flops-{self.task}-{self.arm.optimizer}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
 
 
 def time_pair(spec: TimingSpec, out_dir: str) -> Result:
@@ -502,6 +561,7 @@ def _time_pair(spec: TimingSpec, out_dir: str) -> Result:
     arm_s, ref_s = (statistics.median(ts) for ts in times)
     result = {
         "run_id": spec.run_id,
+        "kind": "timing",
         "task": spec.task,
         "arm_step_s": arm_s,
         "ref_step_s": ref_s,
@@ -512,10 +572,43 @@ def _time_pair(spec: TimingSpec, out_dir: str) -> Result:
     return result
 
 
+def count_flops(spec: FlopSpec, out_dir: str) -> Result:
+    """Run :class:`FlopSpec` (one warm-up step, then one counted step) and write its result."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rootopt._atomic import atomic_write
+    from rootopt._threads import one_thread
+    from rootopt.bench.runner import build_optimizer
+    from rootopt.bench.tasks import load_task_data, task
+    from rootopt.train.model import loss_fn
+
+    with one_thread():
+        t = task(spec.task)
+        data = load_task_data(spec.task)
+        torch.manual_seed(0)
+        model = t.model()
+        opt = build_optimizer(spec.arm, model)
+        gen = torch.Generator().manual_seed(7)
+        counted = 0
+        for i in range(2):
+            x, y = t.batch(data, gen)
+            with FlopCounterMode(display=False) as fc:
+                loss = loss_fn(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+                opt.step()
+            counted = int(fc.get_total_flops()) if i == 1 else 0
+    result = {"run_id": spec.run_id, "kind": "flops", "task": spec.task, "flops": counted}
+    atomic_write(Path(out_dir) / "timing" / f"{spec.run_id}.json", json.dumps(result).encode())
+    return result
+
+
 # ----------------------------------------------------------------------------- the walk
 
 
-Job = RunSpec | TimingSpec
+Job = RunSpec | TimingSpec | FlopSpec
 
 
 @dataclass
@@ -523,9 +616,11 @@ class ArmCell:
     arm: Arm
     cell: Cell
     tuned: Tuned | None = None
+    decide: list[Result] | None = None  # one per decision seed, in order
     report: list[Result] | None = None  # one per report seed, in order
     equal_compute: list[Result] | None = None
     equal_compute_steps: int | None = None
+    tuned_from: str | None = None  # the arm whose base-cell setting this one started from
 
 
 @dataclass
@@ -538,8 +633,13 @@ class Walk:
     cells: dict[tuple[str, str], ArmCell] = field(default_factory=dict)
     arms: dict[str, Arm] = field(default_factory=dict)
     timing: dict[tuple[str, str], float] = field(default_factory=dict)  # (arm, task) -> ratio
+    flops: dict[tuple[str, str], int] = field(default_factory=dict)  # (arm, task) -> per step
     decisions: dict[str, Any] = field(default_factory=dict)
-    robustness: dict[str, Any] | None = None
+    # robustness family: (cell, arm, clip) -> {"sweep": {k: results}, "optimum": k,
+    # "conditions": {label: results}}
+    robust: dict[tuple[str, str, float | None], dict[str, Any]] = field(default_factory=dict)
+    # run id -> the (arm, cell, role) that use it (the run index)
+    uses: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
     complete: bool = False
 
     def need(self, prio: tuple[int, ...], specs: Sequence[Job]) -> None:
@@ -548,69 +648,118 @@ class Walk:
     def get(self, arm: str, cell: str) -> ArmCell | None:
         return self.cells.get((arm, cell))
 
+    def tagged(self, lookup: Lookup, arm: str, cell: str, role: str) -> Lookup:
+        """``lookup`` that records which arm, cell and role each run serves (the index)."""
 
-# Report runs (and the robustness runs) carry their own suite name: when the code under study
-# changes after tuning, bumping REPORT_SUITE reruns exactly the evidence, not the tuning.
-# Version 2: the report runs, the step-time ratios and the robustness runs were redone on the
-# one-update code (docs/performance.md), which rounds differently (~1e-3 in a final loss) from
-# the code the selection runs used; selection runs were not redone (docs/benchmarks.md).
-REPORT_SUITE = "study-report-v2"
-ROBUST_SUITE = "study-robust-v2"
+        def lk(spec: RunSpec) -> Result | None:
+            self.uses.setdefault(spec.run_id, set()).add((arm, cell, role))
+            return lookup(spec)
+
+        return lk
 
 
-def _report_specs(p: Protocol, ac: ArmCell, steps: int | None = None) -> list[RunSpec]:
+# Every suite carries the evidence's code generation: when the code under study changes,
+# bumping the suffix reruns the evidence. v3: protocol v2 on the code of December 2026, every
+# arm re-tuned (v1's selection, report and robustness suites were "study", "study-report-v2"
+# and "study-robust-v2"; their runs were not kept).
+SELECT_SUITE = "study-select-v3"
+DECIDE_SUITE = "study-decide-v3"
+REPORT_SUITE = "study-report-v3"
+ROBUST_SUITE = "study-robust-v3"
+SWEEP_SUITE = "study-sweep-v3"
+
+# Priorities (lower runs first; docs/benchmarks.md, "Budget and priority").
+P_COST, P_DECIDE, P_TRANSFER, P_STAGE2, P_REPORT = 0, 10, 11, 20, 30
+P_ROBUST, P_LONG, P_AMP, P_ROBUST_NOCLIP, P_EQUAL, P_ABLATION = 35, 40, 42, 45, 50, 60
+
+
+def _seed_specs(
+    p: Protocol, ac: ArmCell, seeds: Sequence[int], suite: str, steps: int | None = None
+) -> list[RunSpec]:
     assert ac.tuned is not None
     return [
-        make_spec(
-            ac.arm, ac.cell, ac.tuned.setting, sd, p.per_decade, steps=steps, suite=REPORT_SUITE
-        )
-        for sd in p.report_seeds
+        make_spec(ac.arm, ac.cell, ac.tuned.setting, sd, p.per_decade, steps=steps, suite=suite)
+        for sd in seeds
     ]
 
 
+def _fetch(
+    w: Walk, lookup: Lookup, specs: Sequence[RunSpec], prio: tuple[int, ...]
+) -> list[Result] | None:
+    res = [lookup(s) for s in specs]
+    missing = [s for s, r in zip(specs, res, strict=True) if r is None]
+    if missing:
+        w.need(prio, missing)
+        return None
+    return [r for r in res if r is not None]
+
+
 def _study_arm_cell(
-    w: Walk, arm: Arm, cell: Cell, lookup: Lookup, level: int, order: int
+    w: Walk,
+    arm: Arm,
+    cell: Cell,
+    lookup: Lookup,
+    tune_prio: tuple[int, ...],
+    *,
+    decide_prio: tuple[int, ...] | None = None,
+    report_prio: tuple[int, ...] | None = None,
+    base_arm: str | None = None,
 ) -> ArmCell:
+    """Tune ``arm`` on ``cell`` (from ``base_arm``'s setting on the base cell, default its
+    own), then ask for its decision runs and report runs where a priority is given."""
     p = w.proto
     ac = w.cells.setdefault((arm.name, cell.name), ArmCell(arm, cell))
     w.arms.setdefault(arm.name, arm)
-    prio = (level, p.cells.index(cell), order)
     base: Tuned | None = None
     if cell.base is not None:
-        b = w.get(arm.name, cell.base)
+        src = base_arm or arm.name
+        b = w.get(src, cell.base)
         if b is None or b.tuned is None:
             return ac  # waits for the base cell
         base = b.tuned
-    try:
-        ac.tuned = Tuner(p, arm, cell, lookup).tune(base)
-    except Needs as n:
-        w.need(prio, n.specs)
-        return ac
-    specs = _report_specs(p, ac)
-    res = [lookup(s) for s in specs]
-    if any(r is None for r in res):
-        w.need(prio, [s for s, r in zip(specs, res, strict=True) if r is None])
-    else:
-        ac.report = [r for r in res if r is not None]
+        ac.tuned_from = src
+    if ac.tuned is None:
+        try:
+            ac.tuned = Tuner(p, arm, cell, w.tagged(lookup, arm.name, cell.name, "selection")).tune(
+                base
+            )
+        except Needs as n:
+            w.need(tune_prio, n.specs)
+            return ac
+    if decide_prio is not None and ac.decide is None:
+        lk = w.tagged(lookup, arm.name, cell.name, "decision")
+        ac.decide = _fetch(w, lk, _seed_specs(p, ac, p.decision_seeds, DECIDE_SUITE), decide_prio)
+    if report_prio is not None and ac.report is None:
+        lk = w.tagged(lookup, arm.name, cell.name, "report")
+        ac.report = _fetch(w, lk, _seed_specs(p, ac, p.report_seeds, REPORT_SUITE), report_prio)
     return ac
 
 
-def _timing(w: Walk, arm: Arm, task: str, timing_lookup: Callable[[str], Result | None]) -> None:
+def _cost_jobs(
+    w: Walk, arm: Arm, tasks: Sequence[str], timing_lookup: Callable[[str], Result | None]
+) -> None:
     p = w.proto
-    cell = next(c for c in p.cells if c.task == task)
-    ref = next(a for a in REFERENCES if a.name == "adamw")
-    spec = TimingSpec(
-        task,
-        make_spec(arm, cell, Setting(0), 0, p.per_decade),
-        make_spec(ref, cell, Setting(0), 0, p.per_decade),
-        p.timing_steps,
-        p.timing_warmup,
-    )
-    r = timing_lookup(spec.run_id)
-    if r is None:
-        w.need((0, 0, 0), [spec])
-    else:
-        w.timing[(arm.name, task)] = float(r["ratio"])
+    ref = arm_by_name("adamw")
+    for task in tasks:
+        cell = next(c for c in p.cells if c.task == task)
+        spec = TimingSpec(
+            task,
+            make_spec(arm, cell, Setting(0), 0, p.per_decade),
+            make_spec(ref, cell, Setting(0), 0, p.per_decade),
+            p.timing_steps,
+            p.timing_warmup,
+        )
+        r = timing_lookup(spec.run_id)
+        if r is None:
+            w.need((P_COST,), [spec])
+        else:
+            w.timing[(arm.name, task)] = float(r["ratio"])
+        fs = FlopSpec(task, make_spec(arm, cell, Setting(0), 0, p.per_decade))
+        r = timing_lookup(fs.run_id)
+        if r is None:
+            w.need((P_COST,), [fs])
+        else:
+            w.flops[(arm.name, task)] = int(r["flops"])
 
 
 def cost(w: Walk, arm: str) -> float | None:
@@ -622,35 +771,26 @@ def cost(w: Walk, arm: str) -> float | None:
     return math.exp(statistics.fmean(math.log(r) for r in ratios if r is not None))
 
 
-def _test_losses(rs: Sequence[Result]) -> list[float]:
-    return [float(r["final_test_loss"]) if not r["diverged"] else math.nan for r in rs]
+def _val_losses(rs: Sequence[Result]) -> list[float]:
+    return [float(r["final_val_loss"]) if not r["diverged"] else math.nan for r in rs]
 
 
-def decide(
-    w: Walk, names: Sequence[str], key: str, cells: Sequence[Cell] | None = None
-) -> dict[str, Any] | None:
-    """The preregistered rule (docs/benchmarks.md): on every cell, a candidate is *worse* when
-    one of its report runs diverged or its paired difference to the cell's best candidate has a
-    95 % interval above zero. The tied-best candidates are those worse on the fewest cells;
-    among them the cheapest (step time within ``cost_tie`` counts as equal) wins, then the best
-    mean rank over cells, then the earlier name (the current default is listed first)."""
-    p = w.proto
-    costs = {n: cost(w, n) for n in names}
-    if any(c is None for c in costs.values()):
-        return None
+def apply_rule(
+    losses: dict[str, dict[str, list[float]]],
+    names: Sequence[str],
+    costs: dict[str, float],
+    cost_tie: float,
+) -> dict[str, Any]:
+    """The decision rule on plain numbers: ``losses[cell][name]`` per seed (NaN: diverged),
+    ``names`` in tie-break order, ``costs`` relative step costs. Pure, so a decision can be
+    recomputed from any summary (also v1's)."""
     per_cell: dict[str, Any] = {}
     worse = {n: 0 for n in names}
     ranks: dict[str, list[int]] = {n: [] for n in names}
-    for cell in p.cells if cells is None else cells:
-        acs = [w.get(n, cell.name) for n in names]
-        if any(ac is None or ac.report is None for ac in acs):
-            return None
-        losses = {
-            n: _test_losses(ac.report) for n, ac in zip(names, acs, strict=True) if ac and ac.report
-        }
+    for cell, by_name in losses.items():
         means = {
-            n: (statistics.fmean(v) if all(map(math.isfinite, v)) else math.inf)
-            for n, v in losses.items()
+            n: (statistics.fmean(by_name[n]) if all(map(math.isfinite, by_name[n])) else math.inf)
+            for n in names
         }
         best = min(names, key=lambda n: (means[n], names.index(n)))
         order = sorted(names, key=lambda n: (means[n], names.index(n)))
@@ -660,22 +800,21 @@ def decide(
             diverged = not math.isfinite(means[n])
             ci = None
             if not diverged and n != best and math.isfinite(means[best]):
-                ci = paired_ci(losses[n], losses[best])
+                ci = paired_ci(by_name[n], by_name[best])
             is_worse = diverged or (ci is not None and ci.lo > 0)
             worse[n] += int(is_worse)
             rows[n] = {
-                "mean_test_loss": means[n],
+                "mean_val_loss": means[n],
                 "vs_best": ci.as_dict() if ci else None,
                 "worse": is_worse,
             }
-        per_cell[cell.name] = {"best": best, "rows": rows}
+        per_cell[cell] = {"best": best, "rows": rows}
     fewest = min(worse.values())
     tied = [n for n in names if worse[n] == fewest]
-    cheapest = min(costs[n] for n in tied)  # type: ignore[type-var]
-    cheap = [n for n in tied if costs[n] <= cheapest * (1 + p.cost_tie)]  # type: ignore[operator]
+    cheapest = min(costs[n] for n in tied)
+    cheap = [n for n in tied if costs[n] <= cheapest * (1 + cost_tie)]
     winner = min(cheap, key=lambda n: (statistics.fmean(ranks[n]), names.index(n)))
     return {
-        "key": key,
         "candidates": list(names),
         "winner": winner,
         "worse_on_cells": worse,
@@ -687,61 +826,139 @@ def decide(
     }
 
 
+def rule_with_stability(
+    losses: dict[str, dict[str, list[float]]],
+    names: Sequence[str],
+    costs: dict[str, float],
+    cost_tie: float,
+) -> dict[str, Any]:
+    """:func:`apply_rule`, plus the winner with each cell left out and the mean loss of each
+    candidate over the cells."""
+    d = apply_rule(losses, names, costs, cost_tie)
+    loo: dict[str, str] = {}
+    if len(losses) > 1:
+        for c in losses:
+            rest = {k: v for k, v in losses.items() if k != c}
+            loo[c] = apply_rule(rest, names, costs, cost_tie)["winner"]
+    means = {
+        n: statistics.fmean(d["cells"][c]["rows"][n]["mean_val_loss"] for c in losses)
+        for n in names
+    }
+    return {
+        **d,
+        "winner_without_cell": loo,
+        "stable": all(v == d["winner"] for v in loo.values()),
+        "mean_val_loss_over_cells": means,
+    }
+
+
+def decide(
+    w: Walk, names: Sequence[str], key: str, cells: Sequence[Cell] | None = None
+) -> dict[str, Any] | None:
+    """The preregistered rule (docs/benchmarks.md, protocol v2), on the decision seeds' final
+    *validation* loss (test loss decides nothing): on every cell, a candidate is *worse* when
+    one of its decision runs diverged or its paired difference to the cell's best candidate
+    has a 95 % interval above zero. The tied-best candidates are those worse on the fewest
+    cells; among them the cheapest (step time within ``cost_tie`` counts as equal) wins, then
+    the best mean rank over cells, then the earlier name (the current default is listed
+    first). Also returned: the winner with each cell left out (does one cell decide?)."""
+    p = w.proto
+    costs = {n: cost(w, n) for n in names}
+    known = {n: c for n, c in costs.items() if c is not None}
+    if len(known) != len(costs):
+        return None
+    losses: dict[str, dict[str, list[float]]] = {}
+    for cell in p.cells if cells is None else cells:
+        acs = [w.get(n, cell.name) for n in names]
+        decided = [ac.decide for ac in acs if ac is not None and ac.decide is not None]
+        if len(decided) != len(names):
+            return None
+        losses[cell.name] = {n: _val_losses(rs) for n, rs in zip(names, decided, strict=True)}
+    d = rule_with_stability(losses, names, known, p.cost_tie)
+    return {"key": key, **d, "split": "validation", "seeds": "decision"}
+
+
 def _final_arm(w: Walk, chosen: Arm, q: Any, dtype: str) -> Arm:
     opts = dict(chosen.options)
     opts.update(outlier_quantile=q, ns_dtype=dtype)
-    for a in w.arms.values():
+    for a in (*w.arms.values(), *COEFFICIENT_CANDIDATES, *REFERENCES):
         if a.optimizer == chosen.optimizer and dict(a.options) == opts:
             return a
     name = f"{chosen.name}{'-noq' if q is None else ''}{'-bf16' if dtype == 'bfloat16' else ''}"
     return chosen.with_options(name, f"{chosen.label}, q={q}, {dtype}", **opts)
 
 
+def _q_arm(base: Arm, q: float) -> Arm:
+    return base.with_options(f"{base.name}-q{q:g}", f"{base.label}, q={q:g}", outlier_quantile=q)
+
+
 def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result | None]) -> Walk:
     """One pass over the protocol: what is known, and the jobs still needed."""
     w = Walk(proto)
     p = proto
-    stage1 = (*COEFFICIENT_CANDIDATES, *REFERENCES)
-
-    def study(arms: Sequence[Arm], level: int, cells: Sequence[Cell] | None = None) -> None:
-        for cell in cells if cells is not None else p.cells:
-            for i, arm in enumerate(arms):
-                _study_arm_cell(w, arm, cell, lookup, level + (cell.base is not None), i)
-
-    def timing(arms: Sequence[Arm]) -> None:
-        for arm in arms:
-            for task in sorted({c.task for c in p.cells}):
-                _timing(w, arm, task, timing_lookup)
-
-    timing(stage1)
+    tasks = sorted({c.task for c in p.cells})
+    cands = list(COEFFICIENT_CANDIDATES)
+    refs = list(REFERENCES)
+    for arm in (*cands, *refs):
+        _cost_jobs(w, arm, tasks, timing_lookup)
     first = [c for c in p.cells if c.base is None]
-    study(stage1, 10, first)
-    names = [a.name for a in COEFFICIENT_CANDIDATES]
+    later = [c for c in p.cells if c.base is not None]
+
+    def idx(cell: Cell) -> int:
+        return p.all_cells.index(cell)
+
+    for cell in first:
+        for i, arm in enumerate(cands):
+            pr = (P_DECIDE, idx(cell), i)
+            _study_arm_cell(
+                w, arm, cell, lookup, pr, decide_prio=pr, report_prio=(P_REPORT, idx(cell), i)
+            )
+        for i, arm in enumerate(refs):
+            pr = (P_REPORT, idx(cell), 10 + i)
+            _study_arm_cell(w, arm, cell, lookup, pr, report_prio=pr)
+    names = [a.name for a in cands]
     screen = decide(w, names, "screening", first)
     d1 = None
     if screen is not None:
         survivors = [n for n in names if screen["worse_on_cells"][n] < p.screen_worse]
         w.decisions["screening"] = {**screen, "survivors": survivors}
-        refs = [a for a in REFERENCES if a.name != "muon-fp32"]
-        study([*(w.arms[n] for n in survivors), *refs], 10, [c for c in p.cells if c.base])
+        for cell in later:
+            for i, n in enumerate(survivors):
+                pr = (P_TRANSFER, idx(cell), i)
+                _study_arm_cell(
+                    w,
+                    w.arms[n],
+                    cell,
+                    lookup,
+                    pr,
+                    decide_prio=pr,
+                    report_prio=(P_REPORT, idx(cell), i),
+                )
         d1 = decide(w, survivors, "ns_coefficients")
+    for cell in later:
+        for i, arm in enumerate(refs):
+            pr = (P_REPORT, idx(cell), 10 + i)
+            _study_arm_cell(w, arm, cell, lookup, pr, report_prio=pr)
     final: Arm | None = None
     if d1 is not None:
         w.decisions["ns_coefficients"] = d1
         chosen = w.arms[d1["winner"]]
         noq = _final_arm(w, chosen, None, chosen.option("ns_dtype"))
         bf16 = _final_arm(w, chosen, chosen.option("outlier_quantile"), "bfloat16")
-        stage2 = [noq, bf16]
-        timing(stage2)
-        study(stage2, 20)
-        abl = [p.cell(c) for c in p.ablation_cells]
-        q_ablations = [
-            chosen.with_options(
-                f"{chosen.name}-q{q:g}", f"{chosen.label}, q={q:g}", outlier_quantile=q
-            )
-            for q in (0.8, 0.99)
-        ]
-        study([*q_ablations, *ABLATIONS], 50, abl)
+        for arm in (noq, bf16):
+            _cost_jobs(w, arm, tasks, timing_lookup)
+        for cell in p.cells:
+            for i, arm in enumerate((noq, bf16)):
+                pr = (P_STAGE2, idx(cell), i)
+                _study_arm_cell(
+                    w,
+                    arm,
+                    cell,
+                    lookup,
+                    pr,
+                    decide_prio=pr,
+                    report_prio=(P_REPORT, idx(cell), 20 + i),
+                )
         d2 = decide(w, [chosen.name, noq.name], "outlier_quantile")
         d3 = decide(w, [chosen.name, bf16.name], "ns_dtype")
         if d2 is not None and d3 is not None:
@@ -750,88 +967,179 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
             q = w.arms[d2["winner"]].option("outlier_quantile")
             dtype = w.arms[d3["winner"]].option("ns_dtype")
             final = _final_arm(w, chosen, q, dtype)
-            timing([final])
-            study([final], 30)
+            _cost_jobs(w, final, tasks, timing_lookup)
+            for cell in p.cells:
+                pr = (P_REPORT, idx(cell), 30)
+                _study_arm_cell(w, final, cell, lookup, pr, report_prio=pr)
             w.decisions["final"] = final.name
-    # Equal compute: each arm gets the steps that cost what the cell's steps cost AdamW.
-    for cell in (c for c in p.cells if c.base is None):
+    # The robustness family, the long horizon and the autocast cell use the shipped ROOT.
+    for ci, cname in enumerate(p.robust_cells):
+        for clip in (1.0, None):
+            prio = P_ROBUST if clip is not None else P_ROBUST_NOCLIP
+            for i, name in enumerate(ROBUST_ARMS):
+                _robust(w, arm_by_name(name), p.cell(cname), clip, lookup, (prio, ci, i))
+    shipped = arm_by_name(SHIPPED)
+    if p.long_cell is not None:
+        lc = p.long_cell
+        base_cell = p.cell(lc.base) if lc.base else None
+        for i, name in enumerate(LONG_ARMS):
+            arm = arm_by_name(name)
+            if base_cell is not None and base_cell.base is not None:
+                # the base cell's own base (a transfer chain): tuned there if not already
+                _study_arm_cell(w, arm, p.cell(base_cell.base), lookup, (P_LONG, 0, i))
+                _study_arm_cell(w, arm, base_cell, lookup, (P_LONG, 0, i))
+            pr = (P_LONG, 1, i)
+            _study_arm_cell(w, arm, lc, lookup, pr, report_prio=pr)
+        for i, q in enumerate(p.long_quantiles):
+            pr = (P_LONG, 2, i)
+            _study_arm_cell(
+                w, _q_arm(shipped, q), lc, lookup, pr, report_prio=pr, base_arm=shipped.name
+            )
+    if p.amp_cell is not None:
+        for i, name in enumerate(AMP_ARMS):
+            pr = (P_AMP, 0, i)
+            _study_arm_cell(w, arm_by_name(name), p.amp_cell, lookup, pr, report_prio=pr)
+    # Equal compute: each arm gets the steps whose FLOPs equal AdamW's for the cell's steps.
+    for cell in first:
         for i, name in enumerate(list(w.arms)):
             ac = w.get(name, cell.name)
-            ratio = w.timing.get((name, cell.task))
-            if ac is None or ac.tuned is None or ratio is None:
+            f_arm, f_ref = w.flops.get((name, cell.task)), w.flops.get(("adamw", cell.task))
+            if ac is None or ac.tuned is None or not f_arm or not f_ref:
                 continue
-            steps = max(1, round(cell.steps / ratio))
+            steps = max(1, round(cell.steps * f_ref / f_arm))
             ac.equal_compute_steps = steps
-            specs = _report_specs(p, ac, steps=steps)
-            res = [lookup(s) for s in specs]
-            if any(r is None for r in res):
-                w.need(
-                    (40, p.cells.index(cell), i),
-                    [s for s, r in zip(specs, res, strict=True) if r is None],
-                )
-            else:
-                ac.equal_compute = [r for r in res if r is not None]
+            lk = w.tagged(lookup, name, cell.name, "equal compute")
+            ac.equal_compute = _fetch(
+                w,
+                lk,
+                _seed_specs(p, ac, p.report_seeds, REPORT_SUITE, steps=steps),
+                (P_EQUAL, idx(cell), i),
+            )
     if final is not None:
-        _robustness(w, final, lookup)
+        chosen = w.arms[w.decisions["ns_coefficients"]["winner"]]
+        abl = [*(_q_arm(chosen, q) for q in p.ablation_quantiles), *ABLATIONS]
+        for cname in p.ablation_cells:
+            for i, arm in enumerate(abl):
+                pr = (P_ABLATION, 0, i)
+                _study_arm_cell(w, arm, p.cell(cname), lookup, pr, report_prio=pr)
     w.jobs.sort(key=lambda pj: pj[0])
+    # a run that two families ask for is one job, at the higher priority
+    by_id: dict[str, tuple[tuple[int, ...], Job]] = {}
+    for pj in w.jobs:
+        by_id.setdefault(pj[1].run_id, pj)
+    w.jobs = list(by_id.values())
     w.complete = not w.jobs and final is not None
     return w
 
 
-def _robustness(w: Walk, final: Arm, lookup: Lookup) -> None:
-    """Each arm at its tuned setting on the robustness cell, without gradient clipping unless
-    the arm is a ``+clip`` one; degradation = loss under a condition minus the same arm's clean
-    loss, paired by seed."""
+def capped_test_loss(r: Result) -> float:
+    """A run's final test loss; a diverged run counts its initial test loss (the lr-stability
+    rule of protocol v2)."""
+    if not r["diverged"] and math.isfinite(r["final_test_loss"]):
+        return float(r["final_test_loss"])
+    init = r.get("initial_test_loss")
+    return float(init) if init is not None and math.isfinite(init) else math.inf
+
+
+def _robust(
+    w: Walk, arm: Arm, cell: Cell, clip: float | None, lookup: Lookup, prio: tuple[int, ...]
+) -> None:
+    """One optimizer of the robustness family on one cell: the clean sweep over the common
+    absolute lr grid (from ``sweep_k[0]`` until ``sweep_stop`` consecutive points diverge on
+    every seed, or ``sweep_k[1]``), then each corruption at the sweep's optimum (lowest mean
+    validation loss)."""
     p = w.proto
-    cell = p.cell(p.robust_cell)
-    old = COEFFICIENT_CANDIDATES[0]
-    noq = _final_arm(w, final, None, final.option("ns_dtype"))
-    entries: list[tuple[str, Arm, float | None]] = []
-    for arm in dict.fromkeys([final, old, noq]):
-        entries.append((arm.name, arm, None))
-    for ref in ("muon-bf16", "adamw"):
-        arm = w.arms[ref]
-        entries += [(ref, arm, None), (f"{ref}+clip", arm, 1.0)]
-    table: dict[str, Any] = {}
-    for i, (label, arm, clip) in enumerate(entries):
-        ac = w.get(arm.name, cell.name)
-        if ac is None or ac.tuned is None:
-            return
-        rows: dict[str, list[Result]] = {}
-        for cond, corr, mult in p.robust_conditions:
-            specs = [
-                make_spec(
-                    arm,
-                    cell,
-                    ac.tuned.setting,
-                    sd,
-                    p.per_decade,
-                    suite=ROBUST_SUITE,
-                    clip=clip,
-                    corruption=corr,
-                    lr_mult=mult,
-                )
-                for sd in p.report_seeds
-            ]
-            res = [lookup(s) for s in specs]
-            if any(r is None for r in res):
-                w.need((45, i, 0), [s for s, r in zip(specs, res, strict=True) if r is None])
-                continue
-            rows[cond] = [r for r in res if r is not None]
-        table[label] = {"arm": arm.name, "clip": clip, "runs": rows}
-    w.robustness = table
+    w.arms.setdefault(arm.name, arm)
+    tag = f"{arm.name}{'+clip' if clip is not None else ''}"
+    entry: dict[str, Any] = {
+        "arm": arm.name,
+        "clip": clip,
+        "sweep": {},
+        "optimum": None,
+        "conditions": {},
+        "complete": False,
+    }
+    w.robust[(cell.name, arm.name, clip)] = entry
+    lk = w.tagged(lookup, tag, cell.name, "lr sweep")
+    lo, hi = p.sweep_k
+    run_of_div = 0
+    lookahead = 0
+    done_sweep = False
+    for k in range(lo, hi + 1):
+        specs = [
+            make_spec(
+                arm,
+                cell,
+                Setting(k, 0, p.robust_wd),
+                sd,
+                p.per_decade,
+                suite=SWEEP_SUITE,
+                clip=clip,
+            )
+            for sd in p.report_seeds
+        ]
+        res = [lk(s) for s in specs]
+        if any(r is None for r in res):
+            w.need(prio, [s for s, r in zip(specs, res, strict=True) if r is None])
+            lookahead += 1
+            if lookahead >= 3:  # at most 3 unfinished points ahead (a sweep is sequential)
+                break
+            continue
+        if lookahead:
+            continue  # a later point is known but an earlier one is not: wait
+        got = [r for r in res if r is not None]
+        entry["sweep"][k] = got
+        run_of_div = run_of_div + 1 if all(r["diverged"] for r in got) else 0
+        if run_of_div >= p.sweep_stop:
+            done_sweep = True
+            break
+    else:
+        done_sweep = lookahead == 0
+    if not done_sweep or not entry["sweep"]:
+        return
+    scores = {k: selection_score(rs) for k, rs in entry["sweep"].items()}
+    kbest = min(scores, key=lambda k: (scores[k], k))
+    if math.isinf(scores[kbest]):
+        return
+    entry["optimum"] = kbest
+    lk2 = w.tagged(lookup, tag, cell.name, "corruption")
+    ok = True
+    for label, corr in p.robust_conditions:
+        specs = [
+            make_spec(
+                arm,
+                cell,
+                Setting(kbest, 0, p.robust_wd),
+                sd,
+                p.per_decade,
+                suite=ROBUST_SUITE,
+                clip=clip,
+                corruption=corr,
+            )
+            for sd in p.report_seeds
+        ]
+        got2 = _fetch(w, lk2, specs, prio)
+        if got2 is None:
+            ok = False
+        else:
+            entry["conditions"][label] = got2
+    entry["complete"] = ok
 
 
 # ----------------------------------------------------------------------------- running
 
 
 def _run_job(job: Job, out_dir: str) -> Result:
-    """Worker entry: one run or one timing job. A run that raises (e.g. an SVD that does not
-    converge on a non-finite matrix) is recorded as diverged with the error, not retried."""
+    """Worker entry: one run, one timing or one FLOP count. A run that raises (e.g. an SVD
+    that does not converge on a non-finite matrix) is recorded as diverged with the error,
+    not retried."""
     from rootopt.bench.runner import FORMAT, run_one
 
     if isinstance(job, TimingSpec):
         return time_pair(job, out_dir)
+    if isinstance(job, FlopSpec):
+        return count_flops(job, out_dir)
+    started = time.time()
     try:
         return run_one(job, out_dir)
     except Exception as exc:  # the optimizer setting failed; keep the study going
@@ -846,7 +1154,6 @@ def _run_job(job: Job, out_dir: str) -> Result:
             "final_val_acc": None,
             "final_test_loss": math.nan,
             "final_test_acc": None,
-            "last_eval": {},
             "evals": [],
             "train_loss": [],
             "diverged": True,
@@ -855,23 +1162,18 @@ def _run_job(job: Job, out_dir: str) -> Result:
             "step_time_s": None,
             "train_cpu_s": 0.0,
             "wall_s": 0.0,
+            "started": started,
+            "ended": time.time(),
+            "momentum_tail": {},
         }
         atomic_write(Path(out_dir) / "runs" / f"{job.run_id}.json", json.dumps(r).encode())
         return r
 
 
-def _load_dir(path: Path) -> dict[str, Result]:
-    out: dict[str, Result] = {}
-    if not path.is_dir():
-        return out
-    for f in path.glob("*.json"):
-        try:
-            r = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue  # torn or foreign: the job is redone
-        if isinstance(r, dict) and r.get("run_id") == f.stem:
-            out[f.stem] = r
-    return out
+def open_store(out: Path) -> Store:
+    from rootopt.bench.runner import FORMAT
+
+    return Store(out, run_format=FORMAT)
 
 
 def run_study(
@@ -881,27 +1183,28 @@ def run_study(
     workers: int,
     compute: bool = True,
     progress: bool = True,
+    commit: str | None = None,
     log: Callable[[str], None] | None = None,
-) -> Walk:
+) -> tuple[Walk, Store]:
     """Run every job the protocol still needs (highest priority first, re-planning after each
-    finished job) and return the final :class:`Walk`. ``compute=False`` runs nothing."""
+    finished job) and return the final :class:`Walk` and the store. ``compute=False`` runs
+    nothing. ``commit``: recorded with every run this call finishes (the run index)."""
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
-    from rootopt.bench.runner import FORMAT, _worker_init
+    from rootopt.bench.runner import _worker_init
 
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "timing").mkdir(parents=True, exist_ok=True)
-    runs = {k: r for k, r in _load_dir(out / "runs").items() if r.get("format") == FORMAT}
-    timings = _load_dir(out / "timing")
+    store = open_store(out)
 
     def lookup(spec: RunSpec) -> Result | None:
-        return runs.get(spec.run_id)
+        return store.runs.get(spec.run_id)
 
-    w = walk(proto, lookup, timings.get)
+    w = walk(proto, lookup, store.timing.get)
     if not compute or not w.jobs:
-        return w
+        return w, store
     done = 0
     t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
@@ -922,29 +1225,34 @@ def run_study(
                 job = pending.pop(fut)
                 r = fut.result()
                 done += 1
-                if isinstance(job, TimingSpec):
-                    timings[job.run_id] = r
-                    line = f"timing {job.task} {job.arm.optimizer} {dict(job.arm.options)}: ×{r['ratio']:.3f} of AdamW"
+                if isinstance(job, TimingSpec | FlopSpec):
+                    store.add_timings([r])
+                    what = (
+                        f"×{r['ratio']:.3f} of AdamW" if "ratio" in r else f"{r['flops']:.3g} FLOP"
+                    )
+                    line = f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
                 else:
-                    runs[job.run_id] = r
+                    store.add_runs([r], commit=commit)
                     status = (
                         f"DIVERGED ({r['error'][:60]})"
                         if r["diverged"]
                         else f"val {r['final_val_loss']:.4f}"
                     )
                     line = (
-                        f"{job.suite} {job.task}@{job.steps} {job.optimizer} "
+                        f"{job.suite} {job.task}@{job.steps}{'-amp' if job.precision != 'fp32' else ''} "
+                        f"{job.optimizer} "
                         f"{','.join(f'{k}={v}' for k, v in job.options if k != 'ortho_method')} "
                         f"lr {job.lr:.3g} side ×{job.side_lr_mult:g} wd {job.weight_decay:g} "
-                        f"seed {job.seed}: {status} ({r['wall_s']:.0f}s)"
+                        f"clip {job.clip} {job.corruption.tag} seed {job.seed}: {status} "
+                        f"({r['wall_s']:.0f}s)"
                     )
                 if progress:
                     el = time.perf_counter() - t0
                     say(
                         f"[study {done} done, {len(pending)} running, {len(w.jobs)} ready, {el:.0f}s] {line}"
                     )
-            w = walk(proto, lookup, timings.get)
-    return w
+            w = walk(proto, lookup, store.timing.get)
+    return w, store
 
 
 # ----------------------------------------------------------------------------- summary
@@ -962,31 +1270,48 @@ def _ci_or_none(xs: Sequence[float] | None) -> dict[str, Any] | None:
     return mean_ci(xs).as_dict()
 
 
+def _paired_or_none(a: Sequence[float] | None, b: Sequence[float] | None) -> dict[str, Any] | None:
+    if a is None or b is None or len(a) != len(b) or len(a) < 2:
+        return None
+    if not all(map(math.isfinite, [*a, *b])):
+        return None
+    d = paired_ci(a, b).as_dict()
+    d["p"] = paired_p(a, b)
+    return d
+
+
 COMPARISONS: tuple[tuple[str, str, str], ...] = (
     # (label, a, b): the paired difference a − b in test loss (negative: a is better)
-    ("selector: AdaNewton − AdaNewton without selector", "root-adanewton", "root-adanewton-static"),
-    ("AdaNewton − Muon's coefficients (both ROOT, fp32)", "root-adanewton", "root-muon"),
-    ("new default − old default", "@final", "root-adanewton"),
-    ("new default − Muon bf16 (torch.optim.Muon)", "@final", "muon-bf16"),
-    ("new default − Muon fp32", "@final", "muon-fp32"),
-    ("new default − AdamW", "@final", "adamw"),
+    ("default − torch.optim.Muon", "@final", "muon-bf16"),
     ("ROOT fp32 − Muon fp32 (precision-matched)", "@chosen", "muon-fp32"),
     ("ROOT bf16 − Muon bf16 (precision-matched)", "@chosen-bf16", "muon-bf16"),
+    ("default − AdamW", "@final", "adamw"),
+    ("AdaNewton − Muon's coefficients (both ROOT, fp32)", "root-adanewton", "root-muon"),
+    ("Polar Express − Muon's coefficients (both ROOT, fp32)", "root-polar", "root-muon"),
     ("threshold on − off", "@chosen", "@chosen-noq"),
     ("bf16 − fp32 iterations", "@chosen-bf16", "@chosen"),
     ("Muon bf16 − AdamW", "muon-bf16", "adamw"),
+    ("shipped ROOT − torch.optim.Muon", SHIPPED, "muon-bf16"),
+    ("shipped ROOT − Muon fp32 (precision-matched)", SHIPPED, "muon-fp32"),
+    ("shipped ROOT q = 0.8 − q = 0.9", f"{SHIPPED}-q0.8", SHIPPED),
+    ("shipped ROOT q = 0.95 − q = 0.9", f"{SHIPPED}-q0.95", SHIPPED),
 )
+
+
+def default_arm(w: Walk) -> tuple[str, bool]:
+    """The arm of the library's default and whether it is decided: the final decision when
+    every decision is in, else the shipped setting (provisional)."""
+    final = w.decisions.get("final")
+    return (str(final), True) if final else (SHIPPED, False)
 
 
 def _resolve_name(w: Walk, name: str) -> str | None:
     if not name.startswith("@"):
         return name
-    d1 = w.decisions.get("ns_coefficients")
     if name == "@final":
-        return w.decisions.get("final")
-    if d1 is None:
-        return None
-    chosen = w.arms[d1["winner"]]
+        return default_arm(w)[0]
+    d1 = w.decisions.get("ns_coefficients")
+    chosen = w.arms[d1["winner"]] if d1 else arm_by_name(SHIPPED)
     if name == "@chosen":
         return chosen.name
     if name == "@chosen-noq":
@@ -1020,32 +1345,348 @@ def _lr_sensitivity(t: Tuned | None) -> dict[str, Any] | None:
     }
 
 
-def _steps_to_target(rows: dict[str, Any], seeds: Sequence[int]) -> None:
-    """Per report seed, the first evaluated step whose test loss is at or below AdamW's mean
-    final test loss on the cell (None: not reached within the schedule)."""
-    adamw = rows.get("adamw")
-    if not adamw or not adamw["test_loss_ci"]:
-        return
-    target = adamw["test_loss_ci"]["mean"]
-    for r in rows.values():
-        if not r["curves"]:
-            continue
-        r["steps_to_adamw"] = [
-            next(
-                (
-                    s
-                    for s, v in zip(cv["steps"], cv["test_loss"], strict=True)
-                    if s > 0 and v <= target
-                ),
-                None,
-            )
-            for cv in r["curves"]
+def _tail_summary(rs: Sequence[Result] | None) -> dict[str, Any] | None:
+    """The momentum tail over the run, averaged over the seeds step by step."""
+    cols = [r.get("momentum_tail") or {} for r in rs or []]
+    cols = [c for c in cols if c.get("step")]
+    if not cols or any(c["step"] != cols[0]["step"] for c in cols):
+        return None
+    keys = [k for k in cols[0] if k not in ("step", "matrices")]
+    return {
+        "step": cols[0]["step"],
+        **{
+            k: [statistics.fmean(c[k][i] for c in cols) for i in range(len(cols[0]["step"]))]
+            for k in keys
+        },
+    }
+
+
+def _arm_row(w: Walk, ac: ArmCell) -> dict[str, Any]:
+    p = w.proto
+    test = _losses(ac.report)
+    val = _losses(ac.report, "final_val_loss")
+    dval = _losses(ac.decide, "final_val_loss")
+    eq = _losses(ac.equal_compute)
+    return {
+        "setting": ac.tuned.setting.as_dict(ac.arm, p.per_decade) if ac.tuned else None,
+        "edge": ac.tuned.edge if ac.tuned else None,
+        "tuned_from": ac.tuned_from,
+        "history": ac.tuned.history if ac.tuned else None,
+        "decision_val_loss": dval,
+        "decision_val_ci": _ci_or_none(dval),
+        "test_loss": test,
+        "test_loss_ci": _ci_or_none(test),
+        "val_loss": val,
+        "test_acc": [r.get("final_test_acc") for r in ac.report] if ac.report else None,
+        "diverged": sum(bool(r["diverged"]) for r in ac.report) if ac.report else None,
+        "param_count": ac.report[0].get("param_count") if ac.report else None,
+        "equal_compute_steps": ac.equal_compute_steps,
+        "equal_compute_test_loss": eq,
+        "equal_compute_ci": _ci_or_none(eq),
+        "curves": [
+            {"steps": r["evals"]["step"], "test_loss": r["evals"]["test_loss"]} for r in ac.report
         ]
-        r["adamw_target"] = target
+        if ac.report
+        else None,
+        "smoothness": [r.get("smoothness") for r in ac.report] if ac.report else None,
+        "momentum_tail": _tail_summary(ac.report),
+        "lr_sensitivity": _lr_sensitivity(ac.tuned),
+    }
 
 
-def summarize(w: Walk, meta: dict[str, Any]) -> dict[str, Any]:
-    """The study as JSON-able data: settings, per-arm results, comparisons, decisions."""
+def _pooled(per_cell: dict[str, dict[str, Any]], cells: Sequence[str]) -> dict[str, Any] | None:
+    """Pooled over ``cells`` (all of them must be present): per report seed, the mean over
+    cells of the paired difference; the interval is Student's t over those seed means."""
+    got = [per_cell.get(c, {}).get("diffs") for c in cells]
+    diffs = [d for d in got if d is not None]
+    if not cells or len(diffs) != len(got):
+        return None
+    n = len(diffs[0])
+    if any(len(d) != n for d in diffs):
+        return None
+    seed_means = [statistics.fmean(d[i] for d in diffs) for i in range(n)]
+    if n < 2:
+        return None
+    ci = mean_ci(seed_means).as_dict()
+    ci["cells"] = list(cells)
+    zero = [0.0] * n
+    ci["p"] = paired_p(seed_means, zero)
+    return ci
+
+
+def _comparisons(w: Walk, cells: dict[str, Any]) -> list[dict[str, Any]]:
+    p = w.proto
+    out: list[dict[str, Any]] = []
+    decision_cells = [c.name for c in p.cells]
+    base_cells = [c.name for c in p.cells if c.base is None]
+    for label, a0, b0 in COMPARISONS:
+        a, b = _resolve_name(w, a0), _resolve_name(w, b0)
+        if a is None or b is None or a == b:
+            continue
+        per: dict[str, Any] = {}
+        for c in p.all_cells:
+            ra, rb = cells[c.name]["arms"].get(a), cells[c.name]["arms"].get(b)
+            if not ra or not rb:
+                continue
+            row: dict[str, Any] = {}
+            for kind, key in (
+                ("equal steps", "test_loss"),
+                ("equal compute", "equal_compute_test_loss"),
+            ):
+                d = _paired_or_none(ra[key], rb[key])
+                if d is not None:
+                    row[kind] = d
+                    if kind == "equal steps":
+                        row["diffs"] = [x - y for x, y in zip(ra[key], rb[key], strict=True)]
+                    else:
+                        row["diffs_equal_compute"] = [
+                            x - y for x, y in zip(ra[key], rb[key], strict=True)
+                        ]
+            if row:
+                per[c.name] = row
+        pooled = _pooled(per, decision_cells)
+        eq = {c: {"diffs": v.get("diffs_equal_compute")} for c, v in per.items()}
+        pooled_eq = _pooled(eq, base_cells)
+        out.append(
+            {
+                "label": label,
+                "a": a,
+                "b": b,
+                "cells": per,
+                "pooled": pooled,
+                "pooled_equal_compute": pooled_eq,
+            }
+        )
+    return out
+
+
+def _robust_summary(w: Walk) -> dict[str, Any] | None:
+    p = w.proto
+    if not w.robust:
+        return None
+    cells: dict[str, Any] = {}
+    seeds = list(p.report_seeds)
+    for (cname, arm, clip), e in w.robust.items():
+        tag = f"{arm}{'+clip' if clip is not None else ''}"
+        sweep = []
+        for k, rs in sorted(e["sweep"].items()):
+            sweep.append(
+                {
+                    "k": k,
+                    "lr": _lr(arm_by_name(arm), k, p.per_decade),
+                    "val_loss": _losses(rs, "final_val_loss"),
+                    "test_loss": _losses(rs),
+                    "capped_test_loss": [capped_test_loss(r) for r in rs],
+                    "diverged": sum(bool(r["diverged"]) for r in rs),
+                    "above10rms_share": [
+                        (r.get("momentum_tail") or {}).get("above10rms_share", [None])[-1]
+                        for r in rs
+                    ],
+                }
+            )
+        row: dict[str, Any] = {
+            "arm": arm,
+            "clip": clip,
+            "complete": e["complete"],
+            "optimum_k": e["optimum"],
+            "sweep": sweep,
+            "conditions": {},
+        }
+        kbest = e["optimum"]
+        clean = e["sweep"].get(kbest) if kbest is not None else None
+        if clean is not None:
+            clean_test = _losses(clean)
+            clean_capped = [capped_test_loss(r) for r in clean]
+            row["optimum_lr"] = _lr(arm_by_name(arm), kbest, p.per_decade)
+            row["clean"] = {"test_loss": clean_test, "test_loss_ci": _ci_or_none(clean_test)}
+            for label, rs in e["conditions"].items():
+                # as in the lr sweep, a diverged run counts its initial test loss
+                capped = [capped_test_loss(r) for r in rs]
+                per_seed = [x - y for x, y in zip(capped, clean_capped, strict=True)]
+                row["conditions"][label] = {
+                    "test_loss": _losses(rs),
+                    "diverged": sum(bool(r["diverged"]) for r in rs),
+                    "degradation_per_seed": per_seed,
+                    "degradation": _paired_or_none(capped, clean_capped),
+                }
+            # lr stability: mean over the region of (capped loss − the seed's optimum loss)
+            if all(k in e["sweep"] for k in p.lr_region) or (
+                e["sweep"] and max(e["sweep"]) < max(p.lr_region) and _stopped(e, p)
+            ):
+                best = [capped_test_loss(r) for r in clean]
+                per_seed = []
+                for i in range(len(seeds)):
+                    vals = []
+                    for k in p.lr_region:
+                        rs = e["sweep"].get(k)
+                        # past the sweep's stop every seed diverged: the initial loss
+                        v = capped_test_loss(rs[i]) if rs else _initial(e, i)
+                        vals.append(v - best[i])
+                    per_seed.append(statistics.fmean(vals))
+                row["lr_degradation_per_seed"] = per_seed
+                row["lr_degradation"] = _ci_or_none(per_seed)
+        cells.setdefault(cname, {})[tag] = row
+    family = _holm_family(w, cells)
+    return {
+        "cells": cells,
+        "conditions": [lbl for lbl, _ in p.robust_conditions],
+        "lr_region": {
+            "k": list(p.lr_region),
+            "lr": [_lr(arm_by_name("adamw"), k, p.per_decade) for k in p.lr_region],
+        },
+        "weight_decay": p.robust_wd,
+        "family": family,
+    }
+
+
+def _stopped(e: dict[str, Any], p: Protocol) -> bool:
+    """The sweep ended by its stop rule (its last points diverged on every seed)."""
+    ks = sorted(e["sweep"])
+    tail = ks[-p.sweep_stop :]
+    return len(tail) == p.sweep_stop and all(
+        all(r["diverged"] for r in e["sweep"][k]) for k in tail
+    )
+
+
+def _initial(e: dict[str, Any], i: int) -> float:
+    rs = e["sweep"][max(e["sweep"])]
+    return capped_test_loss(rs[i])
+
+
+def _holm_family(w: Walk, cells: dict[str, Any]) -> dict[str, Any]:
+    """ROOT − comparator for every cell × clipping × comparator × degradation (protocol v2):
+    paired t tests, Holm-adjusted over the whole family (only when all of it is in)."""
+    p = w.proto
+    metrics = [*(lbl for lbl, _ in p.robust_conditions), "lr stability"]
+    rows: list[dict[str, Any]] = []
+    for cname in p.robust_cells:
+        for clip in (1.0, None):
+            sfx = "+clip" if clip is not None else ""
+            root = cells.get(cname, {}).get(f"{SHIPPED}{sfx}")
+            for comp in ROBUST_ARMS[1:]:
+                other = cells.get(cname, {}).get(f"{comp}{sfx}")
+                for m in metrics:
+                    row: dict[str, Any] = {
+                        "cell": cname,
+                        "clip": clip,
+                        "a": SHIPPED,
+                        "b": comp,
+                        "metric": m,
+                        "diff": None,
+                    }
+                    if root and other:
+                        if m == "lr stability":
+                            xa = root.get("lr_degradation_per_seed")
+                            xb = other.get("lr_degradation_per_seed")
+                        else:
+                            ca, cb = root["conditions"].get(m), other["conditions"].get(m)
+                            xa = ca and ca["degradation_per_seed"]
+                            xb = cb and cb["degradation_per_seed"]
+                        row["diff"] = _paired_or_none(xa, xb)
+                    rows.append(row)
+    complete = all(r["diff"] is not None for r in rows)
+    if complete and rows:
+        adj = holm([r["diff"]["p"] for r in rows])
+        for r, a in zip(rows, adj, strict=True):
+            r["p_holm"] = a
+            r["significant"] = a <= 0.05
+    return {"size": len(rows), "complete": complete, "alpha": 0.05, "rows": rows}
+
+
+def _index(w: Walk, store: Store) -> dict[str, Any]:
+    """Every run in the store: what it was, who ran it when, what it gave, and whether the
+    protocol as it stands uses it (a run it does not use is superseded)."""
+    cols = [
+        "run_id",
+        "suite",
+        "uses",
+        "cell",
+        "seed",
+        "setting",
+        "commit",
+        "started (UTC)",
+        "ended (UTC)",
+        "final_val_loss",
+        "final_test_loss",
+        "diverged",
+        "used",
+    ]
+    rows = []
+    for rid, r in sorted(store.runs.items(), key=lambda kv: (kv[1].get("started") or 0, kv[0])):
+        spec = RunSpec.from_dict(r["spec"])
+        uses = sorted(w.uses.get(rid, ()))
+        amp = "-amp" if spec.precision == "bf16" else ""
+        cell = uses[0][1] if uses else f"{spec.task}{amp}@{spec.steps}"
+        setting = {
+            "lr": spec.lr,
+            "side_lr_mult": spec.side_lr_mult,
+            "weight_decay": spec.weight_decay,
+            "clip": spec.clip,
+            "corruption": spec.corruption.tag,
+            "lr_mult": spec.lr_mult,
+            "steps": spec.steps,
+            "precision": spec.precision,
+            "options": dict(spec.options),
+        }
+
+        def fin(x: Any) -> float | None:
+            return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+        rows.append(
+            [
+                rid,
+                spec.suite,
+                ["|".join(u) for u in uses],
+                cell,
+                spec.seed,
+                setting,
+                r.get("commit"),
+                _utc_s(r.get("started")),
+                _utc_s(r.get("ended")),
+                fin(r.get("final_val_loss")),
+                fin(r.get("final_test_loss")),
+                bool(r["diverged"]),
+                bool(uses),
+            ]
+        )
+    return {
+        "columns": cols,
+        "rows": rows,
+        "runs": len(rows),
+        "superseded": sum(1 for row in rows if not row[-1]),
+    }
+
+
+def _utc_s(t: Any) -> str | None:
+    if not isinstance(t, int | float):
+        return None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+FAMILIES = (
+    (P_COST, "step-time ratios and FLOP counts"),
+    (P_DECIDE, "tuning and decision runs, base cells"),
+    (P_TRANSFER, "tuning and decision runs, transfer cells"),
+    (P_STAGE2, "stage 2 (threshold off, bf16 iterations)"),
+    (P_REPORT, "report runs"),
+    (P_ROBUST, "robustness family, with clipping"),
+    (P_LONG, "long horizon (stdlib@2400)"),
+    (P_AMP, "bf16 autocast cell"),
+    (P_ROBUST_NOCLIP, "robustness family, without clipping"),
+    (P_EQUAL, "equal compute"),
+    (P_ABLATION, "ablations"),
+)
+
+
+def _param_count(task_name: str) -> int:
+    from rootopt.bench.tasks import task
+
+    return sum(p.numel() for p in task(task_name).model().parameters())
+
+
+def summarize(w: Walk, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
+    """The study as JSON-able data: settings, per-arm results, decisions, comparisons, the
+    robustness family, the run index, and what is still pending."""
     p = w.proto
     arms: dict[str, Any] = {}
     for name, arm in w.arms.items():
@@ -1055,119 +1696,45 @@ def summarize(w: Walk, meta: dict[str, Any]) -> dict[str, Any]:
             "options": dict(arm.options),
             "cost_vs_adamw": cost(w, name),
             "timing": {t: r for (a, t), r in w.timing.items() if a == name},
+            "flops_per_step": {t: f for (a, t), f in w.flops.items() if a == name},
         }
     cells: dict[str, Any] = {}
-    for c in p.cells:
-        rows: dict[str, Any] = {}
-        for name in w.arms:
-            ac = w.get(name, c.name)
-            if ac is None:
-                continue
-            test = _losses(ac.report)
-            val = _losses(ac.report, "final_val_loss")
-            eq = _losses(ac.equal_compute)
-            rows[name] = {
-                "setting": ac.tuned.setting.as_dict(ac.arm, p.per_decade) if ac.tuned else None,
-                "edge": ac.tuned.edge if ac.tuned else None,
-                "history": ac.tuned.history if ac.tuned else None,
-                "test_loss": test,
-                "test_loss_ci": _ci_or_none(test),
-                "val_loss": val,
-                "test_acc": [r["final_test_acc"] for r in ac.report] if ac.report else None,
-                "diverged": sum(bool(r["diverged"]) for r in ac.report) if ac.report else None,
-                "equal_compute_steps": ac.equal_compute_steps,
-                "equal_compute_test_loss": eq,
-                "equal_compute_ci": _ci_or_none(eq),
-                "curves": [
-                    {
-                        "steps": [e["step"] for e in r["evals"]],
-                        "test_loss": [e["test_loss"] for e in r["evals"]],
-                    }
-                    for r in ac.report
-                ]
-                if ac.report
-                else None,
-                "smoothness": [
-                    smoothness(r["train_loss"], skip=max(1, c.steps // 10)) for r in ac.report
-                ]
-                if ac.report
-                else None,
-                "lr_sensitivity": _lr_sensitivity(ac.tuned),
-            }
-        _steps_to_target(rows, p.report_seeds)
-        cells[c.name] = {"task": c.task, "steps": c.steps, "base": c.base, "arms": rows}
-    comparisons: list[dict[str, Any]] = []
-    for label, a0, b0 in COMPARISONS:
-        a, b = _resolve_name(w, a0), _resolve_name(w, b0)
-        if a is None or b is None or a == b:
-            continue
-        per: dict[str, Any] = {}
-        for c in p.cells:
-            for kind, key in (
-                ("equal steps", "test_loss"),
-                ("equal compute", "equal_compute_test_loss"),
-            ):
-                ra, rb = cells[c.name]["arms"].get(a), cells[c.name]["arms"].get(b)
-                if not ra or not rb or ra[key] is None or rb[key] is None:
-                    continue
-                xa, xb = ra[key], rb[key]
-                if len(xa) != len(xb) or not all(map(math.isfinite, [*xa, *xb])):
-                    per.setdefault(c.name, {})[kind] = None
-                    continue
-                per.setdefault(c.name, {})[kind] = paired_ci(xa, xb).as_dict()
-        comparisons.append({"label": label, "a": a, "b": b, "cells": per})
-    robust: dict[str, Any] | None = None
-    if w.robustness is not None:
-        robust = {
-            "cell": p.robust_cell,
-            "conditions": [c for c, _, _ in p.robust_conditions],
-            "arms": {},
+    for c in p.all_cells:
+        rows = {name: _arm_row(w, ac) for name in w.arms if (ac := w.get(name, c.name))}
+        cells[c.name] = {
+            "param_count": _param_count(c.task),
+            "task": c.task,
+            "steps": c.steps,
+            "base": c.base,
+            "precision": c.precision,
+            "decision": c in p.cells,
+            "arms": rows,
         }
-        for label, entry in w.robustness.items():
-            runs = entry["runs"]
-            clean = _losses(runs.get("clean"))
-            rows2: dict[str, Any] = {}
-            for cond, rs in runs.items():
-                xs = _losses(rs)
-                assert xs is not None
-                deg = None
-                if clean is not None and cond != "clean" and all(map(math.isfinite, [*xs, *clean])):
-                    deg = paired_ci(xs, clean).as_dict()
-                rows2[cond] = {
-                    "test_loss": xs,
-                    "diverged": sum(bool(r["diverged"]) for r in rs),
-                    "test_loss_ci": _ci_or_none(xs),
-                    "degradation": deg,
-                }
-            robust["arms"][label] = {
-                "arm": entry["arm"],
-                "clip": entry["clip"],
-                "conditions": rows2,
-            }
+    pending: dict[str, int] = {}
+    for prio, _ in w.jobs:
+        label = next((lbl for lv, lbl in FAMILIES if lv == prio[0]), str(prio[0]))
+        pending[label] = pending.get(label, 0) + 1
+    default, decided = default_arm(w)
     return {
-        "format": 1,
+        "format": 2,
         "meta": meta,
         "protocol": _protocol_dict(p),
         "complete": w.complete,
         "jobs_left": len(w.jobs),
+        "pending": pending,
+        "default": {"arm": default, "decided": decided},
         "arms": arms,
         "cells": cells,
         "decisions": w.decisions,
-        "comparisons": comparisons,
-        "robustness": robust,
+        "comparisons": _comparisons(w, cells),
+        "robustness": _robust_summary(w),
+        "index": _index(w, store),
     }
 
 
 def _protocol_dict(p: Protocol) -> dict[str, Any]:
     d = asdict(p)
     d["robust_conditions"] = [
-        {"label": lbl, "corruption": asdict(c), "lr_mult": m} for lbl, c, m in p.robust_conditions
+        {"label": lbl, "corruption": asdict(c)} for lbl, c in p.robust_conditions
     ]
     return d
-
-
-def iter_runs(w: Walk) -> Iterator[tuple[str, str, Result]]:
-    """(arm, cell, result) of every report run (for plots)."""
-    for (arm, cell), ac in w.cells.items():
-        for r in ac.report or []:
-            yield arm, cell, r

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,22 +36,37 @@ def read_sessions(log_path: Path) -> list[dict[str, Any]]:
     return list(sessions.values())
 
 
-def provenance(sessions: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
+def merge_log(src: Path, dst: Path) -> int:
+    """Append the session entries of ``src`` that ``dst`` lacks (an import); returns how many."""
+    if not src.is_file():
+        return 0
+    have = set(dst.read_text(encoding="utf-8").splitlines()) if dst.is_file() else set()
+    new = [
+        line
+        for line in src.read_text(encoding="utf-8").splitlines()
+        if line.strip() and line not in have and _is_entry(line)
+    ]
+    if new:
+        with open(dst, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in new))
+    return len(new)
+
+
+def _is_entry(line: str) -> bool:
+    try:
+        e = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(e, dict) and "start" in e
+
+
+def provenance(sessions: Sequence[dict[str, Any]], store: Any) -> dict[str, Any]:
     """Commit(s), commands, machine, versions and times of every invocation that ran jobs
-    (a session stopped before its end counts from its start to its last run's file)."""
+    (a session stopped before its end counts from its start to the end of its last run)."""
     ran = sorted((s for s in sessions if s.get("compute")), key=lambda s: float(s["start"]))
-    cpu_s = 0.0
-    runs = 0
-    written: list[float] = []
-    for f in [*(out / "runs").glob("*.json"), *(out / "timing").glob("*.json")]:
-        try:
-            r = json.loads(f.read_text())
-            written.append(f.stat().st_mtime)
-        except (OSError, ValueError):
-            continue
-        if f.parent.name == "runs":
-            runs += 1
-            cpu_s += float(r.get("wall_s") or 0.0)
+    runs = list(store.runs.values())
+    cpu_s = sum(float(r.get("wall_s") or 0.0) for r in runs)
+    written = [float(r["ended"]) for r in runs if r.get("ended")]
     stopped = 0
     for i, s in enumerate(ran):
         if s.get("end") is None:  # stopped: it ended with the last result it wrote
@@ -64,10 +80,7 @@ def provenance(sessions: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
     last = (ran or list(sessions) or [{}])[-1]
     return {
         "commits": commits,
-        # the output directory is the reader's own: shown as OUT, not as this machine's path
-        "commands": list(
-            dict.fromkeys(str(s.get("command")).replace(str(out), "OUT") for s in ran)
-        ),
+        "commands": list(dict.fromkeys(str(s.get("command")) for s in ran)),
         "machine": last.get("machine"),
         "python": last.get("python"),
         "torch": last.get("torch"),
@@ -77,7 +90,7 @@ def provenance(sessions: Sequence[dict[str, Any]], out: Path) -> dict[str, Any]:
         "last end (UTC)": _utc(max((s["end"] for s in ran), default=None)),
         "wall_s": round(sum(s["end"] - s["start"] for s in ran)),
         "sessions stopped before their end": stopped,
-        "runs": runs,
+        "runs": len(runs),
         "run_s (sum over runs)": round(cpu_s),
     }
 
@@ -111,149 +124,614 @@ def _verdict(d: dict[str, Any] | None) -> str:
     return ""
 
 
+def _p(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.2g}" if x >= 1e-3 else f"{x:.1e}"
+
+
+def _status(s: dict[str, Any]) -> str:
+    if s["complete"]:
+        return "complete"
+    parts = [f"{label}: {n} jobs ready" for label, n in s["pending"].items()]
+    return (
+        "INCOMPLETE — "
+        + ("; ".join(parts) if parts else "waiting")
+        + (" (later stages appear as earlier ones finish)")
+    )
+
+
+def _decisions_md(s: dict[str, Any]) -> list[str]:
+    d = s["decisions"]
+    lines = [
+        "#### Decisions (validation loss of the decision seeds; test loss decides nothing)",
+        "",
+    ]
+    n_cells = sum(1 for c in s["cells"].values() if c["decision"])
+    if "ns_coefficients" not in d:
+        lines.append(
+            f"- **not decided yet**: the coefficient decision needs all {n_cells} decision cells; "
+            f"the library keeps `{s['default']['arm']}` (provisional)."
+        )
+    for key, x in d.items():
+        if key == "final":
+            lines.append(f"- **final default arm**: `{x}`")
+            continue
+        worse = ", ".join(f"`{n}` {k}" for n, k in x["worse_on_cells"].items())
+        means = ", ".join(f"`{n}` {_f(v, 4)}" for n, v in x["mean_val_loss_over_cells"].items())
+        loo = ", ".join(f"{c}: `{n}`" for c, n in x["winner_without_cell"].items())
+        costs = ", ".join(f"`{n}` {_f(c, 2)}" for n, c in x["cost_vs_adamw"].items())
+        head = f"- **{key}** → `{x['winner']}`"
+        if key == "screening":
+            head = f"- **screening** (base cells) → survivors {', '.join(f'`{n}`' for n in x['survivors'])}"
+        lines.append(
+            f"{head}. Cells where each candidate is worse than the best (95 % CI, validation): "
+            f"{worse}. Tied-best: {', '.join(f'`{n}`' for n in x['tied_best'])}; step cost "
+            f"×AdamW: {costs}; mean validation loss over the cells: {means}. Winner with one "
+            f"cell left out: {loo or '—'} ({'stable' if x['stable'] else 'NOT stable: one cell decides'})."
+        )
+    lines.append("")
+    return lines
+
+
 def markdown(s: dict[str, Any]) -> str:
     """The study's tables (every number from ``s``)."""
     lines: list[str] = [BEGIN, ""]
     meta = s["meta"]
+    idx = s["index"]
     lines += [
         "#### Provenance",
         "",
         f"- commit(s): {', '.join(f'`{c}`' for c in meta['commits']) or '—'}",
         f"- command(s): {'; '.join(f'`{c}`' for c in meta['commands']) or '—'}",
         f"- machine: {meta['machine']}; Python {meta['python']}, torch {meta['torch']}; "
-        f"{meta['workers']} worker processes, one thread each",
+        f"{meta['workers']} worker processes, one thread each, at the lowest priority",
         f"- ran {meta['first start (UTC)']} → {meta['last end (UTC)']} (UTC), "
         f"{meta['wall_s'] / 3600:.1f} h of wall time, {meta['runs']} runs "
-        f"({meta['run_s (sum over runs)'] / 3600:.1f} h summed over runs); "
+        f"({meta['run_s (sum over runs)'] / 3600:.1f} h summed over runs; times are "
+        "information only); "
         f"{meta.get('sessions stopped before their end', 0)} logged session(s) stopped "
-        "before their end",
-        "- status: " + ("complete" if s["complete"] else f"INCOMPLETE, {s['jobs_left']} jobs left"),
+        "before their end or still running",
+        f"- run index: {idx['runs']} runs in `docs/study/runs.jsonl`, {idx['superseded']} of "
+        "them not used by the protocol as it stands (superseded); listed in "
+        "`docs/study_results.json` (`index`)",
+        "- status: " + _status(s),
         "",
     ]
+    lines += _decisions_md(s)
     cells = s["cells"]
     arms = s["arms"]
+    names = list(arms)
+    cell_names = [c for c, v in cells.items() if any(r["test_loss"] for r in v["arms"].values())]
     lines += [
-        "#### Test loss at the end of each arm's schedule (mean [95 % CI], 5 report seeds)",
+        "#### Test loss at the end of each arm's schedule (mean [95 % CI], "
+        f"{len(s['protocol']['report_seeds'])} report seeds)",
         "",
     ]
-    names = list(arms)
-    cell_names = list(cells)
-    lines.append("| arm | " + " | ".join(cell_names) + " | step cost ×AdamW |")
-    lines.append("|---|" + "---|" * (len(cell_names) + 1))
-    for n in names:
-        row = [f"`{n}`"]
-        present = False
-        for c in cell_names:
-            r = cells[c]["arms"].get(n)
-            if r is None or r["test_loss"] is None:
-                row.append("")
-                continue
-            present = True
-            ci = r["test_loss_ci"]
-            div = f" ({r['diverged']} diverged)" if r["diverged"] else ""
-            row.append((_ci(ci, 3, signed=False) if ci else "—") + div)
-        if present:
-            row.append(_f(arms[n]["cost_vs_adamw"], 2))
-            lines.append("| " + " | ".join(row) + " |")
+    if cell_names:
+        lines.append("| arm | " + " | ".join(cell_names) + " | step cost ×AdamW |")
+        lines.append("|---|" + "---|" * (len(cell_names) + 1))
+        for n in names:
+            row = [f"`{n}`"]
+            present = False
+            for c in cell_names:
+                r = cells[c]["arms"].get(n)
+                if r is None or r["test_loss"] is None:
+                    row.append("")
+                    continue
+                present = True
+                ci = r["test_loss_ci"]
+                div = f" ({r['diverged']} diverged)" if r["diverged"] else ""
+                row.append((_ci(ci, 3, signed=False) if ci else "—") + div)
+            if present:
+                row.append(_f(arms[n]["cost_vs_adamw"], 2))
+                lines.append("| " + " | ".join(row) + " |")
+    else:
+        lines.append("(no report runs finished yet)")
     lines.append("")
-    lines += ["#### Paired differences a − b in test loss (negative: a is better)", ""]
+    lines += [
+        "#### Paired differences a − b in test loss (negative: a is better; report seeds)",
+        "",
+        f"Pooled: per seed, the mean of the difference over the {len(s['protocol']['cells'])} "
+        "decision cells (equal compute: the base cells), Student-t over the seeds; shown once "
+        "every one of those cells has the pair.",
+        "",
+    ]
     for comp in s["comparisons"]:
+        if not comp["cells"]:
+            continue
         lines.append(f"**{comp['label']}** (`{comp['a']}` − `{comp['b']}`)")
         lines.append("")
-        lines.append("| cell | equal steps | equal compute |")
+        lines.append("| cell | equal steps | equal compute (FLOPs) |")
         lines.append("|---|---|---|")
         for c, kinds in comp["cells"].items():
             es, ec = kinds.get("equal steps"), kinds.get("equal compute")
             lines.append(f"| {c} | {_ci(es)}{_verdict(es)} | {_ci(ec)}{_verdict(ec)} |")
+        pe, pc = comp["pooled"], comp["pooled_equal_compute"]
+        if pe or pc:
+            lines.append(f"| **pooled** | {_ci(pe)}{_verdict(pe)} | {_ci(pc)}{_verdict(pc)} |")
         lines.append("")
-    lines += ["#### Decisions", ""]
-    for key, d in s["decisions"].items():
-        if key == "final":
-            lines.append(f"- **final default arm**: `{d}`")
-            continue
-        worse = ", ".join(f"`{n}` {k}" for n, k in d["worse_on_cells"].items())
-        costs = ", ".join(f"`{n}` {_f(c, 2)}" for n, c in d["cost_vs_adamw"].items())
-        if key == "screening":
-            lines.append(
-                f"- **screening** (default-horizon cells): survivors "
-                f"{', '.join(f'`{n}`' for n in d['survivors'])}; cells where each candidate is "
-                f"worse than the best: {', '.join(f'`{n}` {k}' for n, k in d['worse_on_cells'].items())}."
-            )
-            continue
-        lines.append(
-            f"- **{key}** → `{d['winner']}`. Cells where each candidate is worse than the best "
-            f"(95 % CI): {worse}. Tied-best: {', '.join(f'`{n}`' for n in d['tied_best'])}; "
-            f"step cost ×AdamW: {costs}."
-        )
-    lines.append("")
-    rob = s.get("robustness")
-    if rob:
-        lines += [
-            f"#### Robustness on {rob['cell']} (no clipping unless +clip; degradation = loss − "
-            "the same arm's clean loss, paired by seed)",
-            "",
-            "| arm | " + " | ".join(rob["conditions"]) + " |",
-            "|---|" + "---|" * len(rob["conditions"]),
-        ]
-        for label, a in rob["arms"].items():
-            row = [f"`{label}`"]
-            for cond in rob["conditions"]:
-                r = a["conditions"].get(cond)
-                if r is None:
-                    row.append("")
-                elif cond == "clean":
-                    row.append(_ci(r["test_loss_ci"], 3, signed=False))
-                else:
-                    div = f" ({r['diverged']} div.)" if r["diverged"] else ""
-                    row.append(_ci(r["degradation"]) + div)
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
+    lines += _robust_md(s)
+    lines += _tail_md(s)
+    lines += _claims_md(s)
     lines += [END]
     return "\n".join(lines) + "\n"
 
 
-def splice(doc: str, block: str) -> str:
-    """``doc`` with the text between the study markers replaced by ``block``."""
-    i, j = doc.find(BEGIN), doc.find(END)
-    if i < 0 or j < 0 or j < i:
-        raise ValueError("the document has no study markers")
-    return doc[:i] + block.rstrip("\n") + doc[j + len(END) :]
+def _robust_md(s: dict[str, Any]) -> list[str]:
+    rob = s.get("robustness")
+    if not rob:
+        return []
+    conds = rob["conditions"]
+    region = rob["lr_region"]
+    lines = [
+        f"#### Robustness family (weight decay {rob['weight_decay']:g} for all; each arm at its "
+        "own optimum of the clean sweep; degradation = loss − the same arm's clean loss, paired "
+        "by seed)",
+        "",
+        f"LR stability: mean over lr {_f(region['lr'][0], 3)}–{_f(region['lr'][-1], 2)} of the "
+        "loss above the seed's own optimum (a diverged run counts its initial loss)."
+        + (" Plot: [final loss against absolute lr](img/study_lr.png)." if _lr_plot(s) else ""),
+        "",
+    ]
+    for cname, arms in rob["cells"].items():
+        lines += [
+            f"**{cname}**",
+            "",
+            "| arm | optimum lr | clean | " + " | ".join(conds) + " | lr stability |",
+            "|---|" + "---|" * (len(conds) + 3),
+        ]
+        for tag, a in arms.items():
+            row = [f"`{tag}`", _f(a.get("optimum_lr"), 4) if a.get("optimum_lr") else "pending"]
+            row.append(_ci((a.get("clean") or {}).get("test_loss_ci"), 3, signed=False))
+            for c in conds:
+                r = a["conditions"].get(c)
+                div = f" ({r['diverged']} div.)" if r and r["diverged"] else ""
+                row.append(_ci(r["degradation"]) + div if r else "")
+            row.append(_ci(a.get("lr_degradation")))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    fam = rob["family"]
+    lines += [
+        f"**Between arms: ROOT − comparator in degradation** ({fam['size']} paired t tests; "
+        f"Holm-adjusted p at {fam['alpha']:g} "
+        + ("over the whole family" if fam["complete"] else "— PENDING until the whole family is in")
+        + "; negative: ROOT degrades less)",
+        "",
+        "| cell | clipping | comparator | degradation | ROOT − comparator | p | p (Holm) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in fam["rows"]:
+        d = r["diff"]
+        sig = " **yes**" if r.get("significant") else ""
+        lines.append(
+            f"| {r['cell']} | {'1.0' if r['clip'] is not None else 'off'} | `{r['b']}` | "
+            f"{r['metric']} | {_ci(d)} | {_p(d['p']) if d else '—'} | "
+            f"{_p(r.get('p_holm'))}{sig} |"
+        )
+    lines.append("")
+    return lines
 
 
-# The README's results table: the default ROOT against what a user would pick instead.
-HEADLINE_ARMS = (("muon-bf16", "Muon (`torch.optim.Muon`)"), ("adamw", "AdamW"))
+def _tail_md(s: dict[str, Any]) -> list[str]:
+    rows = []
+    for cname, c in s["cells"].items():
+        for arm, r in c["arms"].items():
+            t = r.get("momentum_tail")
+            if not t or not t["step"]:
+                continue
+            rows.append(
+                f"| {cname} | `{arm}` | {_f(t['kurtosis_median'][0], 1)} → "
+                f"{_f(t['kurtosis_median'][-1], 1)} | {_f(t['kurtosis_max'][-1], 0)} | "
+                f"{100 * t['above10rms_share'][-1]:.3f} % | "
+                f"{_f(t['q90_over_rms_median'][-1], 2)} |"
+            )
+    if not rows:
+        return []
+    return [
+        "#### The momentum's tail (what ROOT and Muon orthogonalize; mean over report seeds)",
+        "",
+        "Kurtosis 3 and 0.000 % above 10× RMS would be Gaussian; the 0.9-quantile over the "
+        "RMS is where `outlier_quantile=0.9` clips (≈ 1.64 for a Gaussian)."
+        + (" Over the run: [plot](img/study_tail.png)." if _tail_plot(s) else ""),
+        "",
+        "| cell | arm | kurtosis, median over matrices (first → last) | max (last) | "
+        "share above 10× RMS (last) | q0.9 / RMS (last) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def headline_arm(s: dict[str, Any]) -> str | None:
-    """The arm of the library's default: the final decision, else the chosen coefficients."""
-    d = s["decisions"]
-    if "final" in d:
-        return str(d["final"])
-    if "ns_coefficients" in d:
-        return str(d["ns_coefficients"]["winner"])
-    return None
+    """The arm of the library's default: decided, else the shipped setting (provisional)."""
+    d = s.get("default")
+    return str(d["arm"]) if d else None
+
+
+def _comparison(s: dict[str, Any], label: str) -> dict[str, Any] | None:
+    return next((c for c in s["comparisons"] if c["label"] == label), None)
+
+
+HEADLINE_COMPARISON = "default − torch.optim.Muon"
+MATCHED = "ROOT fp32 − Muon fp32 (precision-matched)"
+
+
+def _claims(s: dict[str, Any]) -> list[str]:
+    """Each claim the README's headline makes, with its interval."""
+    out = []
+    comp = _comparison(s, HEADLINE_COMPARISON)
+    if comp:
+        for c, kinds in comp["cells"].items():
+            d = kinds.get("equal steps")
+            if d:
+                out.append(f"ROOT − `torch.optim.Muon` on {c}: {_ci(d)}")
+        if comp["pooled"]:
+            out.append(
+                f"ROOT − `torch.optim.Muon` pooled over the decision cells: {_ci(comp['pooled'])}"
+            )
+    m = _comparison(s, MATCHED)
+    if m and m["pooled_equal_compute"]:
+        out.append(
+            "ROOT − Muon at matched (fp32) precision and equal FLOPs, pooled over the base "
+            f"cells: {_ci(m['pooled_equal_compute'])}"
+        )
+    return out
+
+
+def _claims_md(s: dict[str, Any]) -> list[str]:
+    claims = _claims(s)
+    if not claims:
+        return []
+    return ["#### The README's claims, each with its interval", "", *(f"- {c}" for c in claims), ""]
+
+
+def splice(doc: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """``doc`` with the text between the markers replaced by ``block``."""
+    i, j = doc.find(begin), doc.find(end)
+    if i < 0 or j < 0 or j < i:
+        raise ValueError("the document has no markers " + begin)
+    return doc[:i] + block.rstrip("\n") + doc[j + len(end) :]
+
+
+HEADLINE_BEGIN = (
+    "<!-- headline:begin (generated from docs/study_results.json; do not edit by hand) -->"
+)
+HEADLINE_END = "<!-- headline:end -->"
+
+
+def _pm(ci: dict[str, Any]) -> str:
+    return f"{ci['mean']:.3f} ± {(ci['hi'] - ci['lo']) / 2:.3f}"
+
+
+def _wrap(text: str) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=95, break_long_words=False, break_on_hyphens=False)
 
 
 def headline(s: dict[str, Any]) -> str:
-    """A table of test loss (mean ± half the 95 % interval) per cell for the default ROOT,
-    ``torch.optim.Muon`` and AdamW, the lowest mean in bold; every number from ``s``."""
+    """The README's results block: test loss (mean ± half the 95 % interval) per cell for the
+    default ROOT, ``torch.optim.Muon`` and AdamW, and the paired ROOT − Muon difference with
+    its interval, bold only where the interval excludes 0; every number from ``s``."""
     arm = headline_arm(s)
     if arm is None:
-        raise ValueError("the study has not decided the coefficients yet")
-    cols = [(arm, "ROOT (default)"), *HEADLINE_ARMS]
-    lines = [
-        "| task, steps | " + " | ".join(label for _, label in cols) + " |",
-        "|---|" + "---|" * len(cols),
-    ]
-    for c in s["cells"].values():
-        rows = [c["arms"].get(n) for n, _ in cols]
-        if any(r is None or not r.get("test_loss_ci") for r in rows):
+        raise ValueError("the study names no default arm")
+    decided = s["default"]["decided"]
+    comp = _comparison(s, HEADLINE_COMPARISON) or {"cells": {}}
+    rows_out: list[str] = []
+    pending: list[str] = []
+    sizes: dict[str, int] = {}
+    for name, c in s["cells"].items():
+        rows = [c["arms"].get(n) for n in (arm, "muon-bf16", "adamw")]
+        label = (
+            f"`{c['task']}`{' (bf16 autocast)' if c['precision'] != 'fp32' else ''}, {c['steps']}"
+        )
+        r0, r1, r2 = rows
+        if r0 is None or r1 is None or not r0.get("test_loss_ci") or not r1.get("test_loss_ci"):
+            pending.append(name)
             continue
-        cis = [r["test_loss_ci"] for r in rows if r is not None]
-        best = min(ci["mean"] for ci in cis)
-        shown = []
-        for ci in cis:
-            text = f"{ci['mean']:.3f} ± {(ci['hi'] - ci['lo']) / 2:.3f}"
-            shown.append(f"**{text}**" if ci["mean"] == best else text)
-        lines.append(f"| `{c['task']}`, {c['steps']} | " + " | ".join(shown) + " |")
+        sizes[c["task"]] = c["param_count"]
+        d = comp["cells"].get(name, {}).get("equal steps")
+        diff = _ci(d) if d else "—"
+        if d and (d["hi"] < 0 or d["lo"] > 0):
+            diff = f"**{diff}**"
+        adamw = _pm(r2["test_loss_ci"]) if r2 and r2.get("test_loss_ci") else "—"
+        rows_out.append(
+            f"| {label} | {_pm(r0['test_loss_ci'])} | {_pm(r1['test_loss_ci'])} | {diff} | {adamw} |"
+        )
+    size_text = ", ".join(f"`{t}` {n:,}" for t, n in sizes.items())
+    intro = (
+        "Test loss at the end of training (lower is better), mean ± half the 95 % interval over "
+        f"{len(s['protocol']['report_seeds'])} seeds, from the defaults study on a shared 2-core "
+        "CPU: byte-level Llama LMs and, for `digits`, a small CNN"
+        + (f" (parameters: {size_text})" if size_text else "")
+        + "; every optimizer's learning rate, AdamW-side learning rate and weight decay tuned "
+        "per task on other seeds. ROOT − Muon is the paired difference (same initialisation and "
+        "batches) with its 95 % interval, in bold only where the interval excludes 0."
+        + (
+            ""
+            if decided
+            else " ROOT is the shipped setting; the study has not finished deciding the defaults."
+        )
+    )
+    lines = [HEADLINE_BEGIN, "", *_wrap(intro), ""]
+    lines += [
+        "| task, steps | ROOT (default) | Muon (`torch.optim.Muon`) | ROOT − Muon | AdamW |",
+        "|---|---|---|---|---|",
+        *rows_out,
+        "",
+    ]
+    notes: list[str] = []
+    if "digits" in sizes:
+        notes.append(
+            "On `digits` the Muon column is ROOT's float32 Muon mode: `torch.optim.Muon` takes "
+            "only 2-D matrices, and the CNN's only matrices for Muon are its conv kernels."
+        )
+    m = _comparison(s, MATCHED)
+    pc = m["pooled_equal_compute"] if m else None
+    if pc:
+        notes.append(
+            "At equal compute (each optimizer given the FLOPs of AdamW's schedule) and the same "
+            "float32 Newton–Schulz precision, ROOT − Muon pooled over the base cells is "
+            f"{_ci(pc)}."
+        )
+    if pending:
+        notes.append(f"Still running: {', '.join(pending)}.")
+    if notes:
+        lines += [*_wrap(" ".join(notes)), ""]
+    lines += [HEADLINE_END]
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def write_plots(s: dict[str, Any], out: Path) -> list[str]:
+    """``study_lr.png`` (final loss against absolute lr per optimizer), ``study_long.png``
+    (the long-horizon curves) and ``study_tail.png`` (the momentum's tail over the run), from
+    the summary alone; a plot without data is not written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    rob = s.get("robustness")
+    if rob and _lr_plot(s):
+        fig, axes = plt.subplots(
+            1, len(rob["cells"]), figsize=(6 * len(rob["cells"]), 4.2), squeeze=False
+        )
+        for ax, (cname, arms) in zip(axes[0], rob["cells"].items(), strict=True):
+            for tag, a in arms.items():
+                pts = [(pt["lr"], pt["capped_test_loss"]) for pt in a["sweep"]]
+                if not pts:
+                    continue
+                xs = [x for x, _ in pts]
+                ys = [statistics.fmean(v) for _, v in pts]
+                style = "-" if tag.endswith("+clip") else "--"
+                ax.plot(xs, ys, style, marker="o", ms=3, color=f"C{_color(tag)}", label=tag)
+            ax.set_xscale("log")
+            ax.set_xlabel("learning rate (absolute)")
+            ax.set_ylabel("final test loss (diverged: initial loss)")
+            ax.set_title(cname)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "study_lr.png", dpi=110)
+        plt.close(fig)
+        made.append("study_lr.png")
+    long_cells = [c for c in s["cells"].values() if not c["decision"] and c["precision"] == "fp32"]
+    curves = [(c, n, r) for c in long_cells for n, r in c["arms"].items() if r.get("curves")]
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for i, (c, n, r) in enumerate(curves):
+            steps = r["curves"][0]["steps"][1:]
+            ys = [
+                statistics.fmean(cv["test_loss"][j + 1] for cv in r["curves"])
+                for j in range(len(steps))
+            ]
+            ax.plot(steps, ys, label=f"{n} ({c['task']}@{c['steps']})", color=f"C{i}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("test loss (mean over seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "study_long.png", dpi=110)
+        plt.close(fig)
+        made.append("study_long.png")
+    tails = _tails(s)
+    if tails:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for i, (cname, n, t) in enumerate(tails):
+            axes[0].plot(t["step"], t["kurtosis_median"], label=f"{n} ({cname})", color=f"C{i}")
+            axes[1].plot(t["step"], [100 * x for x in t["above10rms_share"]], color=f"C{i}")
+        axes[0].set_ylabel("kurtosis (median over matrices)")
+        axes[1].set_ylabel("% of entries above 10× RMS")
+        for ax in axes:
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "study_tail.png", dpi=110)
+        plt.close(fig)
+        made.append("study_tail.png")
+    return made
+
+
+def _lr_plot(s: dict[str, Any]) -> bool:
+    rob = s.get("robustness")
+    if not rob:
+        return False
+    return any(a["sweep"] for c in rob["cells"].values() for a in c.values())
+
+
+def _tails(s: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """The long-horizon arms' momentum tails (the plot of the tail over the run)."""
+    return [
+        (cname, n, r["momentum_tail"])
+        for cname, c in s["cells"].items()
+        if not c["decision"] and c["precision"] == "fp32"
+        for n, r in c["arms"].items()
+        if r.get("momentum_tail")
+    ]
+
+
+def _tail_plot(s: dict[str, Any]) -> bool:
+    return bool(_tails(s))
+
+
+def _color(tag: str) -> int:
+    order = ["root-muon", "muon-fp32", "muon-bf16", "adamw"]
+    base = tag.removesuffix("+clip")
+    return order.index(base) if base in order else 4
+
+
+# ----------------------------------------------------------------------------- v1, re-read
+
+V1_BEGIN = (
+    "<!-- study-v1:begin (generated from docs/study_results_v1.json; do not edit by hand) -->"
+)
+V1_END = "<!-- study-v1:end -->"
+V1_CANDIDATES = ("root-adanewton", "root-muon", "root-polar", "root-adanewton-static")
+
+
+def _seed_pooled(per_cell: list[list[float]]) -> dict[str, Any] | None:
+    from rootopt.bench.stats import mean_ci
+
+    if not per_cell or any(len(d) != len(per_cell[0]) for d in per_cell):
+        return None
+    means = [statistics.fmean(d[i] for d in per_cell) for i in range(len(per_cell[0]))]
+    if len(means) < 2 or not all(map(math.isfinite, means)):
+        return None
+    return mean_ci(means).as_dict()
+
+
+def v1_rereading(v1: dict[str, Any]) -> dict[str, Any]:
+    """What v1's own summary gives when read as protocol v2 reads: its decision rule on the
+    report runs' validation loss (v1 applied it to their test loss), pooled paired differences
+    against ``torch.optim.Muon``, ROOT against its Muon mode at equal CPU time, and the
+    between-arm differences of degradation that v1 did not print. Every number from ``v1``."""
+    from rootopt.bench.stats import paired_ci
+    from rootopt.bench.study import rule_with_stability
+
+    cells = v1["cells"]
+    names = [n for n in V1_CANDIDATES if n in v1["arms"]]
+    costs = {n: float(v1["arms"][n]["cost_vs_adamw"]) for n in names}
+    tie = float(v1["protocol"]["cost_tie"])
+    rules = {}
+    for split, key in (("test", "test_loss"), ("validation", "val_loss")):
+        losses = {c: {n: v["arms"][n][key] for n in names} for c, v in cells.items()}
+        rules[split] = rule_with_stability(losses, names, costs, tie)
+
+    def diffs(a: str, b: str, key: str, only: list[str] | None = None) -> list[list[float]]:
+        out = []
+        for c, v in cells.items():
+            if only is not None and c not in only:
+                continue
+            ra, rb = v["arms"].get(a), v["arms"].get(b)
+            if ra and rb and ra.get(key) and rb.get(key):
+                out.append([x - y for x, y in zip(ra[key], rb[key], strict=True)])
+        return out
+
+    pooled = {n: _seed_pooled(diffs(n, "muon-bf16", "test_loss")) for n in names}
+    lm = [c for c, v in cells.items() if v["task"] != "digits"]
+    pooled_lm = {n: _seed_pooled(diffs(n, "muon-bf16", "test_loss", lm)) for n in names}
+    base = [c for c, v in cells.items() if v["base"] is None]
+    matched = _seed_pooled(diffs("root-muon", "muon-fp32", "equal_compute_test_loss", base))
+    unmatched = _seed_pooled(diffs("root-muon", "muon-bf16", "equal_compute_test_loss", base))
+    robust: list[dict[str, Any]] = []
+    rob = v1.get("robustness") or {}
+    arms = rob.get("arms", {})
+    for other in ("muon-fp32", "muon-bf16"):
+        if "root-muon" not in arms or other not in arms:
+            continue
+        for cond in rob["conditions"]:
+            if cond == "clean":
+                continue
+            deg = []
+            for arm in ("root-muon", other):
+                c = arms[arm]["conditions"]
+                deg.append(
+                    [
+                        x - y
+                        for x, y in zip(c[cond]["test_loss"], c["clean"]["test_loss"], strict=True)
+                    ]
+                )
+            ci = paired_ci(deg[0], deg[1]).as_dict()
+            robust.append({"a": "root-muon", "b": other, "condition": cond, "diff": ci})
+    return {
+        "cells": list(cells),
+        "rule": rules,
+        "pooled_vs_torch_muon": pooled,
+        "lm_cells": lm,
+        "pooled_vs_torch_muon_lm": pooled_lm,
+        "equal_cpu_time_matched": matched,
+        "equal_cpu_time_vs_torch_muon": unmatched,
+        "equal_compute_cells": base,
+        "robustness_cell": rob.get("cell"),
+        "robustness": robust,
+    }
+
+
+def v1_markdown(v1: dict[str, Any]) -> str:
+    r = v1_rereading(v1)
+    t, v = r["rule"]["test"], r["rule"]["validation"]
+
+    def means(d: dict[str, Any]) -> str:
+        return ", ".join(f"`{n}` {x:.4f}" for n, x in d["mean_val_loss_over_cells"].items())
+
+    def loo(d: dict[str, Any]) -> str:
+        return ", ".join(f"{c}: `{n}`" for c, n in d["winner_without_cell"].items())
+
+    lines = [
+        V1_BEGIN,
+        "",
+        f"Over v1's cells ({', '.join(r['cells'])}), with v1's own runs:",
+        "",
+        f"- **v1's rule on test loss** (what v1 did) → `{t['winner']}`; worse on cells: "
+        + ", ".join(f"`{n}` {k}" for n, k in t["worse_on_cells"].items())
+        + f"; mean over cells: {means(t)}; winner with one cell left out: {loo(t)}.",
+        f"- **The same rule on the same runs' validation loss** → `{v['winner']}`; worse on "
+        "cells: "
+        + ", ".join(f"`{n}` {k}" for n, k in v["worse_on_cells"].items())
+        + f"; mean over cells: {means(v)}; winner with one cell left out: {loo(v)}.",
+        "- **Each ROOT candidate − `torch.optim.Muon`**, test loss pooled over the cells (per "
+        "seed the mean over cells, t over seeds): "
+        + "; ".join(f"`{n}` {_ci(ci)}" for n, ci in r["pooled_vs_torch_muon"].items())
+        + f"; over the LM cells ({', '.join(r['lm_cells'])}): "
+        + "; ".join(f"`{n}` {_ci(ci)}" for n, ci in r["pooled_vs_torch_muon_lm"].items())
+        + ". Each is the best of a selection among four candidates on these same runs, so "
+        "their sizes are optimistic.",
+        f"- **At equal CPU time** (pooled over {', '.join(r['equal_compute_cells'])}): "
+        f"`root-muon` − `muon-fp32` (the same float32 Newton–Schulz) {_ci(r['equal_cpu_time_matched'])}; "
+        f"`root-muon` − `muon-bf16` {_ci(r['equal_cpu_time_vs_torch_muon'])} (bfloat16 is "
+        "emulated on this CPU, so its steps cost more there).",
+        f"- **Between arms on {r['robustness_cell']}** (v1 printed each arm's degradation, not "
+        "their difference; unclipped, each arm at its own tuned lr and decay): ROOT − "
+        "comparator in degradation: "
+        + "; ".join(f"vs `{x['b']}`, {x['condition']}: {_ci(x['diff'])}" for x in r["robustness"])
+        + ".",
+        "",
+        V1_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def dump_summary(s: dict[str, Any]) -> str:
+    """``study.json``'s text: indented JSON, except that each row of the run index is one line
+    (thousands of rows; a row per line keeps the file small and its diffs readable)."""
+    body = {k: v for k, v in s.items() if k != "index"}
+    text = json.dumps(body, indent=1)
+    if "index" not in s:
+        return text + "\n"
+    idx = s["index"]
+    rows = ",\n  ".join(json.dumps(r, separators=(",", ":")) for r in idx["rows"])
+    rest = {k: v for k, v in idx.items() if k not in ("columns", "rows")}
+    parts = [
+        f' "columns": {json.dumps(idx["columns"])}',
+        f' "rows": [\n  {rows}\n ]' if rows else ' "rows": []',
+    ]
+    parts += [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in rest.items()]
+    index_text = "{\n" + ",\n".join(parts) + "\n}"
+    return text[: text.rindex("}")].rstrip() + ',\n "index": ' + index_text + "\n}\n"

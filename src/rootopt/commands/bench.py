@@ -47,11 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="tiny pipeline smoke test (~2 min)")
     p.add_argument(
-        "--protocol",
-        choices=("full", "reduced"),
-        default="full",
-        help="study only: the preregistered protocol, or its four-cell reduction "
-        "(docs/benchmarks.md, 'What ran')",
+        "--import",
+        dest="import_dir",
+        default="",
+        metavar="DIR",
+        help="study only: first add the finished runs of another study directory DIR "
+        "(those --out lacks) to --out",
     )
     p.add_argument("--tasks", default="", help="comma-separated subset of tasks")
     p.add_argument("--optimizers", default="", help="comma-separated subset of optimizers")
@@ -227,15 +228,29 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1; got {args.workers}")
     out = Path(args.out)
+    src = Path(args.import_dir) if args.import_dir else None
+    if src is not None and not (src / "runs.jsonl").is_file() and not (src / "runs").is_dir():
+        raise UserError(f"--import {str(src)!r} is not a study directory (no runs.jsonl)")
     _claim_out(out)
-    proto = {"full": study.Protocol.full, "reduced": study.Protocol.reduced}[args.protocol]()
-    if args.quick:
-        proto = study.Protocol.quick()
+    proto = study.Protocol.quick() if args.quick else study.Protocol.full()
     log_path = out / "study-log.jsonl"
+    if src is not None:
+        runs, timings = study.open_store(out).merge_from(src)
+        sessions = study_report.merge_log(src / "study-log.jsonl", log_path)
+        print(
+            f"rootopt bench study: imported {runs} runs, {timings} timings and "
+            f"{sessions} session entries"
+        )
     started = time.time()
+    git = _git_commit()
+    meta = _meta(args, argv)
+    # the output and import directories are the reader's own: logged as OUT and SRC
+    meta["command"] = meta["command"].replace(str(args.out), "OUT")
+    if args.import_dir:
+        meta["command"] = meta["command"].replace(str(args.import_dir), "SRC")
     entry = {
-        **_meta(args, argv),
-        **_git_commit(),
+        **meta,
+        **git,
         "session": f"{started:.6f}-{os.getpid()}",
         "start": started,
         "end": None,
@@ -249,20 +264,28 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
     # Logged at the start too, so that a session killed before its end (a reboot, a kill) is
     # still on record with its commit; the end entry of the same session completes it.
     log(entry)
-    w = study.run_study(
+    commit = None
+    if git.get("commit"):
+        commit = f"{git['commit']}{'+dirty' if git.get('dirty') else ''}"
+    w, store = study.run_study(
         proto,
         out,
         workers=args.workers,
         compute=not args.finished_only,
         progress=not args.no_progress,
+        commit=commit,
     )
     log({**entry, "end": time.time()})
-    meta = study_report.provenance(study_report.read_sessions(log_path), out)
-    summary = study.summarize(w, meta)
-    atomic_write(out / "study.json", json.dumps(summary, indent=1).encode())
+    meta = study_report.provenance(study_report.read_sessions(log_path), store)
+    summary = study.summarize(w, store, meta)
+    atomic_write(out / "study.json", study_report.dump_summary(summary).encode())
     atomic_write(out / "study.md", study_report.markdown(summary).encode())
-    state = "complete" if w.complete else f"{len(w.jobs)} jobs still needed"
-    print(f"rootopt bench study: {state}; wrote {out / 'study.json'} and {out / 'study.md'}")
+    plots = study_report.write_plots(summary, out)
+    state = "complete" if w.complete else f"{len(w.jobs)} jobs ready to run, more may follow"
+    print(
+        f"rootopt bench study: {state}; wrote {out / 'study.json'}, {out / 'study.md'}"
+        + (f" and {len(plots)} plots" if plots else "")
+    )
     return 0
 
 

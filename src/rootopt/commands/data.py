@@ -1,6 +1,7 @@
 """``rootopt data``: prepare and verify WebDataset shards.
 
-rootopt data prepare --corpus {stdlib,bbc,kjv,digits,bbc-classes,PATH} --out DIR [--seq_len 128]
+rootopt data prepare --corpus {stdlib,bbc,kjv,digits,bbc-classes,PATH} --out DIR
+    [--tokenizer bytes|bpe:N|TOKENIZER.json] [--text-field text] [--seq_len 128] ...
 rootopt data verify DIR
 """
 
@@ -33,8 +34,22 @@ def main(argv: list[str]) -> int:
     pp.add_argument(
         "--corpus",
         required=True,
-        help=f"{', '.join(TEXT_CORPORA)} (text, byte tokens), {', '.join(CLASS_CORPORA)} "
-        "(classification), or a text file/directory",
+        help=f"{', '.join(TEXT_CORPORA)} (text), {', '.join(CLASS_CORPORA)} "
+        "(classification), or a text file, a .jsonl file (one document per line) or a "
+        "directory of them",
+    )
+    pp.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (one id per byte; default), bpe:N (train a byte-level BPE of N ids on "
+        "the corpus) or the path of a tokenizer.json",
+    )
+    pp.add_argument(
+        "--text-field",
+        "--text_field",
+        dest="text_field",
+        default="text",
+        help="the field of a .jsonl line that holds the text (default: text)",
     )
     pp.add_argument("--out", required=True, help="output directory")
     pp.add_argument(
@@ -51,7 +66,7 @@ def main(argv: list[str]) -> int:
         dest="max_bytes",
         type=int,
         default=4_000_000,
-        help="bytes of text to use (text)",
+        help="bytes of text to use (text); 0 = all",
     )
     pp.add_argument(
         "--samples_per_shard",
@@ -64,6 +79,13 @@ def main(argv: list[str]) -> int:
         "--val_fraction", "--val-fraction", dest="val_fraction", type=float, default=0.05
     )
     pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument(
+        "--no-progress",
+        "--no_progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (it is shown only when stderr is a terminal)",
+    )
     pv = sub.add_parser("verify", help="check every shard against the manifest's sha256")
     pv.add_argument("dir")
     args = p.parse_args(argv)
@@ -72,6 +94,9 @@ def main(argv: list[str]) -> int:
             manifest = load_manifest(args.dir)
             from pathlib import Path
 
+            from rootopt.data.shards import verify_tokenizer
+
+            verify_tokenizer(Path(args.dir), manifest)
             n = 0
             for split in manifest["splits"].values():
                 for entry in split:
@@ -81,7 +106,7 @@ def main(argv: list[str]) -> int:
             return 0
         for name, value, lo, hi in (
             ("--seq_len", args.seq_len, 2, 1 << 20),
-            ("--max_bytes", args.max_bytes, 1, 1 << 40),
+            ("--max_bytes", args.max_bytes, 0, 1 << 40),
             ("--samples_per_shard", args.samples_per_shard, 1, 1 << 30),
             ("--val_fraction", args.val_fraction, 0.0, 0.5),
         ):
@@ -96,6 +121,9 @@ def main(argv: list[str]) -> int:
             samples_per_shard=args.samples_per_shard,
             val_fraction=args.val_fraction,
             seed=args.seed,
+            tokenizer=args.tokenizer,
+            text_field=args.text_field,
+            progress=args.progress,
         )
     except ShardWriteError as exc:  # a full or read-only disk
         print(f"rootopt data: {exc}", file=sys.stderr)
@@ -110,8 +138,13 @@ def main(argv: list[str]) -> int:
         print(f"rootopt data: {exc.strerror or exc} ({where})", file=sys.stderr)
         return 1
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
+    tok = ""
+    if manifest["task"] == "lm":
+        from rootopt.data.tokenizer import label, record_of
+
+        tok = f" ({label(record_of(manifest))}, {manifest['tokens']} tokens)"
     print(
-        f"{manifest['task']} corpus {manifest['corpus']}: {sum(e['samples'] for e in tr)} train samples in "
+        f"{manifest['task']} corpus {manifest['corpus']}{tok}: {sum(e['samples'] for e in tr)} train samples in "
         f"{len(tr)} shards, {sum(e['samples'] for e in va)} validation samples in {len(va)} shards "
         f"→ {args.out} ({time.perf_counter() - t0:.1f} s; checksums in manifest.json and SHA256SUMS)"
     )

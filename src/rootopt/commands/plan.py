@@ -1,7 +1,7 @@
 """``rootopt plan``: what distributed ROOT costs per rank at a world size (cost model).
 
     rootopt plan [--model llama3-8b llama3-70b llama3-405b] [--worlds 8 16 ... 1024]
-                 [--designs replicated gather owner fsdp gram] [--bucket-mib 1024]
+                 [--designs replicated owner fsdp] [--bucket-mib 1024]
                  [--dtype bf16|fp32] [--json NEW_FILE] [--plot NEW_FILE.png]
                  [--verdict MODEL@W]
 
@@ -125,7 +125,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from rootopt.distributed import plan as P
+    from rootopt.tools import costmodel as P
 
     ap = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,11 +140,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--dtype", choices=("bf16", "fp32"), default="bf16",
         help="gradients, parameters and Newton–Schulz in bfloat16 (default) or float32",
-    )  # fmt: skip
-    ap.add_argument(
-        "--sync-in-backward", action="store_true",
-        help="owner: the reduce-scatter starts in backward, hidden like DDP's all-reduce "
-        "(DistributedROOT(sync_in_backward=True))",
     )  # fmt: skip
     ap.add_argument("--tokens", type=int, default=P.LLAMA3_WORKLOAD.tokens, help="tokens per step")
     ap.add_argument("--seq-len", type=int, default=P.LLAMA3_WORKLOAD.seq_len)
@@ -183,7 +178,6 @@ def main(argv: list[str]) -> int:
         param_bytes=nbytes,
         ns_bytes=nbytes,
         bucket_bytes=max(1, int(a.bucket_mib * P.MiB)),
-        sync_in_backward=a.sync_in_backward,
     )
     hw = P.H100
     if a.dtype == "fp32":
@@ -215,14 +209,14 @@ def main(argv: list[str]) -> int:
         print()
     print(
         "GB/rank: most bytes any rank sends or receives per step (gradient sync included); "
-        "xAdamW: against AdamW under the same wrapper (DDP, or FSDP2 for fsdp/gram); "
+        "xAdamW: against AdamW under the same wrapper (DDP, or FSDP2 for fsdp); "
         "coll: collectives per step, step: of which issued by the optimizer step; "
         "NS TFLOP: Newton–Schulz on the busiest rank, bound: max(total/W, largest matrix), "
         "path: on the step's path, each round waiting for its busiest rank (the time uses it); "
         "opt GiB: optimizer state + buffers per rank; %fwd/bwd: optimizer time with nothing "
         "overlapped, %ovl: with the communication that can overlap compute overlapped "
-        "(all but what precedes the first Newton–Schulz or follows the last); fsdp: "
-        "DistributedROOT(fsdp_design='whole'), gram: fsdp_design='gram'"
+        "(all but what precedes the first Newton–Schulz or follows the last); owner: "
+        "DistributedROOT on plain tensors (no DDP wrapper), fsdp: on FSDP2 shards"
     )
     if judge is not None:
         v = P.verdict(judge[0], judge[1], a.designs, options, hw, work)

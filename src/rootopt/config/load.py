@@ -20,6 +20,13 @@ from rootopt.optim.registry import REGISTRY
 
 # The optimizer registry is the one list of valid names.
 OPTIMIZERS: tuple[str, ...] = tuple(REGISTRY)
+# Keys of earlier releases: a config naming one gets one line saying what replaced it.
+REMOVED: dict[str, str] = {
+    "distributed.ddp_design": "removed; under ddp, ROOT and Muon use the owner design and "
+    "synchronise the gradients themselves (docs/distributed.md); delete the key",
+    "distributed.fsdp_design": "removed; under fsdp every matrix is orthogonalized whole on "
+    "its owner (docs/distributed.md); delete the key",
+}
 
 
 class ConfigError(ValueError):
@@ -121,7 +128,9 @@ def _build(cls: type[Any], data: Any, where: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
-        if key not in fields:
+        if isinstance(key, str) and f"{where}.{key}" in REMOVED:
+            problems.append(f"{where}.{key}: {REMOVED[f'{where}.{key}']}")
+        elif key not in fields:
             known = ", ".join(fields)
             problems.append(
                 f"{where + '.' if where else ''}{short(key) if not isinstance(key, str) else key[:60]}: "
@@ -182,6 +191,13 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
             "(ckpt-*.pt, or a dcp-* directory); "
             f"got {short(cfg.checkpoint.resume)}"
         )
+    from rootopt.data.tokenizer import spec_problem
+
+    problem = spec_problem(cfg.data.tokenizer)
+    if problem:
+        problems.append(f"data.{problem}")
+    if not cfg.data.text_field.strip():
+        problems.append("data.text_field: expected the name of a JSON field; got ''")
     if 0 < cfg.run.loss_spike_factor <= 1:
         problems.append(
             f"run.loss_spike_factor: must be 0 (off) or > 1; got {cfg.run.loss_spike_factor}"

@@ -86,19 +86,9 @@ class DistributedConfig:
         gt=0,
     )
     parallel: Literal["ddp", "fsdp"] = _f(
-        "ddp", "data parallelism at world size > 1: ddp (replicated) or fsdp (FSDP2, sharded)"
-    )
-    ddp_design: Literal["owner", "gather"] = _f(
-        "owner",
-        "how ROOT spreads its work under ddp: owner (each matrix's owner keeps its momentum "
-        "and all-gathers the new parameters) or gather (every rank keeps all state; owners' "
-        "updates all-gathered); the same numbers either way",
-    )
-    fsdp_design: Literal["whole", "gram"] = _f(
-        "whole",
-        "how ROOT orthogonalizes sharded matrices under fsdp: whole (each matrix on one "
-        "owner) or gram (a matrix larger than a rank's share of the parameters split over "
-        "up to one node's ranks, which iterate together on its Gram matrix)",
+        "ddp",
+        "data parallelism at world size > 1: ddp (replicated; ROOT and Muon synchronise the "
+        "gradients in the optimizer, other optimizers run under DDP) or fsdp (FSDP2, sharded)",
     )
 
 
@@ -129,10 +119,21 @@ class DataConfig:
         "", "prepared shard directory (manifest.json); empty = prepare `corpus` into the run dir"
     )
     corpus: str = _f(
-        "stdlib", "stdlib | bbc | kjv | digits | bbc-classes | a directory/file of text"
+        "stdlib",
+        "stdlib | bbc | kjv | digits | bbc-classes | a text file, a .jsonl file (one document "
+        "per line) or a directory of them",
     )
+    tokenizer: str = _f(
+        "bytes",
+        "bytes (one id per byte) | bpe:N (a byte-level BPE of N ids trained on the corpus) | "
+        "the path of a tokenizer.json (docs/training.md, Your own data)",
+    )
+    text_field: str = _f("text", "the field of a .jsonl line that holds the document's text")
     max_bytes: int = _f(
-        4_000_000, "bytes of corpus text to tokenize when preparing", min=1, max=1 << 40
+        4_000_000,
+        "bytes of corpus text to tokenize when preparing; 0 = all of it",
+        min=0,
+        max=1 << 40,
     )
     seq_len: int = _f(128, "tokens per training sequence", min=2, max=1 << 20)
     samples_per_shard: int = _f(2000, "samples per .tar shard when preparing", min=1, max=1 << 30)

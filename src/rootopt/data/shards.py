@@ -2,10 +2,15 @@
 
 Layout of a prepared directory::
 
-    manifest.json          format, task, seq_len, per-shard {name, sha256, samples}
+    manifest.json          format, task, seq_len, tokenizer, token_dtype,
+                           per-shard {name, samples, content, sha256}
     SHA256SUMS             the same checksums, ``sha256sum -c`` compatible
+    tokenizer.json         the tokenizer (not for byte tokens; rootopt.data.tokenizer)
     train-000000.tar ...   WebDataset shards (samples: tokens.bin | x.npy + cls)
     val-000000.tar ...
+
+A sample's ``tokens.bin`` holds ``seq_len + 1`` token ids in the manifest's ``token_dtype``
+(little-endian; ``uint8`` when the manifest predates tokenizers).
 
 Reading order (what makes resume exact): a rank owns the train shards ``shards[rank::world]``
 for every epoch; each epoch it visits them in a seeded order and, with ``shuffle``, each
@@ -33,7 +38,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from rootopt._atomic import atomic_write
+from rootopt.data import tokenizer as tokenizers
 
 FORMAT = "rootopt-shards"
 VERSION = 1
@@ -76,7 +81,7 @@ def _field_bytes(value: Any) -> bytes:
     raise ShardError(f"sample field of type {type(value).__name__} cannot be written")
 
 
-def _content_digest(samples: list[dict[str, Any]]) -> str:
+def content_digest(samples: list[dict[str, Any]]) -> str:
     """sha256 over one shard's samples in order: each field's name, length and bytes."""
     h = hashlib.sha256()
     for sample in samples:
@@ -93,13 +98,34 @@ def data_identity(manifest: dict[str, Any]) -> str:
     sample counts and sample contents in order (``content:<sha256>``), so a dataset prepared
     again from the same corpus and settings is the same data whatever the bytes of its tar
     files. Manifests written before content digests existed fall back to a digest of their
-    shard list (``manifest:<sha256>``, names + file checksums + counts)."""
+    shard list (``manifest:<sha256>``, names + file checksums + counts).
+
+    A tokenizer other than byte tokens is part of the identity (kind, spec, vocabulary,
+    sha256: ``...+tokenizer:<json>``), so data prepared with another tokenizer is other
+    data even where the ids happen to agree; byte-token identities are unchanged from before
+    tokenizers existed (old checkpoints resume)."""
     splits = manifest.get("splits", {})
     entries = [(split, e) for split in ("train", "val") for e in splits.get(split, [])]
     if entries and all(isinstance(e.get("content"), str) for _, e in entries):
         rows = [[split, e["name"], e["samples"], e["content"]] for split, e in entries]
-        return "content:" + hashlib.sha256(json.dumps(rows).encode()).hexdigest()
-    return "manifest:" + hashlib.sha256(json.dumps(splits, sort_keys=True).encode()).hexdigest()
+        base = "content:" + hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+    else:
+        base = "manifest:" + hashlib.sha256(json.dumps(splits, sort_keys=True).encode()).hexdigest()
+    tok = tokenizers.identity_part(manifest)
+    return f"{base}+tokenizer:{tok}" if tok else base
+
+
+def identity_tokenizer(identity: str) -> dict[str, Any]:
+    """The tokenizer record a :func:`data_identity` names (byte tokens when it names none)."""
+    _, sep, tok = identity.partition("+tokenizer:")
+    if sep:
+        try:
+            rec = json.loads(tok)
+        except json.JSONDecodeError:
+            rec = None
+        if isinstance(rec, dict):
+            return rec
+    return tokenizers.record_of({})
 
 
 @dataclass
@@ -127,7 +153,10 @@ def plan_shards(
     seed: int,
     meta: dict[str, Any],
 ) -> ShardPlan:
-    """Shuffle ``samples`` (seeded), hold out ``val_fraction`` of them, cut them into shards."""
+    """Shuffle ``samples`` (seeded), hold out ``val_fraction`` of them, cut them into shards.
+
+    The in-memory reference of :func:`rootopt.data.preparing.stage`, which streams (tests
+    compare the two)."""
     order = np.random.default_rng(seed).permutation(len(samples))
     n_val = math.ceil(len(samples) * val_fraction) if val_fraction > 0 else 0
     if len(samples) - n_val < 1:
@@ -145,7 +174,7 @@ def plan_shards(
             chunk = rows[i * samples_per_shard : (i + 1) * samples_per_shard]
             shards[name] = chunk
             splits[split].append(
-                {"name": name, "samples": len(chunk), "content": _content_digest(chunk)}
+                {"name": name, "samples": len(chunk), "content": content_digest(chunk)}
             )
     manifest = {
         "format": FORMAT,
@@ -159,24 +188,34 @@ def plan_shards(
     return ShardPlan(manifest, shards)
 
 
-def _write_shard(path: Path, split: str, index: int, samples: list[dict[str, Any]]) -> str:
+def write_shard(path: Path, split: str, index: int, samples: list[dict[str, Any]]) -> str:
+    """Write one WebDataset shard (reproducible bytes); return its sha256."""
     with wds.TarWriter(str(path), user=TAR_USER, group=TAR_USER, mtime=TAR_MTIME) as sink:
         for j, sample in enumerate(samples):
             sink.write({"__key__": f"{split}{index:06d}_{j:06d}", **sample})
     return sha256_file(path)
 
 
-def _owned_files(out: Path) -> list[str]:
-    """Files a previous ``prepare`` wrote into ``out`` (its manifest's list); refuse anything else.
+# What a prepare writes into its output directory (and so what it may replace there).
+OUTPUT_NAME = re.compile(r"^((train|val)-\d{6}\.tar|tokenizer\.json)$")
+
+
+def owned_files(out: Path) -> list[str]:
+    """Files a previous prepare wrote into ``out`` (its manifest's list); refuse anything else.
 
     ``out`` must be missing, empty, or hold a manifest written by this module (complete or
-    interrupted): a command deletes only files it can prove it created (docs/training.md, Data).
+    interrupted), or only a staging directory of ours (a prepare killed while staging): a
+    command deletes only files it can prove it created (docs/training.md, Data). Reads only.
     """
+    from rootopt.data.preparing import STAGING, is_staging
+
     if not out.exists():
         return []
     if not out.is_dir():
         raise ShardError(f"--out {str(out)!r} exists and is not a directory")
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(
+        p.name for p in out.iterdir() if not (p.name == STAGING and is_staging(out / STAGING))
+    )
     if not entries:
         return []
     path = out / "manifest.json"
@@ -191,9 +230,16 @@ def _owned_files(out: Path) -> list[str]:
             "use a new or empty directory"
         )
     names = old.get("files")
-    if names is None:  # a complete manifest lists its shards under splits
+    if names is None:  # a complete manifest lists its shards under splits, and its tokenizer
         names = [e.get("name") for s in _dict(old.get("splits")).values() for e in _list(s)]
-    return [n for n in _list(names) if isinstance(n, str) and _SAFE_NAME.match(n)]
+        tok = old.get("tokenizer")
+        if isinstance(tok, dict) and tok.get("file") == tokenizers.FILE_NAME:
+            names.append(tokenizers.FILE_NAME)
+    return [
+        n
+        for n in _list(names)
+        if isinstance(n, str) and (SAFE_NAME.match(n) or n == tokenizers.FILE_NAME)
+    ]
 
 
 def _dict(x: Any) -> dict[str, Any]:
@@ -204,74 +250,24 @@ def _list(x: Any) -> list[Any]:
     return x if isinstance(x, list) else []
 
 
-def check_target(out: str | Path, plan: ShardPlan) -> list[str]:
-    """Refuse (one line) an ``out`` this plan may not be written into; return the files of
-    a previous prepare there that writing will replace. Reads only."""
-    out = Path(out)
-    owned = _owned_files(out)
+def refuse_foreign(out: Path, names: list[str], owned: list[str]) -> None:
+    """Refuse (one line, reading only) to write into ``out`` where a file a prepare writes
+    (``names``, and any name of the kind it writes) exists that the manifest there does not
+    list."""
+    if not out.is_dir():
+        return
     ours = set(owned) | {"manifest.json", "SHA256SUMS"}
-    if out.is_dir():
-        foreign = sorted(n for n in plan.names() if (out / n).exists() and n not in ours)
-        if foreign:
-            raise ShardError(
-                f"refusing to overwrite {foreign[0]!r} in {str(out)!r}: the existing manifest "
-                "does not list it (not written by rootopt data prepare)"
-            )
-    return owned
-
-
-def write_plan(out: str | Path, plan: ShardPlan) -> dict[str, Any]:
-    """Write a planned dataset: shards, ``SHA256SUMS`` and ``manifest.json``.
-
-    Ownership: ``out`` is empty, missing, or holds this module's manifest; only the files that
-    manifest lists are replaced. An interim manifest naming every file about to be written is
-    published first, so an interrupted prepare leaves a directory the next prepare may clean
-    (and that training refuses as incomplete).
-    """
-    out = Path(out)
-    owned = check_target(out, plan)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        interim = {"format": FORMAT, "version": VERSION, "complete": False}
-        interim["files"] = sorted(set(owned) | set(plan.names()))
-        atomic_write(out / "manifest.json", (json.dumps(interim) + "\n").encode())
-        for name in owned:
-            (out / name).unlink(missing_ok=True)
-        (out / "SHA256SUMS").unlink(missing_ok=True)
-        manifest: dict[str, Any] = json.loads(json.dumps(plan.manifest))
-        for split, entries in manifest["splits"].items():
-            for i, entry in enumerate(entries):
-                entry["sha256"] = _write_shard(
-                    out / entry["name"], split, i, plan.shards[entry["name"]]
-                )
-        lines = [f"{e['sha256']}  {e['name']}" for s in manifest["splits"].values() for e in s]
-        atomic_write(out / "SHA256SUMS", ("\n".join(lines) + "\n").encode())
-        atomic_write(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
-    except OSError as exc:
-        raise ShardWriteError(
-            f"cannot write shards into {str(out)!r}: {exc.strerror or exc} ({exc.filename or out})"
-        ) from None
-    return manifest
-
-
-def write_shards(
-    out: str | Path,
-    samples: list[dict[str, Any]],
-    *,
-    samples_per_shard: int,
-    val_fraction: float,
-    seed: int,
-    meta: dict[str, Any],
-) -> dict[str, Any]:
-    """:func:`plan_shards` then :func:`write_plan`."""
-    plan = plan_shards(
-        samples,
-        samples_per_shard=samples_per_shard,
-        val_fraction=val_fraction,
-        seed=seed,
-        meta=meta,
+    present = sorted(
+        n
+        for n in {*names, *(p.name for p in out.iterdir() if OUTPUT_NAME.match(p.name))}
+        if (out / n).exists() or (out / n).is_symlink()
     )
-    return write_plan(out, plan)
+    foreign = [n for n in present if n not in ours]
+    if foreign:
+        raise ShardError(
+            f"refusing to overwrite {foreign[0]!r} in {str(out)!r}: the existing manifest "
+            "does not list it (not written by rootopt data prepare)"
+        )
 
 
 def lm_samples(data: bytes, seq_len: int) -> list[dict[str, Any]]:
@@ -290,7 +286,9 @@ def classify_samples(x: np.ndarray, y: np.ndarray) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- reading
 
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.tar$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.tar$")
+_DTYPES = ("uint8", "uint16", "uint32")
+_UINT8 = np.dtype(np.uint8)
 
 
 def _manifest_problem(m: Any) -> str | None:
@@ -320,7 +318,7 @@ def _manifest_problem(m: Any) -> str | None:
             name = e.get("name")
             if not isinstance(name, str):
                 return f"{where} has no 'name'"
-            if not _SAFE_NAME.match(name):
+            if not SAFE_NAME.match(name):
                 return f"{where}.name {name[:60]!r} is not a plain shard file name (NAME.tar)"
             if name in seen:
                 return f"{where}.name {name!r} is listed twice"
@@ -334,6 +332,21 @@ def _manifest_problem(m: Any) -> str | None:
                 return f"{where} ({name}) has a 'content' digest that is not a string"
     if not splits.get("train"):
         return "lists no train shards"
+    if m.get("token_dtype", "uint8") not in _DTYPES:
+        return f"has token_dtype {str(m.get('token_dtype'))[:20]!r} (expected one of {', '.join(_DTYPES)})"
+    tok = m.get("tokenizer")
+    if isinstance(tok, dict):
+        vocab = tok.get("vocab_size")
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            return "has a tokenizer without a valid 'vocab_size'"
+        if tokenizers.token_dtype(vocab).name != m.get("token_dtype", "uint8"):
+            return f"stores {m.get('token_dtype', 'uint8')} ids for a vocabulary of {vocab}"
+        if tok.get("file") not in (None, tokenizers.FILE_NAME):
+            return f"names tokenizer file {str(tok.get('file'))[:60]!r} (expected {tokenizers.FILE_NAME})"
+        if tok.get("file") and not isinstance(tok.get("sha256"), str):
+            return "lists a tokenizer file without its sha256"
+    elif tok not in (None, "bytes"):
+        return f"has tokenizer {str(tok)[:40]!r} (expected a tokenizer record)"
     return None
 
 
@@ -388,6 +401,28 @@ def verify_shard(root: Path, entry: dict[str, Any], *, checksum: bool = True) ->
         )
 
 
+def verify_tokenizer(root: Path, manifest: dict[str, Any], *, checksum: bool = True) -> None:
+    """The tokenizer file a manifest lists: present and (``checksum``) its sha256."""
+    tok = manifest.get("tokenizer")
+    if not isinstance(tok, dict) or not tok.get("file"):
+        return
+    path = root / str(tok["file"])
+    if not path.is_file():
+        raise ShardError(
+            f"{tok['file']} is missing from {str(root)!r}; re-run rootopt data prepare"
+        )
+    if checksum:
+        try:
+            actual = sha256_file(path)
+        except OSError as exc:
+            raise ShardError(f"{tok['file']} cannot be read: {exc.strerror or exc}") from None
+        if actual != tok.get("sha256"):
+            raise ShardError(
+                f"{tok['file']} failed its checksum (manifest sha256 {str(tok.get('sha256'))[:12]}…, "
+                f"file {actual[:12]}…): it was modified; re-run rootopt data prepare"
+            )
+
+
 def _tar_samples(path: Path) -> int:
     """Distinct sample keys in a WebDataset tar, from its headers only."""
     keys = set()
@@ -404,6 +439,7 @@ def validate_data(
     """Check every shard of ``splits`` before training starts; return how many were checked."""
     root = Path(root)
     manifest = load_manifest(root)
+    verify_tokenizer(root, manifest, checksum=checksum)
     n = 0
     for split in splits:
         for entry in manifest["splits"].get(split, []):
@@ -412,9 +448,11 @@ def validate_data(
     return n
 
 
-def _decode(sample: dict[str, Any], task: str, seq_len: int) -> tuple[np.ndarray, int]:
+def _decode(
+    sample: dict[str, Any], task: str, seq_len: int, dtype: np.dtype[Any]
+) -> tuple[np.ndarray, int]:
     if task == "lm":
-        tokens = np.frombuffer(sample["tokens.bin"], dtype=np.uint8)[: seq_len + 1]
+        tokens = np.frombuffer(sample["tokens.bin"], dtype=dtype.newbyteorder("<"))[: seq_len + 1]
         return tokens.astype(np.int64), 0
     x = np.load(io.BytesIO(sample["x.npy"]))
     return x, int(sample["cls"])
@@ -432,7 +470,8 @@ def _collate(items: list[tuple[np.ndarray, int]], task: str) -> dict[str, torch.
 
 def _open_shards(root: Path, seq_len: int) -> tuple[dict[str, Any], str, int]:
     """``(manifest, task, seq_len)`` of a shard directory; ``seq_len=0`` takes the shards'
-    own, and a longer one than they were prepared with is refused with one line."""
+    own, and a longer one than they were prepared with is refused with one line. The
+    token dtype is ``tokenizers.dtype_of(manifest)``."""
     manifest = load_manifest(root)
     task: str = manifest["task"]
     seq_len = seq_len or int(manifest.get("seq_len", 0))
@@ -450,6 +489,7 @@ def _read_shard(
     task: str,
     seq_len: int,
     verified: set[str] | None = None,
+    dtype: np.dtype[Any] = _UINT8,
 ) -> list[tuple[np.ndarray, int]]:
     """Every decoded sample of one shard, in file order; one line naming the shard when it
     is missing, unreadable or holds another number of samples than its manifest entry."""
@@ -469,7 +509,7 @@ def _read_shard(
         handler=wds.reraise_exception,
     )
     try:
-        items = [_decode(s, task, seq_len) for s in ds]
+        items = [_decode(s, task, seq_len, dtype) for s in ds]
     except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
         raise ShardError(
             f"shard {name} cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
@@ -514,6 +554,7 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
         super().__init__()
         self.root = Path(root)
         self.manifest, self.task, self.seq_len = _open_shards(self.root, seq_len)
+        self.dtype = tokenizers.dtype_of(self.manifest)
         entries = self.manifest["splits"][split]
         self.shards = entries[rank::world_size] if loop else entries
         if not self.shards:
@@ -537,7 +578,7 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
 
     def _samples(self, entry: dict[str, Any], epoch: int) -> list[tuple[np.ndarray, int]]:
         verified = self._verified if self.verify else None
-        items = _read_shard(self.root, entry, self.task, self.seq_len, verified)
+        items = _read_shard(self.root, entry, self.task, self.seq_len, verified, self.dtype)
         if self.shuffle:
             perm = np.random.default_rng(
                 [self.seed, self.rank, epoch, hash_name(entry["name"])]
@@ -618,6 +659,7 @@ class ShardSamples(Dataset[tuple[np.ndarray, int]]):
     ) -> None:
         self.root = Path(root)
         self.manifest, self.task, self.seq_len = _open_shards(self.root, seq_len)
+        self.dtype = tokenizers.dtype_of(self.manifest)
         self.entries: list[dict[str, Any]] = list(self.manifest["splits"][split])
         self.samples = sum(int(e["samples"]) for e in self.entries)
         if self.samples == 0:
@@ -646,7 +688,7 @@ class ShardSamples(Dataset[tuple[np.ndarray, int]]):
         items = self._decoded.pop((epoch, name), None)
         if items is None:
             verified = self._verified if self.verify else None
-            items = _read_shard(self.root, entry, self.task, self.seq_len, verified)
+            items = _read_shard(self.root, entry, self.task, self.seq_len, verified, self.dtype)
             if self.shuffle:
                 perm = np.random.default_rng([self.seed, epoch, hash_name(name)])
                 items = [items[k] for k in perm.permutation(len(items))]

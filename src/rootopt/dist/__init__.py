@@ -16,8 +16,10 @@ import warnings
 from rootopt.distributed import *  # noqa: F403  (the alias re-exports the whole package)
 from rootopt.distributed import __all__ as __all__
 
-# Every submodule of the renamed package, registered under its old name.
-_SUBMODULES = ("checkpoint", "counters", "group", "model", "owners", "plan", "root", "sampler")
+# Every runtime submodule of the renamed package, registered under its old name (its cost
+# model and byte counters, ``plan`` and ``counters``, moved out of the runtime:
+# rootopt.tools.costmodel and rootopt.tools.counters).
+_SUBMODULES = ("checkpoint", "group", "model", "owners", "root", "sampler")
 
 for _name in _SUBMODULES:
     _module = importlib.import_module(f"rootopt.distributed.{_name}")

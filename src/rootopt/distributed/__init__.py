@@ -1,11 +1,14 @@
-"""Distributed ROOT: process groups, the sharded optimizer step, resharding checkpoints
-and a world-size-invariant sampler (docs/distributed.md).
+"""Distributed ROOT: process groups, the optimizer across ranks (one design per layout:
+:mod:`~rootopt.distributed.replicated`, :mod:`~rootopt.distributed.sharded`), resharding
+checkpoints and a world-size-invariant sampler (docs/distributed.md).
 
-Imports ``optim``/``ortho``/``coeffs`` only; never the training loop.
+Imports ``optim``/``ortho``/``coeffs`` only; never the training loop, and never the cost
+model (:mod:`rootopt.tools.costmodel`, analysis outside the runtime).
 """
 
 from __future__ import annotations
 
+from rootopt.distributed.flat import StepStats
 from rootopt.distributed.group import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -25,9 +28,9 @@ from rootopt.distributed.group import (
     start_collective,
     world,
 )
-from rootopt.distributed.model import unwrap_model, wrap_model
+from rootopt.distributed.model import broadcast_parameters, unwrap_model, wrap_model
 from rootopt.distributed.owners import assign_owners, chunk_rows, ns_cost
-from rootopt.distributed.root import DistributedROOT, StepStats
+from rootopt.distributed.root import DistributedROOT
 
 __all__ = [
     "CollectiveError",
@@ -39,6 +42,7 @@ __all__ = [
     "WorldInfo",
     "abort",
     "assign_owners",
+    "broadcast_parameters",
     "chunk_rows",
     "claim_failure",
     "collective",

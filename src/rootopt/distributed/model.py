@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from rootopt.distributed.group import world
+from rootopt.distributed.group import collective, world
 
 Parallel = Literal["none", "ddp", "fsdp"]
 
@@ -24,7 +26,9 @@ def wrap_model(
 
     ``none`` (or a world of one with ``ddp``): unchanged. ``ddp``:
     ``torch.nn.parallel.DistributedDataParallel`` (gradients averaged over ranks; pair it
-    with ``DistributedROOT(average_grads=False)``). ``fsdp``: FSDP2's ``fully_shard`` on
+    with ``DistributedROOT(average_grads=False)``, or better leave the model unwrapped,
+    :func:`broadcast_parameters`, and let ``DistributedROOT(average_grads=True)``
+    synchronise the gradients at DDP AdamW's bytes). ``fsdp``: FSDP2's ``fully_shard`` on
     every submodule for which ``shard_unit`` is true (e.g. transformer blocks), then on the
     root; parameters become ``DTensor``s sharded on dim 0. Build the optimizer *after*
     wrapping, from the wrapped model's parameters. ``broadcast_buffers=False`` skips DDP's
@@ -59,6 +63,27 @@ def wrap_model(
     return model
 
 
+@torch.no_grad()
+def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
+    """Give every rank rank ``src``'s parameters and buffers, as DDP does when it wraps a
+    model: for a loop without DDP, where ``DistributedROOT(average_grads=True)``
+    synchronises the gradients. One broadcast per dtype and device of the flattened
+    tensors; nothing at world size 1."""
+    if world().world_size == 1:
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.numel():
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for tensors in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        collective("broadcast initial parameters", dist.broadcast, flat, src=src)
+        off = 0
+        for t in tensors:
+            t.copy_(flat[off : off + t.numel()].view_as(t))
+            off += t.numel()
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (FSDP2 modules are their own module)."""
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -66,4 +91,4 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-__all__ = ["Parallel", "unwrap_model", "wrap_model"]
+__all__ = ["Parallel", "broadcast_parameters", "unwrap_model", "wrap_model"]

@@ -353,25 +353,42 @@ class ROOT(Optimizer):
                 state[key] = torch.zeros_like(p, dtype=state_dtype(p))
         return state
 
-    def _adamw(self, group: dict[str, Any], part: list[tuple[int, Tensor, str]]) -> None:
+    def _adamw(
+        self,
+        group: dict[str, Any],
+        part: list[tuple[int, Tensor, str]],
+        grads: list[Tensor] | None = None,
+    ) -> None:
+        """AdamW on ``part`` (its step counts already advanced); ``grads``: the gradients
+        to use instead of ``p.grad`` (the distributed step's synchronised ones)."""
         states = [self.state[p] for _, p, _ in part]
         steps = [s["step"] for s in states]
+        if grads is None:
+            grads = [cast(Tensor, p.grad) for _, p, _ in part]
         adamw_(
-            [p for _, p, _ in part], [cast(Tensor, p.grad) for _, p, _ in part],
+            [p for _, p, _ in part], grads,
             [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], steps,
             lr=_lr(group), betas=group["adamw_betas"], eps=group["adamw_eps"],
             weight_decay=group["weight_decay"],
         )  # fmt: skip
 
     def _root(
-        self, group: dict[str, Any], part: list[tuple[int, Tensor, str]], device: torch.device
+        self,
+        group: dict[str, Any],
+        part: list[tuple[int, Tensor, str]],
+        device: torch.device,
+        grads: list[Tensor] | None = None,
     ) -> None:
+        """ROOT's update of ``part`` (its step counts already advanced); ``grads``: the
+        gradients to use instead of ``p.grad`` (the distributed step's synchronised ones:
+        :mod:`rootopt.distributed.replicated` runs this very update on what a rank owns)."""
         o = _options.root_options(group, device, _lr(group))
         coefficients = coefficients_for(self._coeffs, group, device)
         params = [p for _, p, _ in part]
         states = [self.state[p] for p in params]
         bufs = [s["momentum_buffer"] for s in states]
-        grads = [cast(Tensor, p.grad) for p in params]
+        if grads is None:
+            grads = [cast(Tensor, p.grad) for p in params]
         grads = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, bufs)]
         splits = group.get("ns_split")
         blocks = [splits[pi] for pi, _, _ in part] if splits else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,18 +132,36 @@ def resolve_device(cfg: Config, info: ProcessInfo) -> torch.device:
 
 
 def parallelize(cfg: Config, model: nn.Module, info: ProcessInfo) -> nn.Module:
-    """At world size > 1: ``distributed.parallel`` = ddp (DistributedDataParallel) or fsdp
-    (FSDP2 ``fully_shard`` per transformer block, then the whole model). World 1: unchanged."""
+    """At world size > 1: ``distributed.parallel`` = ddp or fsdp (FSDP2 ``fully_shard`` per
+    transformer block, then the whole model). Under ddp, ROOT and Muon synchronise the
+    gradients in the optimizer (:func:`optimizer_syncs_grads`): the model stays unwrapped
+    and only rank 0's parameters are broadcast, as DDP would; other optimizers get
+    ``DistributedDataParallel``. World 1: unchanged."""
     if info.world_size == 1:
         return model
-    from rootopt.distributed import wrap_model
+    from rootopt.distributed import broadcast_parameters, wrap_model
     from rootopt.train.model import Block
 
     mode = cfg.distributed.parallel
+    if optimizer_syncs_grads(cfg, info.world_size):
+        broadcast_parameters(model)
+        return model
     unit = (lambda m: isinstance(m, Block)) if mode == "fsdp" else None
     # the models' buffers are constants (RoPE tables), identical on every rank: DDP need
     # not broadcast them before every forward
     return wrap_model(model, mode, shard_unit=unit, broadcast_buffers=False)
+
+
+def optimizer_syncs_grads(cfg: Config, world_size: int) -> bool:
+    """ROOT or Muon under ``parallel: ddp`` at world size > 1: no DDP wrapper;
+    ``DistributedROOT(average_grads=True)`` reduce-scatters the gradients to their owners
+    (started during backward), unscales, checks and clips them there, at DDP AdamW's bytes
+    (docs/distributed.md, "Training under torchrun")."""
+    return (
+        world_size > 1
+        and cfg.distributed.parallel == "ddp"
+        and cfg.optimization.optimizer.lower() in ("root", "muon")
+    )
 
 
 def build_optimizer(
@@ -151,8 +170,9 @@ def build_optimizer(
     """The configured optimizer and a printable routing table ('' when not ROOT/Muon).
 
     At world size > 1, ROOT (and Muon mode) is :class:`rootopt.distributed.DistributedROOT`: each
-    matrix is thresholded and orthogonalized by one owner rank (docs/distributed.md);
-    ``model`` is the wrapped model (DDP already averages the gradients).
+    matrix is thresholded and orthogonalized by one owner rank (docs/distributed.md); under
+    ddp it synchronises the gradients itself (``model`` is not wrapped), under fsdp
+    ``model`` holds FSDP2's shards.
     """
     o = cfg.optimization
     name = o.optimizer.lower()
@@ -164,7 +184,7 @@ def build_optimizer(
     extra: dict[str, Any] = {k: getattr(o, k) for k in spec.config_options}
     try:
         if world_size > 1 and name in ("root", "muon"):
-            return _distributed_root(cfg, model, name, extra)
+            return _distributed_root(cfg, model, name, extra, world_size)
         opt, report = make_optimizer(
             name,
             model,
@@ -180,7 +200,7 @@ def build_optimizer(
 
 
 def _distributed_root(
-    cfg: Config, model: nn.Module, name: str, extra: dict[str, Any]
+    cfg: Config, model: nn.Module, name: str, extra: dict[str, Any], world_size: int
 ) -> tuple[torch.optim.Optimizer, str]:
     """DistributedROOT on the same routing as :func:`rootopt.optim.make_optimizer`."""
     from rootopt.distributed import DistributedROOT, unwrap_model
@@ -200,10 +220,7 @@ def _distributed_root(
         adamw_betas=betas,
         adamw_eps=o.epsilon,
     )
-    if cfg.distributed.parallel == "ddp":
-        opts["ddp_design"] = cfg.distributed.ddp_design
-    else:
-        opts["fsdp_design"] = cfg.distributed.fsdp_design
+    opts["average_grads"] = optimizer_syncs_grads(cfg, world_size)
     opt = DistributedROOT(
         groups,
         lr=o.base_lr,
@@ -242,6 +259,7 @@ class Precision:
         self.name = dtype if enabled else "fp32"
         self.static_scale: float | None = None
         self.scaler: torch.amp.GradScaler | None = None
+        self._probe: torch.optim.Optimizer | None = None  # see _agreed_update
         self.description = f"precision: {self.name}" + (
             f" autocast on {device.type}" if enabled else ""
         )
@@ -286,17 +304,50 @@ class Precision:
                 if p.grad is not None:
                     p.grad.mul_(inv)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is not None:
+    def step(self, optimizer: torch.optim.Optimizer, *, agreed: bool = False) -> None:
+        """The optimizer step and the dynamic scale's update. ``agreed``: the optimizer
+        unscaled and checked the gradients itself (``DistributedROOT.sync_grads`` with
+        :meth:`inv_scale`), every rank found them finite."""
+        if agreed:
+            optimizer.step()
+            self._agreed_update(found_inf=False)
+        elif self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
         else:
             optimizer.step()
 
-    def skip(self) -> None:
+    def skip(self, *, agreed: bool = False) -> None:
         """A step with non-finite gradients: not applied; the dynamic scale backs off."""
-        if self.scaler is not None:
+        if agreed:
+            self._agreed_update(found_inf=True)
+        elif self.scaler is not None:
             self.scaler.update()
+
+    def inv_scale(self) -> float | None:
+        """1 / the loss scale, or None without one: what ``DistributedROOT.sync_grads``
+        multiplies the synchronised gradients by (instead of :meth:`unscale` on ``p.grad``,
+        which the reduce-scatter started in backward has already read)."""
+        if self.scaler is not None:
+            return 1.0 / float(self.scaler.get_scale())
+        if self.static_scale is not None:
+            return 1.0 / self.static_scale
+        return None
+
+    def _agreed_update(self, found_inf: bool) -> None:
+        """``GradScaler.update`` with the outcome every rank agreed on. The scaler learns
+        it through its own ``unscale_`` of a one-element probe whose gradient is inf when
+        a gradient was non-finite on any rank (the real gradients were unscaled and
+        checked in the optimizer's step, on the parts each rank owns)."""
+        if self.scaler is None:
+            return
+        if self._probe is None:
+            probe = torch.zeros(1, device=self.device, requires_grad=True)
+            self._probe = torch.optim.SGD([probe], lr=0.0)
+        probe = self._probe.param_groups[0]["params"][0]
+        probe.grad = torch.full_like(probe, math.inf if found_inf else 0.0)
+        self.scaler.unscale_(self._probe)
+        self.scaler.update()
 
     @property
     def scale(self) -> float:

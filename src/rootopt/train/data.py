@@ -15,8 +15,8 @@ from rootopt.data import (
     ShardStream,
     collate,
     load_manifest,
+    publish,
     validate_data,
-    write_plan,
 )
 from rootopt.distributed.sampler import GlobalBatchSampler
 from rootopt.train.build import ProcessInfo
@@ -38,9 +38,11 @@ def resolve_data(cfg: Config, run_dir: Path, data_path: str | None, info: Proces
     if path:
         load_manifest(path)  # fail early, with the shard error, if it is not a prepared directory
         return Path(path)
-    out, shards, _ = data_for(cfg, run_dir, "", None, False)
-    if shards is not None and info.is_main:
-        write_plan(out, shards)
+    if not info.is_main:
+        return run_dir / "data"
+    out, staged, _ = data_for(cfg, run_dir, "", None, False)
+    if staged is not None:
+        publish(staged, out)
     return out
 
 

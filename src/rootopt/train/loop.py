@@ -215,6 +215,7 @@ def setup(
     try:
         return _build(cfg, info, plan, say), locks
     except BaseException:
+        planning.abandon(plan)  # the data it staged, when it stopped before writing
         locks.abandon()
         raise
 

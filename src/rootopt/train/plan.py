@@ -4,13 +4,19 @@
 lock (and the checkpoint directory's), checks that both belong to this run, chooses the
 checkpoint to resume from and checks that it fits this config and this data, and reads the
 corpus it would prepare. Only a new run directory and the lock files are created on the
-way. A refused launch therefore leaves another run's directory byte-identical. :func:`commit`
-then does the writes, in order: stale temporary files of this run removed, the old run
-moved aside (``checkpoint.resume=restart``), ``run.json``, ``owner.json``, the prepared data.
+way, and, when the run prepares its data, the staging directory the data is prepared into
+(``<run dir>/.rootopt-staging``: preparing streams the corpus through the disk, and the
+data's identity is known only once it is prepared; a setting that differs from the
+checkpoint's is refused before it is created). A refused launch therefore leaves another
+run's directory byte-identical. :func:`commit` then does the writes, in order: stale
+temporary files of this run removed, the old run moved aside
+(``checkpoint.resume=restart``), ``run.json``, ``owner.json``, the staged data published
+into ``<run dir>/data``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -26,13 +32,22 @@ from rootopt.checkpoint import CheckpointError, CheckpointUnreadable
 from rootopt.config import Config, ConfigError, to_dict
 from rootopt.data import (
     CLASS_CORPORA,
+    STAGING,
     TEXT_CORPORA,
-    ShardPlan,
-    check_target,
+    Settings,
+    ShardError,
+    Staged,
     data_identity,
+    discard,
+    identity_tokenizer,
     load_manifest,
-    write_plan,
+    owned_files,
+    publish,
+    stage,
 )
+from rootopt.data import tokenizer as tokenizers
+from rootopt.data.preparing import check as check_settings
+from rootopt.data.shards import refuse_foreign
 from rootopt.train import ckpts, rundir
 
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
@@ -50,6 +65,8 @@ RUN_OUTPUTS = (
 )
 # The data settings a run prepares its own corpus with (data/ in the run directory).
 _PREP_KEYS = ("corpus", "seq_len", "max_bytes", "samples_per_shard", "val_fraction")
+# ... and those of a text corpus, with their values before they existed
+_TEXT_KEYS = {"tokenizer": tokenizers.BYTES, "text_field": "text"}
 
 
 @dataclass
@@ -70,8 +87,8 @@ class Plan:
     run_id: str
     old_run_id: str  # the run moved aside by resume=restart ("" when none)
     locks: rundir.Locks
-    manifest: dict[str, Any] | None  # None while the data is still to be prepared
-    shards: ShardPlan | None  # the data to prepare into the run directory
+    manifest: dict[str, Any] | None  # None while the data is still to be published
+    staged: Staged | None  # the data prepared for the run directory, to publish
     choice: Choice | None
     skipped: list[str]
     archive: bool
@@ -81,7 +98,7 @@ class Plan:
     @property
     def meta(self) -> dict[str, Any]:
         """The manifest's fields the model is built from (before the data exists)."""
-        source = self.manifest if self.manifest is not None else self.shards.manifest  # type: ignore[union-attr]
+        source = self.manifest if self.manifest is not None else self.staged.manifest  # type: ignore[union-attr]
         return {k: v for k, v in source.items() if k != "splits"}
 
     def public(self) -> dict[str, Any]:
@@ -93,7 +110,7 @@ class Plan:
             "run_id": self.run_id,
             "meta": self.meta,
             "choice": (self.choice.kind, str(self.choice.path)) if self.choice else None,
-            "prepared": self.shards is None,  # the data exists (else commit prepares it)
+            "prepared": self.staged is None,  # the data exists (else commit publishes it)
         }
 
 
@@ -154,12 +171,18 @@ def _check_locked(
             choice = Choice(found.entry.kind, found.entry.path, found.state)
     elif mode not in ("never", "restart"):
         choice = _explicit(Path(mode), run_id)
-    data_dir, shards, move_data = data_for(cfg, run_dir, given, manifest, archive)
-    if manifest is None and shards is None:
-        manifest = load_manifest(data_dir)
-    identity = data_identity(manifest) if manifest is not None else shards.identity  # type: ignore[union-attr]
-    if choice is not None:
-        _compatible(cfg, choice, identity, manifest)
+    before = (lambda: _same_settings(cfg, choice, run_dir)) if choice is not None else None
+    data_dir, staged, move_data = data_for(cfg, run_dir, given, manifest, archive, before)
+    try:
+        if manifest is None and staged is None:
+            manifest = load_manifest(data_dir)
+        identity = data_identity(manifest) if manifest is not None else staged.identity  # type: ignore[union-attr]
+        if choice is not None:
+            _compatible(cfg, choice, identity, manifest)
+    except BaseException:
+        if staged is not None:
+            _discard(staged.dir)
+        raise
     new_id = uuid.uuid4().hex if archive or not run_id else run_id
     return Plan(
         cfg=cfg,
@@ -170,7 +193,7 @@ def _check_locked(
         old_run_id=run_id if archive else "",
         locks=locks,
         manifest=manifest,
-        shards=shards,
+        staged=staged,
         choice=choice,
         skipped=skipped,
         archive=archive,
@@ -226,40 +249,134 @@ def _explicit(path: Path, run_id: str) -> Choice:
     return Choice(entry.kind, path, state)
 
 
-def data_for(
-    cfg: Config, run_dir: Path, given: str, manifest: dict[str, Any] | None, archive: bool
-) -> tuple[Path, ShardPlan | None, bool]:
-    """Where the run's shards are, and what to prepare (read-only: the corpus is read and
-    cut in memory, so a corpus error stops the run before it writes anything)."""
-    if given:
-        return Path(given), None, False
-    out = run_dir / "data"
+def settings_of(cfg: Config) -> Settings:
+    """What ``rootopt train`` prepares ``data.corpus`` with."""
     d = cfg.data
-    want = {**{k: getattr(d, k) for k in _PREP_KEYS}, "seed": cfg.run.seed}
-    if d.corpus not in (*TEXT_CORPORA, *CLASS_CORPORA):  # a path: the manifest keeps its name
-        want["corpus"] = Path(d.corpus).name
-    try:
-        have = load_manifest(out)
-    except ValueError:
-        have = None
-    if have is not None:
-        keys = [k for k in want if not (k == "max_bytes" and have.get("task") != "lm")]
-        if all(have.get(k) == want[k] for k in keys):
-            return out, None, False
-    from rootopt.data import plan as plan_data
-
-    shards = plan_data(
-        d.corpus,
+    return Settings(
+        corpus=d.corpus,
         seq_len=d.seq_len,
         max_bytes=d.max_bytes,
         samples_per_shard=d.samples_per_shard,
         val_fraction=d.val_fraction,
         seed=cfg.run.seed,
+        tokenizer=d.tokenizer,
+        text_field=d.text_field,
     )
+
+
+def _prepared_with(have: dict[str, Any], cfg: Config) -> bool:
+    """Whether the run's prepared data was prepared with this config's settings."""
+    d = cfg.data
+    want = {**{k: getattr(d, k) for k in _PREP_KEYS}, "seed": cfg.run.seed}
+    if d.corpus not in (*TEXT_CORPORA, *CLASS_CORPORA):  # a path: the manifest keeps its name
+        want["corpus"] = Path(d.corpus).name
+    keys = [k for k in want if not (k == "max_bytes" and have.get("task") != "lm")]
+    if not all(have.get(k) == want[k] for k in keys):
+        return False
+    if have.get("task") != "lm":
+        return True
+    return have.get("text_field", "text") == d.text_field and tokenizers.matches(
+        tokenizers.record_of(have), d.tokenizer
+    )
+
+
+def data_for(
+    cfg: Config,
+    run_dir: Path,
+    given: str,
+    manifest: dict[str, Any] | None,
+    archive: bool,
+    before: Callable[[], None] | None = None,
+) -> tuple[Path, Staged | None, bool]:
+    """Where the run's shards are, and the data staged for them when they must be prepared.
+
+    The run's own ``data/`` is reused when it was prepared with this config's settings.
+    Otherwise the corpus is prepared (:func:`rootopt.data.stage`, streaming) into the run's
+    staging directory, after the checks that only read (the corpus, the tokenizer, a
+    ``data/`` that is not ours, then ``before``); :func:`commit` publishes it. A corpus
+    error therefore stops the run before it writes anything else, and leaves no staging
+    directory behind."""
+    if given:
+        return Path(given), None, False
+    out = run_dir / "data"
+    try:
+        have = load_manifest(out)
+    except ValueError:
+        have = None
+    if have is not None and _prepared_with(have, cfg):
+        return out, None, False
+    settings = settings_of(cfg)
+    spec = check_settings(settings)
     move = archive and out.exists()
-    if not move:
-        check_target(out, shards)  # refuses a data/ that holds files it did not write
-    return out, shards, move
+    if not move:  # refuses a data/ that holds files it did not write
+        refuse_foreign(out, [], owned_files(out))
+    if before is not None:
+        before()
+    progress = cfg.monitoring.progress_bar
+    return out, stage(settings, run_dir / STAGING, progress=progress, spec=spec), move
+
+
+def _discard(staging: Path) -> None:
+    with contextlib.suppress(OSError, ShardError):
+        discard(staging)
+
+
+def abandon(plan: Plan | None) -> None:
+    """A launch stopped after its checks, before :func:`commit`: remove the data it staged."""
+    if plan is not None and plan.staged is not None:
+        _discard(plan.staged.dir)
+        plan.staged = None
+
+
+def _prep_diff(saved_cfg: dict[str, Any], cfg: Config) -> list[str]:
+    """The data preparation settings that differ from a checkpoint's config, in words."""
+    d_old, d_new = saved_cfg.get("data", {}), to_dict(cfg)["data"]
+    diff = [
+        f"data.{k}: {d_old.get(k)!r} → {d_new[k]!r}"
+        for k in ("path", *_PREP_KEYS)
+        if k in d_old and d_old.get(k) != d_new[k]
+    ]
+    diff += [
+        f"data.{k}: {d_old.get(k, default)!r} → {d_new[k]!r}"
+        for k, default in _TEXT_KEYS.items()
+        if d_old.get(k, default) != d_new[k]
+    ]
+    if saved_cfg.get("run", {}).get("seed") != cfg.run.seed:
+        diff.append(f"run.seed: {saved_cfg.get('run', {}).get('seed')!r} → {cfg.run.seed!r}")
+    return diff
+
+
+def _other_data(name: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{name} was trained on other data ({what}); resume needs the same data: restore "
+        "the setting or --data_path, or use a new --log_dir or checkpoint.resume=restart"
+    )
+
+
+def _other_tokenizer(name: str, old: str, new: str) -> CheckpointError:
+    return CheckpointError(
+        f"the tokenizer differs: {name} was trained on data tokenized by {old}, this data is "
+        f"tokenized by {new}; resume needs the same tokenizer: restore data.tokenizer or "
+        "--data_path, or use a new --log_dir or checkpoint.resume=restart"
+    )
+
+
+def _same_settings(cfg: Config, choice: Choice, run_dir: Path) -> None:
+    """Before preparing the run's data again for a resume: a checkpoint trained on data
+    prepared into this run directory must have been prepared with these settings (one
+    line naming the difference, before anything is written)."""
+    state, name = choice.state, choice.path.name
+    saved_cfg, saved_data = state.get("config"), state.get("data")
+    if not isinstance(saved_cfg, dict) or not isinstance(saved_data, dict):
+        return  # _compatible reports it
+    if saved_data.get("path") != str((run_dir / "data").resolve()):
+        return  # trained on data elsewhere: compared by identity once prepared
+    old = saved_cfg.get("data", {}).get("tokenizer", tokenizers.BYTES)
+    if old != cfg.data.tokenizer:
+        raise _other_tokenizer(name, repr(old), repr(cfg.data.tokenizer))
+    diff = _prep_diff(saved_cfg, cfg)
+    if diff:
+        raise _other_data(name, "; ".join(diff))
 
 
 def _compatible(
@@ -292,19 +409,13 @@ def _compatible(
             manifest
         )
     if not same:
-        d_old, d_new = saved_cfg.get("data", {}), to_dict(cfg)["data"]
-        diff = [
-            f"data.{k}: {d_old.get(k)!r} → {d_new[k]!r}"
-            for k in ("path", *_PREP_KEYS)
-            if k in d_old and d_old.get(k) != d_new[k]
-        ]
-        if saved_cfg.get("run", {}).get("seed") != cfg.run.seed:
-            diff.append(f"run.seed: {saved_cfg.get('run', {}).get('seed')!r} → {cfg.run.seed!r}")
+        if "identity" in saved_data:
+            old, new = identity_tokenizer(str(saved_data["identity"])), identity_tokenizer(identity)
+            if not tokenizers.same_record(old, new):
+                raise _other_tokenizer(name, tokenizers.label(old), tokenizers.label(new))
+        diff = _prep_diff(saved_cfg, cfg)
         what = "; ".join(diff) or f"shards at {saved_data.get('path')!r} → another dataset"
-        raise CheckpointError(
-            f"{name} was trained on other data ({what}); resume needs the same data: restore "
-            "the setting or --data_path, or use a new --log_dir or checkpoint.resume=restart"
-        )
+        raise _other_data(name, what)
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
@@ -333,9 +444,11 @@ def commit(plan: Plan) -> dict[str, Any]:
         }
         atomic_write(plan.run_dir / rundir.RUN_FILE, (json.dumps(data, indent=1) + "\n").encode())
     checkpoint.claim(plan.ckpt_dir, plan.run_id, str(plan.run_dir.resolve()))
-    if plan.shards is not None:
-        plan.manifest = write_plan(plan.data_dir, plan.shards)
-        plan.shards = None
+    if plan.staged is not None:
+        plan.manifest = publish(plan.staged, plan.data_dir)
+        plan.staged = None
+    else:  # a staging directory a killed launch of this run left
+        _discard(plan.run_dir / STAGING)
     assert plan.manifest is not None
     return plan.manifest
 

@@ -29,6 +29,7 @@ from typing import Any
 from rootopt import checkpoint
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import Config, ConfigError, RunConfig, to_dict
+from rootopt.data import STAGING, is_staging
 
 RUN_FILE = "run.json"
 # Keys that change how one session runs, not what the run computes: changing them keeps
@@ -38,11 +39,15 @@ SESSION_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "max_time"),
     ("distributed", "timeout_s"),
     ("distributed", "rendezvous_timeout_s"),
-    ("distributed", "ddp_design"),  # the same update either way; checkpoints load in both
-    ("distributed", "fsdp_design"),  # the same update up to the order of sums; same state
     ("monitoring", "progress_bar"),
     ("monitoring", "prometheus"),
 )
+# Keys added after runs existed, at the value that does what runs did before them: left out
+# of the key there, so that an older run's default directory stays its own.
+LATER_KEYS: dict[tuple[str, str], object] = {
+    ("data", "tokenizer"): "bytes",
+    ("data", "text_field"): "text",
+}
 # Temporary files an interrupted atomic write of ours leaves in a run directory or in the
 # data it prepared (rootopt._atomic: ".<name>.<random>.tmp").
 _STALE_RUN = re.compile(r"^\.(run\.json|metrics\.jsonl|summary\.json)\..+\.tmp$")
@@ -60,6 +65,9 @@ def identity_key(cfg: Config, data_path: str | None) -> str:
     data = to_dict(cfg)
     for section, key in SESSION_KEYS:
         data[section].pop(key, None)
+    for (section, key), value in LATER_KEYS.items():
+        if data[section].get(key) == value:
+            data[section].pop(key)
     payload = {
         "config": data,
         "data_path": str(Path(data_path).resolve()) if data_path else "",
@@ -116,6 +124,7 @@ def read_run_file(run_dir: Path, created: tuple[Path, ...] = ()) -> dict[str, An
         and n not in made
         and not _STALE_RUN.match(n)
         and not (n == "checkpoints" and _only_lock(run_dir / n))
+        and not (n == STAGING and is_staging(run_dir / n))  # a launch killed while preparing
     ]
     if foreign:
         raise CheckpointError(

@@ -68,12 +68,22 @@ class GradClipper:
             return min(self.max_norm, self.factor * debiased)
         return self.max_norm
 
-    def __call__(self, params: Sequence[Tensor], norm: Tensor) -> float:
-        """Clip in place given the pre-clip global ``norm``; return the scale applied (1 = none)."""
+    def __call__(
+        self, params: Sequence[Tensor], norm: Tensor, *, grads: Sequence[Tensor] | None = None
+    ) -> float:
+        """Clip in place given the pre-clip global ``norm``; return the scale applied (1 = none).
+
+        ``grads``: clip these gradient tensors instead of ``params``' ``.grad`` (the parts
+        of the synchronised gradients a rank owns, ``DistributedROOT.owned_grads``), with
+        the same arithmetic as torch's clipping functions."""
         if self.mode == "none":
             return 1.0
         if self.mode == "value":
-            torch.nn.utils.clip_grad_value_(params, self.value)
+            if grads is None:
+                torch.nn.utils.clip_grad_value_(params, self.value)
+            elif grads:
+                torch._foreach_clamp_min_(list(grads), -self.value)
+                torch._foreach_clamp_max_(list(grads), self.value)
             return 1.0
         limit = self.threshold()
         n = float(norm)
@@ -82,8 +92,12 @@ class GradClipper:
             self.count += 1
         scale = limit / (n + 1e-6)
         if scale < 1.0:
-            # torch's clipping with the norm already computed (same max/(norm+1e-6) rule)
-            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+            if grads is None:
+                # torch's clipping with the norm already computed (same max/(norm+1e-6) rule)
+                torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+            elif grads:  # clip_grads_with_norm_'s coefficient, on the gradients given
+                coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
+                torch._foreach_mul_(list(grads), coef.to(grads[0].device))
             return scale
         return 1.0
 

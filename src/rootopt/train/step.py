@@ -1,7 +1,10 @@
 """One optimizer step and one validation pass.
 
 A step is ``grad_accum_steps`` micro-batches → unscale → global grad norm → (non-finite?
-skip, count : clip → optimizer step) → lr schedule. The loss stays on the device across the
+skip, count : clip → optimizer step) → lr schedule. With ROOT or Muon at world size > 1
+under ddp the optimizer synchronises the gradients itself: unscaling, the norm and
+clipping act on the parts each rank owns (``DistributedROOT.sync_grads``), the norm from one
+all-reduce (docs/distributed.md, "Training under torchrun"). The loss stays on the device across the
 micro-batches; the step makes one host synchronisation (the skip decision reads the grad
 norm and the loss together), and the log-step statistics are per-tensor reductions read in
 one more synchronisation at log steps only.
@@ -50,6 +53,9 @@ def train_step(
     accum = cfg.optimization.grad_accum_steps
     seq = cfg.data.seq_len if run.manifest["task"] == "lm" else 1
     params = run.params
+    # ROOT/Muon at world size > 1 under ddp: no DDP wrapper, the optimizer reduce-scatters
+    # the gradients (from backward on) and unscales, checks and clips the parts it owns
+    owned = _optimizer_syncs(run)
     opt.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     tokens = 0
@@ -57,17 +63,20 @@ def train_step(
         batch = next(data)
         st.batches += 1
         x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-        with (
-            _sync_grads(run, last=i == accum - 1),
-            _collectives(run, "forward"),
-            run.precision.autocast(),
-        ):
-            loss = loss_fn(model(x), y) * (run.loss_weight / accum)
-        with _collectives(run, "backward"):
-            run.precision.backward(loss)
+        with _sync_grads(run, last=i == accum - 1):  # forward and backward
+            with _collectives(run, "forward"), run.precision.autocast():
+                loss = loss_fn(model(x), y) * (run.loss_weight / accum)
+            with _collectives(run, "backward"):
+                run.precision.backward(loss)
         loss_sum += loss.detach().double()
         tokens += cfg.data.batch_size * seq  # the global micro-batch (every rank counts it)
     st.tokens += tokens
+    norm: torch.Tensor | None = None
+    if owned:
+        # before any other collective: buckets that did not start in backward start here,
+        # in the same order on every rank
+        run.phase = "update"
+        norm = opt.sync_grads(inv_scale=run.precision.inv_scale())  # type: ignore[attr-defined]
     votes = torch.zeros(2, dtype=torch.float64)
     if run.world_size > 1:
         loss_sum, votes = _reduce_loss(run, loss_sum)
@@ -75,45 +84,82 @@ def train_step(
         hooks.after_backward(st.step, model)
 
     run.phase = "update"  # from here on the model/optimizer/scaler may change
-    run.precision.unscale(opt, params)
-    norm = global_grad_norm(params)
-    if _is_dtensor(norm):  # FSDP2: the norm of sharded gradients is a replicated DTensor
-        norm = norm.full_tensor()  # type: ignore[attr-defined]
+    if norm is None:
+        run.precision.unscale(opt, params)
+        norm = global_grad_norm(params)
+        if _is_dtensor(norm):  # FSDP2: the norm of sharded gradients is a replicated DTensor
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
     grad_norm, step_loss, vote_signal, vote_time = torch.cat(
         [torch.stack([norm.double().cpu(), loss_sum.cpu()]), votes.cpu()]
     ).tolist()
     stop = (vote_signal > 0, vote_time > 0)
     lrs = [float(g["lr"]) for g in opt.param_groups]
     if not (math.isfinite(grad_norm) and math.isfinite(step_loss)):
-        run.precision.skip()
+        run.precision.skip(agreed=owned)
         opt.zero_grad(set_to_none=True)
         run.scheduler.step()
         if run.controller is not None:
             run.controller.skipped_step(opt)
         return StepResult(step_loss, grad_norm, False, lrs, tokens, stop=stop)
-    clip_scale = run.clipper(params, norm)
+    grads = opt.owned_grads() if owned else None  # type: ignore[attr-defined]
+    clip_scale = run.clipper(params, norm, grads=grads)
     stats: dict[str, Any] = {}
     before: dict[str, tuple[torch.Tensor, int]] = {}
     if log_now:
-        stats = grad_stats(params)
+        # the parts of the gradients this rank owns (reduced over the ranks), or p.grad
+        stats = grad_stats_of(grads, reduce=True) if grads is not None else grad_stats(params)
         stats["clip_scale"] = clip_scale
         before = param_sample(unwrap_model(model))
     ctl = run.controller
     if run.telemetry or ctl is not None:
         opt.telemetry_enabled = log_now or (ctl is not None and ctl.wants_telemetry)  # type: ignore[attr-defined]
-    run.precision.step(opt)
+    run.precision.step(opt, agreed=owned)
     run.scheduler.step()
     if ctl is not None:  # the learned controller scales the lr the schedule just set
         ctl.after_step(opt, step_loss, grad_norm)
+    if log_now and run.world_size > 1:
+        comm = comm_bytes(run)
+        if comm is not None:
+            stats["comm_bytes"] = comm
     ratios = update_ratios(before, unwrap_model(model)) if log_now else {}
     return StepResult(step_loss, grad_norm, True, lrs, tokens, stats, ratios, stop)
 
 
-def _sync_grads(run: Run, *, last: bool) -> contextlib.AbstractContextManager[Any]:
-    """DDP averages gradients on the last micro-batch of a step only (``no_sync`` before)."""
+def _optimizer_syncs(run: Run) -> bool:
+    """The optimizer synchronises the gradients itself (``DistributedROOT(average_grads=True)``
+    at world size > 1: rootopt.train.build.optimizer_syncs_grads)."""
+    return run.world_size > 1 and bool(getattr(run.optimizer, "average_grads", False))
+
+
+def comm_bytes(run: Run) -> float | None:
+    """Bytes this rank sent for the last step's gradient and parameter synchronisation:
+    counted at the optimizer's collectives (``DistributedROOT.stats``, payload per
+    collective), or under DDP from its gradient buckets (``bucket_sizes``: one ring
+    all-reduce each, ``2·(W−1)/W`` of the bucket's bytes). None under FSDP2, whose own
+    collectives are not counted."""
+    if _optimizer_syncs(run):
+        return float(run.optimizer.stats.bytes_sent)  # type: ignore[attr-defined]
     model = run.model
-    if not last and isinstance(model, nn.parallel.DistributedDataParallel):
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
+    W = run.world_size
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))  # type: ignore[no-untyped-call]
+    total = sum(int(x) for x in sizes.split(",") if x.strip())
+    if not total:  # no bucket recorded: every gradient once
+        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return 2 * (W - 1) / W * total
+
+
+def _sync_grads(run: Run, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+    """Gradients are synchronised on the last micro-batch of a step only: DDP's ``no_sync``,
+    or the optimizer's (``DistributedROOT.no_sync``: no reduce-scatter starts) before."""
+    if last:
+        return contextlib.nullcontext()
+    model = run.model
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
+    if _optimizer_syncs(run):
+        return run.optimizer.no_sync()  # type: ignore[attr-defined,no-any-return]
     return contextlib.nullcontext()
 
 
@@ -130,15 +176,17 @@ def _collectives(run: Run, phase: str) -> Iterator[None]:
     """At world size > 1 the model's forward/backward run collectives (DDP, FSDP2); a
     failure there becomes one line naming rank and operation, a timeout told apart by the
     elapsed time (:func:`rootopt.distributed.describe_failure`), never by the error's text."""
-    if run.world_size == 1:
+    if run.world_size == 1 or _optimizer_syncs(run):
+        # without a DDP wrapper forward runs no collective, and the reduce-scatters that
+        # backward starts fail as the optimizer's own CollectiveError lines
         yield
         return
-    from rootopt.distributed import describe_failure
+    from rootopt.distributed import CollectiveError, describe_failure
 
     start = time.monotonic()
     try:
         yield
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, CollectiveError):
         raise
     except RuntimeError as exc:  # gloo reports a timed-out send/recv as a plain RuntimeError
         name = _OPS[(run.cfg.distributed.parallel, phase)]
@@ -174,17 +222,31 @@ def _reduce_loss(run: Run, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def grad_stats(params: list[torch.Tensor]) -> dict[str, float]:
-    """Max |g| and min non-zero |g| over all gradients, one tensor at a time (no concatenation)."""
+    """Max |g| and min non-zero |g| over the parameters' gradients (FSDP2: over every
+    rank's shards)."""
     grads = [_local(p.grad.detach()) for p in params if p.grad is not None]
-    if not grads:
+    return grad_stats_of(grads, reduce=any(_is_dtensor(p) for p in params))
+
+
+def grad_stats_of(grads: list[torch.Tensor], *, reduce: bool) -> dict[str, float]:
+    """Max |g| and min non-zero |g| over the gradient tensors ``grads``, one tensor at a time
+    (no concatenation); ``reduce``: each rank holds a part of them (FSDP2 shards, the parts
+    an optimizer owns), so the two are reduced over the ranks."""
+    if not grads and not reduce:
         return {}
-    inf = torch.tensor(float("inf"), device=grads[0].device)
-    maxes = torch.stack([g.abs().amax().float() if g.numel() else -inf for g in grads])
+    inf = torch.tensor(float("inf"), device=grads[0].device if grads else "cpu")
+    maxes = torch.stack(
+        [g.detach().abs().amax().float() if g.numel() else -inf for g in grads] or [-inf]
+    )
     mins = torch.stack(
-        [torch.where(g != 0, g.abs(), inf).amin().float() if g.numel() else inf for g in grads]
+        [
+            torch.where(g != 0, g.detach().abs(), inf).amin().float() if g.numel() else inf
+            for g in grads
+        ]
+        or [inf]
     )
     both = torch.stack([maxes.max(), -mins.min()])
-    if any(_is_dtensor(p) for p in params):  # FSDP2: each rank holds a shard of each gradient
+    if reduce:
         from rootopt.distributed import collective
 
         collective(

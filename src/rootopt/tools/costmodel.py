@@ -11,75 +11,47 @@ into seconds for a :class:`Hardware` and compares it with the forward/backward t
 Designs (``DESIGNS``):
 
 * ``replicated`` — DDP AdamW's gradient all-reduce, then every rank thresholds and
-  orthogonalizes every matrix (no optimizer communication; all the work on every rank).
-* ``gather`` — the first DDP design of :class:`rootopt.distributed.DistributedROOT`: gradients
-  all-reduced (by DDP, or by the optimizer with ``average_grads``), one owner per matrix,
-  then one all-gather of the float32 updates per round of ``bucket_bytes``.
-* ``owner`` — reduce-scatter of the gradients in owner-aligned buckets (each owner receives
-  the summed gradients of its own matrices), owner threshold + Newton–Schulz, all-gather of
-  the new parameters: DDP AdamW's bytes (ZeRO-1/2 style; Moonlight, arXiv 2502.16982 §2.3).
-  :class:`rootopt.distributed.DistributedROOT`'s default DDP-mode design.
+  orthogonalizes every matrix (no optimizer communication; all the work on every rank):
+  the baseline.
+* ``owner`` — :class:`rootopt.distributed.DistributedROOT` on plain tensors: reduce-scatter
+  of the gradients in owner-aligned buckets (started during backward), owner threshold +
+  Newton–Schulz, all-gather of the new parameters: DDP AdamW's bytes (ZeRO-1/2 style;
+  Moonlight, arXiv 2502.16982 §2.3). ``Options(average_grads=False)``: under DDP, whose
+  all-reduce comes first.
 * ``fsdp`` — FSDP2-sharded parameters: FSDP2's own reduce-scatter / all-gathers, and two
   all-to-alls per round that move each matrix's shards to its owner and the update back.
-* ``gram`` — the ``fsdp`` design where a 2-D matrix larger than a rank's share (P/W
-  elements) goes to k distinct ranks of one node instead of one owner, each holding a
-  slab of its long side; they run Newton–Schulz together, all-reducing the s×s Gram
-  matrix ``X Xᵀ`` once per iteration, and find the exact quantile with a 4-pass radix
-  histogram (``DistributedROOT(fsdp_design="gram")``; :mod:`rootopt.distributed.split`).
 
-Byte formulas are those of :func:`rootopt.distributed.counters.collective_bytes` (ring algorithms
+Byte formulas are those of :func:`rootopt.tools.counters.collective_bytes` (ring algorithms
 on NCCL; gloo's own algorithms on gloo), so a measured run with a
-:class:`~rootopt.distributed.counters.CollectiveCounter` checks the model exactly. The owner
-layout of the ``owner`` design is built by :func:`owner_layout`, the same function the
-optimizer uses. Everything here is pure Python on shapes: no tensors are allocated.
+:class:`~rootopt.tools.counters.CollectiveCounter` checks the model exactly. The owner
+layout and the sharded rounds are :mod:`rootopt.distributed.layout`'s, the functions the
+optimizer itself calls. Everything here is pure Python on shapes: no tensors are
+allocated. Analysis, not runtime: ``import rootopt`` and ``rootopt train`` never load it
+(``rootopt plan`` and the benchmarks do).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, cast
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
-from rootopt.distributed.counters import collective_bytes_ranks
-from rootopt.distributed.owners import assign_grouped, assign_owners, ns_cost
-from rootopt.distributed.split import (
-    QUANTILE_COLLECTIVES,
-    RADIX_BINS,
-    RADIX_PASSES,
-    slab_pieces,
-    split_count,
-)
+from rootopt.distributed.layout import LayoutItem, owner_layout, owner_rounds
+from rootopt.distributed.owners import ns_cost
 from rootopt.optim.functional import matrix_view
+from rootopt.tools.counters import collective_bytes_ranks
 
-Design = Literal["replicated", "gather", "owner", "fsdp", "gram"]
-DESIGNS: tuple[Design, ...] = ("replicated", "gather", "owner", "fsdp", "gram")
-# Designs the cost model prices but DistributedROOT does not implement (none since
-# ``gram`` landed as ``DistributedROOT(fsdp_design="gram")``).
-MODEL_ONLY: tuple[Design, ...] = ()
+Design = Literal["replicated", "owner", "fsdp"]
+DESIGNS: tuple[Design, ...] = ("replicated", "owner", "fsdp")
 Vec = NDArray[np.float64]
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_BUCKET_BYTES = 32 * MiB  # rootopt.optim.root.DEFAULT_BUCKET_BYTES
 DDP_BUCKET_BYTES = 25 * MiB  # torch DistributedDataParallel(bucket_cap_mb=25)
-# The smallest piece an AdamW parameter is split into in the owner layout (elements): below
-# it the bytes saved do not pay for another copy per step.
-MIN_PIECE = 4096
-# Bucket groups of the owner design when overlap is on: a step is cut into at least this
-# many buckets, so that the all-gather of one is in flight while the next one's matrices
-# are orthogonalized (docs/distributed.md, "Overlap"). A constant: collectives per step do
-# not grow with the number of shapes or matrices.
-OVERLAP_GROUPS = 2
-# The exact quantile of a matrix that stays split (``gram``): radix select on the 32-bit
-# keys, 8 bits per pass, each pass an all-reduce of a 256-bin int64 histogram
-# (split.split_abs_quantile, which also runs one count and one minimum after them).
-QUANTILE_PASSES = RADIX_PASSES
-QUANTILE_BINS = RADIX_BINS
 # float32 passes over each ROOT element its owner thresholds that are not streaming passes
 # counted in Estimate.traffic: the quantile selection (~4) and the clamp (2). The
 # streaming passes (momentum, Nesterov, decay and update, AdamW, copies) are counted per
@@ -87,7 +59,7 @@ QUANTILE_BINS = RADIX_BINS
 CLIP_PASSES = 6.0
 # The link constants of the time model, one per collective primitive: gloo's all-gather,
 # all-to-all and all-reduce run different algorithms at measured rates 2-3x apart
-# (docs/distributed.md, "Calibration of the time model"). A reduce-scatter is charged at
+# (docs/results/distributed.md, calibration). A reduce-scatter is charged at
 # the all-to-all's rate (the owner design runs it as one on gloo).
 LINK_KINDS = ("all_gather", "all_to_all", "all_reduce")
 LINK_OF = {
@@ -172,209 +144,13 @@ def _view(p: ParamSpec, nd_view: str = "auto") -> tuple[int, int, int]:
     return v.batch, v.rows, v.cols
 
 
-def ns_flops(p: ParamSpec, ns_steps: int, split: int = 1) -> float:
-    """Newton–Schulz FLOPs of one parameter on one rank: ``T·(4s²l + 2s³)`` per matrix for
-    an ``l × s`` matrix (``X Xᵀ``, ``A·A``, ``B·X``; two FLOPs per multiply-add, i.e.
-    ``2·ns_cost``), with the long side split over ``split`` ranks (``gram``): the two
-    products with ``X`` divide, ``A·A`` does not."""
+def ns_flops(p: ParamSpec, ns_steps: int) -> float:
+    """Newton–Schulz FLOPs of one parameter: ``T·(4s²l + 2s³)`` per matrix for an
+    ``l × s`` matrix (``X Xᵀ``, ``A·A``, ``B·X``; two FLOPs per multiply-add, i.e.
+    ``2·ns_cost``)."""
     if p.algorithm != "root" or p.numel == 0:
         return 0.0
-    return 2.0 * ns_cost(*_view(p), ns_steps, split)
-
-
-# ---------------------------------------------------------------------------------------
-# the owner layout (shared with DistributedROOT's owner design)
-# ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayoutItem:
-    """One parameter in the owner layout, or one piece of an AdamW parameter that is split
-    over several owners (elements ``start .. start + numel`` of the flattened parameter).
-    ``index``: position in the optimizer's order (groups, then parameters); ``key``: what
-    must match inside one flat buffer (dtype and device)."""
-
-    index: int
-    name: str
-    numel: int
-    cost: float  # Newton–Schulz multiply-adds (0 for AdamW parameters)
-    root: bool
-    key: str = "float32"
-    element_size: int = 4
-    start: int = 0
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One flat buffer: rank r's segment holds the items it owns, back to back.
-    ``items`` are layout positions in buffer order; ``offsets`` their start in the buffer."""
-
-    key: str
-    items: tuple[int, ...]
-    owners: tuple[int, ...]
-    offsets: tuple[int, ...]
-    segments: tuple[int, ...]  # elements per rank
-    numel: int = 0  # all segments
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "numel", sum(self.segments))
-
-    def segment_start(self, rank: int) -> int:
-        return sum(self.segments[:rank])
-
-    @property
-    def even(self) -> bool:
-        return len(set(self.segments)) == 1
-
-
-@dataclass(frozen=True)
-class OwnerLayout:
-    world: int
-    bucket_bytes: int
-    items: tuple[LayoutItem, ...]
-    buckets: tuple[Bucket, ...]
-    owner: tuple[int, ...]  # per item (layout position)
-    groups: int = 1  # the fewest buckets a step is cut into (OVERLAP_GROUPS with overlap)
-
-    def digest(self) -> str:
-        """A hash of everything a rank's collectives depend on: world size, bucket
-        limit, bucket groups, every item (index, name, size, dtype key) and its bucket,
-        owner and offset. Ranks that compute different layouts would issue mismatched
-        collectives."""
-        h = hashlib.sha256()
-        h.update(json.dumps([self.world, self.bucket_bytes, self.groups]).encode())
-        for it in self.items:
-            h.update(json.dumps([it.index, it.name, it.start, it.numel, it.root, it.key]).encode())
-        for b in self.buckets:
-            h.update(json.dumps([b.key, b.items, b.owners, b.offsets, b.segments]).encode())
-        return h.hexdigest()
-
-    def owned(self, rank: int) -> list[int]:
-        return [i for i, o in enumerate(self.owner) if o == rank]
-
-
-def owner_layout(
-    items: Sequence[LayoutItem], world: int, bucket_bytes: int, groups: int = 1
-) -> OwnerLayout:
-    """Owner-aligned buckets for ``items`` at world size ``world``.
-
-    Owners first, over the whole step: ROOT matrices by Newton–Schulz cost, the most
-    expensive first onto the least loaded rank (LPT, :func:`assign_owners`: within 4/3 of
-    the best balance); then AdamW parameters, largest first, onto the rank holding the
-    fewest elements, split into pieces where a parameter would take that rank past its even
-    share (total / W elements; AdamW is elementwise, so any piece can be updated alone):
-    every rank then moves about the same bytes (the bytes of a rank follow the elements it
-    owns). A piece smaller than ``MIN_PIECE`` elements is not split off, and a rank holds
-    at most one piece of a parameter. Buckets next: per dtype key, the items in reverse
-    optimizer order (about the order backward produces the gradients) cut into runs of at
-    most ``bucket_bytes`` (at least one item each); in a bucket, rank r's segment holds the
-    items r owns, in that order. Deterministic (ties go to the lower rank / earlier item),
-    so every rank computes the same layout from the same items.
-
-    ``groups``: when the byte limit gives fewer than ``groups`` buckets, each is cut again
-    into ``ceil(groups / buckets)`` bucket groups, per rank: its AdamW items in the first
-    group (cheap to update, so their all-gather starts early), its ROOT matrices, in bucket
-    order, into groups of about equal Newton–Schulz cost. Then the all-gather of one group
-    overlaps the Newton–Schulz of the next (``DistributedROOT(overlap=True)``); a group
-    that holds nothing on any rank is left out. Owners and bytes per rank do not change."""
-    if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}")
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    if groups < 1:
-        raise ValueError(f"groups must be >= 1, got {groups}")
-    owner = [0] * len(items)
-    root = [i for i, it in enumerate(items) if it.root and it.numel > 0]
-    for i, o in zip(root, assign_owners([items[i].cost for i in root], world)):
-        owner[i] = o
-    elem_load = [0] * world
-    for i in root:
-        elem_load[owner[i]] += items[i].numel
-    share = -(-sum(it.numel for it in items) // world)
-    rest = [i for i, it in enumerate(items) if not it.root and it.numel > 0]
-    pieces = [(it, owner[i]) for i, it in enumerate(items) if it.root or it.numel == 0]
-    for i in sorted(rest, key=lambda i: (-items[i].numel, items[i].index)):
-        it, remaining, start = items[i], items[i].numel, 0
-        holders: list[int] = []
-        while remaining > 0:
-            free = [q for q in range(world) if q not in holders]
-            if not free:  # every rank holds a piece: the last one takes the rest
-                last, o = pieces[-1]
-                pieces[-1] = (replace(last, numel=last.numel + remaining), o)
-                elem_load[o] += remaining
-                break
-            o = min(free, key=lambda q: (elem_load[q], q))  # the first of the least loaded
-            room = share - elem_load[o]
-            take = remaining if remaining <= room or room < MIN_PIECE else room
-            pieces.append((replace(it, numel=take, start=start), o))
-            holders.append(o)
-            elem_load[o] += take
-            start += take
-            remaining -= take
-    pieces.sort(key=lambda x: (x[0].index, x[0].start))
-    items = [it for it, _ in pieces]
-    owner = [o for _, o in pieces]
-    order = sorted(range(len(items)), key=lambda i: (-items[i].index, items[i].start))
-    keys: list[str] = []
-    for i in order:
-        if items[i].key not in keys:
-            keys.append(items[i].key)
-    runs: list[list[int]] = []
-    for key in keys:
-        mine = [i for i in order if items[i].key == key and items[i].numel > 0]
-        sizes = [items[i].numel * items[i].element_size for i in mine]
-        runs += [[mine[j] for j in run] for run in cut_rounds(sizes, bucket_bytes)]
-    k = -(-groups // max(len(runs), 1))
-    buckets: list[Bucket] = []
-    for chunk in runs:
-        part = _group_parts(items, owner, chunk, k)
-        for g in range(k):
-            sub = [i for i in chunk if part[i] == g]
-            if sub:
-                buckets.append(_bucket(items, owner, sub, world))
-    return OwnerLayout(world, bucket_bytes, tuple(items), tuple(buckets), tuple(owner), groups)
-
-
-def _group_parts(
-    items: Sequence[LayoutItem], owner: Sequence[int], chunk: Sequence[int], k: int
-) -> dict[int, int]:
-    """The bucket group (0 .. k-1) of each item of one bucket: per owner, AdamW items in
-    group 0, ROOT matrices by the midpoint of their cumulative Newton–Schulz cost."""
-    part: dict[int, int] = {}
-    total: dict[int, float] = {}
-    for i in chunk:
-        if items[i].root:
-            total[owner[i]] = total.get(owner[i], 0.0) + items[i].cost
-    cum: dict[int, float] = {}
-    for i in chunk:
-        o, c = owner[i], items[i].cost
-        if k == 1 or not items[i].root or total.get(o, 0.0) <= 0.0:
-            part[i] = 0
-            continue
-        done = cum.get(o, 0.0)
-        part[i] = min(k - 1, int(k * (done + c / 2) / total[o]))
-        cum[o] = done + c
-    return part
-
-
-def _bucket(
-    items: Sequence[LayoutItem], owner: Sequence[int], chunk: Sequence[int], world: int
-) -> Bucket:
-    """One flat buffer for ``chunk``: rank 0's items first, then rank 1's, ..."""
-    by_rank: dict[int, list[int]] = {}
-    for i in chunk:
-        by_rank.setdefault(owner[i], []).append(i)
-    seq = [i for r in sorted(by_rank) for i in by_rank[r]]
-    segments = [0] * world
-    for i in chunk:
-        segments[owner[i]] += items[i].numel
-    offsets: list[int] = []
-    off = 0
-    for i in seq:
-        offsets.append(off)
-        off += items[i].numel
-    return Bucket(
-        items[seq[0]].key, tuple(seq), tuple(owner[i] for i in seq), tuple(offsets),
-        tuple(segments),
-    )  # fmt: skip
+    return 2.0 * ns_cost(*_view(p), ns_steps)
 
 
 def items_from_specs(
@@ -389,98 +165,6 @@ def items_from_specs(
     return out
 
 
-def cut_rounds(sizes_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive runs of at most ``bucket_bytes`` (at least one entry each), as
-    indices into ``sizes_bytes`` (the rounds of the ``gather``/``fsdp`` designs and the
-    buckets of the optimizer's own gradient all-reduce)."""
-    rounds: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
-    for i, nbytes in enumerate(sizes_bytes):
-        if cur and size + nbytes > bucket_bytes:
-            rounds.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += nbytes
-    if cur:
-        rounds.append(cur)
-    return rounds
-
-
-def round_order(shapes: Sequence[tuple[int, int]]) -> list[int]:
-    """The order in which the ``gather``/``fsdp`` designs visit ROOT matrices: by view
-    shape (rows, cols), then position, so that same-shape matrices share a round."""
-    return sorted(range(len(shapes)), key=lambda i: (shapes[i][0], shapes[i][1], i))
-
-
-def owner_rounds(
-    costs: Sequence[float],
-    sizes_bytes: Sequence[int],
-    shapes: Sequence[tuple[int, int]],
-    world: int,
-    bucket_bytes: int,
-    together: Sequence[int] | None = None,
-    node: int | None = None,
-) -> list[list[tuple[int, int]]]:
-    """The rounds of the ``fsdp`` design as ``(task, owner)`` pairs.
-
-    Owners first, over the whole step (LPT on ``costs``, :func:`assign_owners`), then
-    rounds cut per owner: each owner's tasks in :func:`round_order`, cut into runs of at
-    most ``bucket_bytes`` (at least one task each) with :func:`cut_rounds`; round k holds
-    every owner's k-th run. So ``bucket_bytes`` bounds what one owner receives in a round,
-    not what the whole round moves: at a world size no smaller than the number of tasks
-    every task is in one round, and the Newton–Schulz on the step's path is the busiest
-    rank's, not a sum over rounds that each wait for their busiest rank
-    (docs/distributed.md, "The step's path"). Every rank sends 1/W of each matrix in a
-    round, at most ``bucket_bytes`` in all when the rows divide evenly. Deterministic, so
-    every rank computes the same rounds.
-
-    ``together``: per task, a group id (>= 0) or -1; the tasks of one group (the slabs of
-    one split matrix, ``gram``: their holders iterate together) go to distinct ranks of one
-    node of ``node`` consecutive ranks (default: all of them;
-    :func:`~rootopt.distributed.owners.assign_grouped`) and all to the latest round any of
-    them was cut into, which may take an owner past ``bucket_bytes`` there."""
-    if not len(costs) == len(sizes_bytes) == len(shapes):
-        raise ValueError(
-            f"owner_rounds: {len(costs)} costs, {len(sizes_bytes)} sizes, {len(shapes)} shapes"
-        )
-    if together is not None and len(together) != len(costs):
-        raise ValueError(f"owner_rounds: {len(together)} group ids for {len(costs)} tasks")
-    grouped = together is not None and any(g >= 0 for g in together)
-    if grouped:
-        owners = assign_grouped(costs, world, cast(Sequence[int], together), node or world)
-    else:
-        owners = assign_owners(costs, world)
-    mine: list[list[int]] = [[] for _ in range(world)]
-    for i in round_order(shapes):
-        mine[owners[i]].append(i)
-    runs = [
-        [
-            [tasks[j] for j in run]
-            for run in cut_rounds([sizes_bytes[i] for i in tasks], bucket_bytes)
-        ]
-        for tasks in mine
-    ]
-    n = max((len(r) for r in runs), default=0)
-    rounds = [
-        [(i, o) for o in range(world) if k < len(runs[o]) for i in runs[o][k]] for k in range(n)
-    ]
-    if together is None or not grouped:
-        return rounds
-    at = {i: k for k, rnd in enumerate(rounds) for i, _ in rnd}
-    latest: dict[int, int] = {}
-    for i, g in enumerate(together):
-        if g >= 0:
-            latest[g] = max(latest.get(g, 0), at[i])
-    moved: list[list[tuple[int, int]]] = [[] for _ in rounds]
-    for rnd in rounds:
-        for i, o in rnd:
-            moved[latest[together[i]] if together[i] >= 0 else at[i]].append((i, o))
-    for rnd in moved:  # owner by owner, as the cut lists them (a stable sort)
-        rnd.sort(key=lambda x: x[1])
-    return [rnd for rnd in moved if rnd]
-
-
 # ---------------------------------------------------------------------------------------
 # estimate
 # ---------------------------------------------------------------------------------------
@@ -491,17 +175,10 @@ class Options:
     ``grad_bytes``: element size of the gradients exchanged (4: float32, 2: bfloat16);
     ``param_bytes``: of the parameters all-gathered by ``owner``; ``state_bytes``: of
     momentum / AdamW moments; ``ns_bytes``: of the Newton–Schulz work matrices.
-    ``average_grads``: the optimizer synchronises the gradients (``gather`` all-reduces
-    them itself in float32; ``owner`` reduce-scatters them) instead of DDP.
-    ``sync_in_backward``: the ``owner`` reduce-scatter starts from gradient hooks during
-    backward, hidden like DDP's all-reduce, instead of at the start of the step
-    (``DistributedROOT(sync_in_backward=True)``).
-    ``gpus_per_node``: ranks that share the fast intra-node link (``gram``'s groups).
-    ``threshold``: the outlier threshold is on (``outlier_quantile`` set; ``gram`` then
-    finds a split matrix's quantile with :data:`QUANTILE_COLLECTIVES` all-reduces).
-    ``overlap_groups``: the fewest buckets the ``owner`` step is cut into
-    (:data:`OVERLAP_GROUPS` with ``DistributedROOT(overlap=True)``, the default; 1 without,
-    when no all-gather is in flight while the next bucket is updated: :func:`owner_path`).
+    ``average_grads``: the optimizer synchronises the gradients (``owner``
+    reduce-scatters them, starting in backward, hidden like DDP's all-reduce) instead of
+    DDP (``DistributedROOT(average_grads=...)``). ``gpus_per_node``: ranks of one node
+    (they share a machine's compute units in :func:`step_time`).
     """
 
     ns_steps: int = 5
@@ -513,11 +190,8 @@ class Options:
     ddp_bucket_bytes: int = DDP_BUCKET_BYTES
     backend: str = "nccl"
     average_grads: bool = True
-    sync_in_backward: bool = False
     fsdp_reshard_after_forward: bool = True
     gpus_per_node: int = 8
-    overlap_groups: int = OVERLAP_GROUPS
-    threshold: bool = True
 
 
 @dataclass
@@ -527,7 +201,7 @@ class Estimate:
     Bytes come in two kinds: ``sync_*`` is gradient (and, for ``owner``, parameter)
     synchronisation that replaces what DDP/FSDP2 AdamW moves; ``opt_*`` is moved by the
     optimizer step on top of it. ``step_*`` is what the step issues itself from Python
-    (what :class:`~rootopt.distributed.counters.CollectiveCounter` counts: ``opt_*`` plus the
+    (what :class:`~rootopt.tools.counters.CollectiveCounter` counts: ``opt_*`` plus the
     ``owner`` reduce-scatter/all-gather). ``exposed`` is what is not hidden behind
     backward (inter-node link) and ``node`` what runs on the intra-node link.
     """
@@ -544,7 +218,7 @@ class Estimate:
     step_sent: Vec  # issued by the optimizer's step itself (what a counter sees)
     step_received: Vec
     exposed: Vec  # max(sent, received) per rank, not hidden behind backward
-    node: Vec  # bytes per rank on the intra-node link (gram groups)
+    node: Vec  # bytes per rank on the intra-node link (none in the designs priced today)
     collectives: dict[str, int]  # per step, on every rank (gradient sync included)
     sync_collectives: int  # of which: DDP's / FSDP2's own (hidden behind compute)
     exposed_collectives: int  # issued by the optimizer step
@@ -553,7 +227,7 @@ class Estimate:
     elements: Vec  # ROOT elements thresholded + orthogonalized per rank
     memory: Vec  # peak optimizer bytes per rank (state + transient buffers)
     adamw_bytes: float  # per rank and step: AdamW under the same wrapper (DDP or FSDP2)
-    buckets: int = 0  # rounds (gather, fsdp) or buckets (owner)
+    buckets: int = 0  # rounds (fsdp) or buckets (owner)
     notes: list[str] = field(default_factory=list)
     # bytes read + written per rank by the step's streaming elementwise passes (momentum,
     # decay + update, AdamW, copies into and out of flat buffers, sums, divisions): every
@@ -604,10 +278,8 @@ class Estimate:
 
     @property
     def lower_bound_flops(self) -> float:
-        """No owner schedule does better than max(total / W, the largest single matrix)
-        (``gram`` splits the largest matrices, so only total / W binds it)."""
-        biggest = 0.0 if self.design == "gram" else self.largest_flops
-        return max(self.total_flops / self.world, biggest)
+        """No owner schedule does better than max(total / W, the largest single matrix)."""
+        return max(self.total_flops / self.world, self.largest_flops)
 
     @property
     def imbalance(self) -> float:
@@ -679,9 +351,9 @@ def adamw_bytes(o: Options) -> int:
 
 
 def root_state_bytes(o: Options) -> int:
-    """Per ROOT element: momentum + Nesterov + decay and update (what the ``gather`` and
-    ``replicated`` designs run for every matrix on every rank, the others for the elements
-    a rank holds)."""
+    """Per ROOT element: momentum + Nesterov + decay and update (what the ``replicated``
+    design runs for every matrix on every rank, the others for the elements a rank
+    holds)."""
     return momentum_bytes(o) + apply_bytes(o)
 
 
@@ -690,14 +362,6 @@ def finite_check_bytes(o: Options) -> int:
     non-finite check of every design and of ROOT's own step): one read (min and max in one
     pass on the CPU, max |g| elsewhere)."""
     return o.grad_bytes
-
-
-def average_grads_bytes(o: Options) -> int:
-    """Per element of every gradient, ``DistributedROOT._average_grads``: ``g.float()``
-    and ``torch.cat`` into the float32 bucket (read, write), ``flat.div_`` (read, write),
-    ``g.copy_`` back (read float32, write ``grad_bytes``)."""
-    g = o.grad_bytes
-    return _convert(g, 4) + (4 if g != 4 else g) + 4 + 8 + 4 + g
 
 
 def estimate(
@@ -749,8 +413,8 @@ def estimate(
     ddp_colls = max(1, math.ceil(P_all * o.grad_bytes / o.ddp_bucket_bytes)) if W > 1 else 0
     gathers = 2 if o.fsdp_reshard_after_forward else 1
     fsdp = (1 + gathers) * (W - 1) / W * P_all * o.grad_bytes
-    est.adamw_bytes = fsdp if design in ("fsdp", "gram") else ddp
-    if design in ("replicated", "gather", "owner"):  # every rank checks every gradient
+    est.adamw_bytes = fsdp if design == "fsdp" else ddp
+    if design == "replicated":  # every rank checks every gradient
         est.traffic += P_all * finite_check_bytes(o)
     if design == "replicated":
         _sync(est, "all_reduce", ddp, ddp_colls)
@@ -763,13 +427,11 @@ def estimate(
         state = sum(_state_bytes(p, o) for p in specs)
         ws = max((_ns_workspace(*_view(p), o.ns_bytes) for p in roots), default=0.0)
         est.memory += state + ws
-    elif design == "gather":
-        _gather(est, specs, o, ddp, ddp_colls)
     elif design == "owner":
         _owner(est, specs, o, ddp, ddp_colls)
     else:
         _sync(est, "fsdp_sync", fsdp, (1 + gathers) * _units(specs) if W > 1 else 0)
-        _fsdp(est, specs, o, design == "gram")
+        _fsdp(est, specs, o)
     return est
 
 
@@ -827,8 +489,12 @@ def _issue(
 
 
 def _flags(est: Estimate, n_params: int, backend: str) -> None:
-    """The all-reduce (MAX) of two int32 flags per parameter (has a gradient; non-finite)."""
-    s, r = collective_bytes_ranks("all_reduce", backend, est.world, numel=2 * n_params)
+    """The all-reduce (SUM) of DistributedROOT.sync_grads: per parameter two float64 flags
+    (has a gradient; non-finite), one for a gradient changed after its bucket started and
+    the sum of squares of the gradients."""
+    s, r = collective_bytes_ranks(
+        "all_reduce", backend, est.world, numel=2 * n_params + 2, element_size=8
+    )
     _issue(est, "all_reduce", s, r, exposed=False)
 
 
@@ -838,139 +504,97 @@ def _chunks(rows: int, world: int) -> Vec:
     return np.clip(rows - np.arange(world) * c, 0, c).astype(np.float64)
 
 
-def _gather(
-    est: Estimate, specs: Sequence[ParamSpec], o: Options, ddp: float, ddp_colls: int
-) -> None:
-    W = est.world
-    roots = [p for p in specs if p.algorithm == "root"]
-    _flags(est, len(specs), o.backend)
-    if o.average_grads:
-        # the optimizer's own bucketed float32 all-reduce of every gradient (in the
-        # optimizer's order: ROOT matrices and AdamW parameters as they come)
-        est.adamw_bytes = 2 * (W - 1) / W * est.params * 4
-        est.traffic += est.params * average_grads_bytes(o) if W > 1 else 0.0
-        for k, rnd in enumerate(cut_rounds([4 * p.numel for p in specs], o.bucket_bytes)):
-            n = sum(specs[i].numel for i in rnd)
-            s, r = collective_bytes_ranks("all_reduce", o.backend, W, numel=n)
-            _issue(est, "all_reduce", s, r, serial=k == 0)
-    else:
-        _sync(est, "all_reduce", ddp, ddp_colls)
-    # DistributedROOT.step: _adamw_local and _momentum_local on every parameter on every
-    # rank; _finish_gather → _apply_local: decay + update of every matrix on every rank
-    R = sum(p.numel for p in roots)
-    est.traffic += R * root_state_bytes(o) + (est.params - R) * adamw_bytes(o)
-    views = [_view(p) for p in roots]
-    order = round_order([(v[1], v[2]) for v in views])
-    rounds = cut_rounds([4 * roots[i].numel for i in order], o.bucket_bytes)
-    loads = [0.0] * W
-    peak_round = 0.0
-    ws = np.zeros(W)
-    for k, rnd in enumerate(rounds):
-        idx = [order[j] for j in rnd]
-        owners = assign_owners([ns_cost(*views[i], o.ns_steps) for i in idx], W, loads)
-        before = est.flops.copy()  # each round ends in an all-gather every rank waits for
-        sizes = [0] * W
-        for i, ow in zip(idx, owners):
-            sizes[ow] += roots[i].numel
-            est.flops[ow] += ns_flops(roots[i], o.ns_steps)
-            est.elements[ow] += roots[i].numel
-            ws[ow] = max(ws[ow], _ns_workspace(*views[i], o.ns_bytes))
-        est.path_flops += float((est.flops - before).max())
-        width = max(sizes)  # every rank's part padded to the largest
-        s, r = collective_bytes_ranks("all_gather_into_tensor", o.backend, W, numel=width)
-        _issue(est, "all_gather", s, r, serial=k == len(rounds) - 1)
-        if W > 1:  # _root_replicated: torch.zeros(width), the owner's updates copied in
-            est.traffic += 4.0 * width + 8.0 * np.asarray(sizes, dtype=np.float64)
-        peak_round = max(peak_round, 4.0 * width * (W + 1))
-    est.buckets = len(rounds)
-    state = sum(_state_bytes(p, o) for p in specs)
-    grad_buf = float(min(o.bucket_bytes, 4 * est.params)) if o.average_grads else 0.0
-    est.memory += state + ws + (peak_round + grad_buf if W > 1 else 0.0)
-
-
 def _owner(
     est: Estimate, specs: Sequence[ParamSpec], o: Options, ddp: float, ddp_colls: int
 ) -> None:
+    """DistributedROOT on plain tensors (:mod:`rootopt.distributed.replicated`): per bucket
+    of :func:`~rootopt.distributed.layout.owner_layout`, a reduce-scatter started during
+    backward (with ``average_grads``; under DDP its all-reduce instead), the owner's
+    update, and an all-gather of the new parameters waited for at once."""
     W = est.world
     items = items_from_specs(specs, o.ns_steps, o.grad_bytes)
-    layout = owner_layout(items, W, o.bucket_bytes, o.overlap_groups)
+    layout = owner_layout(items, W, o.bucket_bytes)
     est.buckets = len(layout.buckets)
     _flags(est, len(specs), o.backend)
     if not o.average_grads:
         _sync(est, "all_reduce", ddp, ddp_colls)
+        # under DDP every rank checks its whole copy of the gradients (sync_grads)
+        est.traffic += est.params * finite_check_bytes(o)
     copies = W if o.backend == "gloo" else 1
     gloo = o.backend == "gloo"
     gb, pb = o.grad_bytes, o.param_bytes
-    peaks: list[tuple[float, Vec]] = []
+    peak = np.zeros(W)
     last = len(layout.buckets) - 1
-    held = np.zeros(W)  # summed gradient segments, all held from the reduce-scatters on
+    held = np.zeros(W)  # summed gradient segments, held from the reduce-scatters on
     for k, b in enumerate(layout.buckets):
         seg = np.asarray(b.segments, dtype=np.float64)
         held += seg
         if W > 1:
-            # DistributedROOT._owner_bucket: the owner's parameters copied into ``send``,
-            # and after the all-gather every other owner's copied into the parameters;
-            # on gloo an uneven all-gather first repeats ``send`` W times
-            # (_start_gather_flat)
+            # replicated._gather_params: the owner's parameters copied into ``send``, and
+            # after the all-gather every other owner's copied into the parameters; on gloo
+            # an uneven all-gather first repeats ``send`` W times (flat.start_gather)
             est.traffic += 2 * pb * seg + 2 * pb * (b.numel - seg)
             if gloo and not b.even:
                 est.traffic += pb * seg * (1 + W)
         if o.average_grads and W > 1:
-            # the flat bucket zeroed and every gradient copied in, then this rank's segment
-            # divided by W; on gloo the W received segments summed (_start_reduce_scatter_flat)
+            # replicated._start: the flat bucket zeroed and every gradient copied in, then
+            # this rank's segment divided by W; on gloo the W received segments summed
+            # (flat.start_reduce_scatter)
             est.traffic += 3 * gb * b.numel + 2 * gb * seg
             if gloo:
                 est.traffic += (W + 1) * gb * seg
         if o.average_grads:
-            if o.backend == "gloo":
+            if gloo:
                 # all_to_all_single: rank r sends segment j to rank j, sums what it receives
-                s, r = (b.numel - seg) * o.grad_bytes, (W - 1) * seg * o.grad_bytes
+                s, r = (b.numel - seg) * gb, (W - 1) * seg * gb
             elif b.even:
                 s, r = collective_bytes_ranks(
-                    "reduce_scatter_tensor", o.backend, W, numel=b.numel, element_size=o.grad_bytes
+                    "reduce_scatter_tensor", o.backend, W, numel=b.numel, element_size=gb
                 )
             else:
                 s, r = collective_bytes_ranks(
-                    "reduce_scatter", o.backend, W, sizes=b.segments, element_size=o.grad_bytes
+                    "reduce_scatter", o.backend, W, sizes=b.segments, element_size=gb
                 )
-            _issue(
-                est, "reduce_scatter", s, r, sync=True, exposed=not o.sync_in_backward,
-                link="all_to_all", serial=k == 0,
-            )  # fmt: skip
+            # started in backward: hidden behind it, as DDP's all-reduce
+            _issue(est, "reduce_scatter", s, r, sync=True, exposed=False, link="all_to_all")
         if b.even:
             s, r = collective_bytes_ranks(
-                "all_gather_into_tensor",
-                o.backend,
-                W,
-                numel=b.segments[0],
-                element_size=o.param_bytes,
+                "all_gather_into_tensor", o.backend, W, numel=b.segments[0], element_size=pb
             )
-        elif o.backend == "gloo":
+        elif gloo:
             # all_to_all_single: rank r sends its segment to every rank
-            s, r = (W - 1) * seg * o.param_bytes, (b.numel - seg) * o.param_bytes
+            s, r = (W - 1) * seg * pb, (b.numel - seg) * pb
         else:
             s, r = collective_bytes_ranks(
-                "all_gather", o.backend, W, sizes=b.segments, element_size=o.param_bytes
+                "all_gather", o.backend, W, sizes=b.segments, element_size=pb
             )
         link = "all_to_all" if gloo and not b.even else "all_gather"
         _issue(est, "all_gather", s, r, sync=o.average_grads, link=link, serial=k == last)
-        per_rank = b.numel * (o.grad_bytes + o.param_bytes) + copies * seg * (
-            o.grad_bytes + o.param_bytes
-        )
-        peaks.append((float(per_rank.max()), per_rank))
-    # two buckets in flight: the all-gather of one while the next is orthogonalized
-    peaks.sort(key=lambda x: -x[0])
-    buf = sum((row for _, row in peaks[:2]), np.zeros(W)) if W > 1 else np.zeros(W)
+        # a bucket's flat gradient copy (gloo: with its W received segments) is alive from
+        # backward until the step, and its all-gather buffers while it is gathered
+        per_rank = b.numel * (gb + pb) + copies * seg * (gb + pb)
+        peak = np.maximum(peak, per_rank)
+    buf = np.zeros(W)
+    if W > 1:
+        buf = buf + peak
+        if o.average_grads:
+            # every bucket's flat copy (and on gloo its W received segments) may be in
+            # flight at once at the end of backward; the summed segments are held to the
+            # updates
+            buf = buf + gb * (sum(b.numel for b in layout.buckets) + copies * held)
     state = np.zeros(W)
     ws = np.zeros(W)
     item_flops = np.zeros(len(layout.items))  # a ROOT matrix is never cut into pieces
     for n, (it, ow) in enumerate(zip(layout.items, layout.owner)):
         p = specs[it.index]
         state[ow] += _state_bytes(p, o) * it.numel / p.numel
-        # the owner's update: _momentum_local + _apply_local, or _adamw_local/_adamw_piece
+        # the owner's update: ROOT._root / ROOT._adamw (or an AdamW piece), and the norm
+        # (and, when it reduced them, the non-finite check) of the synchronised gradient
+        # it owns
         est.traffic[ow] += it.numel * (
             root_state_bytes(o) if p.algorithm == "root" else adamw_bytes(o)
         )
+        est.traffic[ow] += it.numel * (2 if o.average_grads else 1) * finite_check_bytes(o)
         if p.algorithm == "root":
             item_flops[n] = ns_flops(p, o.ns_steps)
             est.flops[ow] += item_flops[n]
@@ -981,157 +605,75 @@ def _owner(
         per = np.zeros(W)
         np.add.at(per, list(b.owners), item_flops[list(b.items)])
         per_bucket.append(per)
-    est.path_flops = owner_path(per_bucket, overlap=o.overlap_groups > 1)
-    if o.average_grads and W > 1:
-        buf = buf + o.grad_bytes * held
-    if o.sync_in_backward and o.average_grads and W > 1:
-        # every bucket's flat gradient copy (and on gloo its W received segments) is alive
-        # from backward until the step waits for it (DistributedROOT._start_owned_sum)
-        buf = buf + o.grad_bytes * (sum(b.numel for b in layout.buckets) + copies * held)
+    est.path_flops = owner_path(per_bucket)
     est.memory += state + ws + buf
 
 
-def owner_path(per_bucket: Sequence[Vec], overlap: bool = True) -> float:
+def owner_path(per_bucket: Sequence[Vec]) -> float:
     """Newton–Schulz FLOPs on the step's path of the ``owner`` design, from each bucket's
-    FLOPs per rank, as DistributedROOT._step_owner schedules them: every reduce-scatter
-    first (so they do not wait for any Newton–Schulz); then per bucket the update, which
-    starts the bucket's all-gather, and with ``overlap`` the wait for the previous
-    bucket's all-gather, which completes when every rank has started it; without, each
-    all-gather is waited for at once. A rank's clock runs in FLOPs (the same rate on
-    every rank), starting together after the reduce-scatters."""
-    if not per_bucket:
-        return 0.0
-    clock = np.zeros_like(per_bucket[0])
-    gathered: list[float] = []  # when each bucket's all-gather can complete
-    for per in per_bucket:
-        started = clock + per
-        gathered.append(float(started.max()))
-        if not overlap:
-            clock = np.full_like(clock, gathered[-1])
-        elif len(gathered) > 1:
-            clock = np.maximum(started, gathered[-2])
-        else:
-            clock = started
-    return max(float(clock.max()), gathered[-1])
+    FLOPs per rank: each bucket's all-gather is waited for before the next bucket is
+    updated, so every bucket waits for its busiest rank."""
+    return float(sum(float(per.max()) for per in per_bucket))
 
 
-def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options, gram: bool) -> None:
-    """Shards to owners and updates back, one pair of all-to-alls per round; with
-    ``gram``, a 2-D matrix larger than P/W goes to k distinct ranks of one node as slabs
-    of its long side, which all-reduce the Gram matrix once per Newton–Schulz iteration
-    (``DistributedROOT(fsdp_design="gram")``: the same split counts, slabs, pieces, holders
-    and rounds, from :mod:`rootopt.distributed.split` and :func:`owner_rounds`)."""
+def _fsdp(est: Estimate, specs: Sequence[ParamSpec], o: Options) -> None:
+    """Shards to owners and updates back, one pair of all-to-alls per round of
+    :func:`~rootopt.distributed.layout.owner_rounds` (:mod:`rootopt.distributed.sharded`)."""
     W = est.world
     roots = [p for p in specs if p.algorithm == "root"]
     _flags(est, len(specs), o.backend)
     views = [_view(p) for p in roots]
-    node = max(1, min(o.gpus_per_node, W))
-    split = [
-        split_count(p.numel, max(p.shape), est.params, W, node) if gram and len(p.shape) == 2 else 1
+    # elements rank s sends for each matrix: its shard
+    pieces = [
+        np.array([n * (p.numel // max(p.shape[0], 1)) for n in _chunks(p.shape[0], W)])
         for p in roots
     ]
-    shard_rows = [[int(x) for x in _chunks(p.shape[0], W)] for p in roots]
-    # elements rank s sends for each task: the whole shard, or its piece of one slab
-    pieces = [
-        [
-            np.array(row, dtype=np.float64)
-            for row in (
-                slab_pieces(p.shape[0], p.shape[1], shard_rows[i], split[i])
-                if split[i] > 1
-                else [[n * (p.numel // max(p.shape[0], 1)) for n in shard_rows[i]]]
-            )
-        ]
-        for i, p in enumerate(roots)
-    ]
-    # one task per matrix, or per slab of a split matrix (on k distinct ranks of one
-    # node); owners over the whole step, rounds cut by what each owner receives
-    # (owner_rounds, as DistributedROOT._root_sharded)
-    tasks = [(i, j) for i in range(len(roots)) for j in range(split[i])]
     rounds = owner_rounds(
-        [ns_flops(roots[i], o.ns_steps, split[i]) / 2 for i, _ in tasks],
-        [4 * int(pieces[i][j].sum()) for i, j in tasks],
-        [(views[i][1], views[i][2]) for i, _ in tasks],
+        [ns_flops(p, o.ns_steps) / 2 for p in roots],
+        [4 * p.numel for p in roots],
+        [(v[1], v[2]) for v in views],
         W,
         o.bucket_bytes,
-        [i if split[i] > 1 else -1 for i, _ in tasks],  # a split matrix's slabs: one round
-        node,
     )
     ws = np.zeros(W)
     peak = np.zeros(W)
-    holders: dict[int, list[int]] = {}
     ret_bytes = min(4, o.ns_bytes)  # the updates' element size on their way back
     for k, rnd in enumerate(rounds):
         before = est.flops.copy()  # each round ends in all-to-alls every rank waits for
         sent = np.zeros(W)
         received = np.zeros(W)
         held = np.zeros(W)
-        for t, ow in rnd:
-            i, j = tasks[t]
-            p, k_ = roots[i], split[i]
-            holders.setdefault(i, []).append(ow)
-            est.flops[ow] += ns_flops(p, o.ns_steps, k_)
-            piece = 4.0 * pieces[i][j]
-            est.elements[ow] += piece.sum() / 4
-            b_, r_, c_ = views[i]
-            s_, l_ = min(r_, c_), max(r_, c_)
-            ws[ow] = max(ws[ow], _ns_workspace(b_, max(1, -(-l_ // k_)), s_, o.ns_bytes))
+        for i, ow in rnd:
+            p = roots[i]
+            est.flops[ow] += ns_flops(p, o.ns_steps)
+            piece = 4.0 * pieces[i]
+            est.elements[ow] += p.numel
+            ws[ow] = max(ws[ow], _ns_workspace(*views[i], o.ns_bytes))
             held[ow] += piece.sum()
             mine = piece[ow]
             sent += piece
             sent[ow] -= mine
             received[ow] += piece.sum() - mine
         # to the owners (float32 momentum), and the same pieces back (the updates, in
-        # the Newton–Schulz dtype: DistributedROOT's _update_dtype); the first round's
-        # inbound precedes every Newton–Schulz, the last round's return follows them all
+        # the Newton–Schulz dtype: sharded.update_dtype); the first round's inbound
+        # precedes every Newton–Schulz, the last round's return follows them all
         back = ret_bytes / 4
         _issue(est, "all_to_all", sent, received, serial=k == 0)
         _issue(est, "all_to_all", received * back, sent * back, serial=k == len(rounds) - 1)
         peak = np.maximum(peak, 3 * held)  # gathered matrices, updates, send buffer
         est.path_flops += float((est.flops - before).max())
     est.buckets = len(rounds)
-    # the holders of a split matrix (one round, above) all-reduce, one matrix after
-    # another: its quantile's 4 histograms of 256 int64, a count (int64) and a minimum
-    # (float32), then its s x s float32 Gram matrix once per iteration (split.py)
-    held_split = np.zeros(W)
-    gram_groups = 0
-    for i, hs in holders.items():
-        if split[i] == 1:
-            continue
-        gram_groups += 1
-        b_, r_, c_ = views[i]
-        s_ = min(r_, c_)
-        k_ = len(hs)
-        payload = o.ns_steps * s_ * s_ * 4
-        if o.threshold:
-            payload += QUANTILE_PASSES * QUANTILE_BINS * 8 + 8 + 4
-        per = 2 * (k_ - 1) / k_ * payload
-        for h in hs:
-            est.node[h] += per
-            est.step_sent[h] += per
-            est.step_received[h] += per
-            est.opt_sent[h] += per
-            est.opt_received[h] += per
-            held_split[h] += 1
-    if gram_groups:
-        # a rank's split matrices run one after another, each issuing its own
-        # collectives: the busiest holder issues this many, none of them hidden
-        n = int(held_split.max()) * (o.ns_steps + (QUANTILE_COLLECTIVES if o.threshold else 0))
-        est.collectives["all_reduce"] = est.collectives.get("all_reduce", 0) + n
-        est.exposed_collectives += n
-        est.collectives_kind["all_reduce"] = est.collectives_kind.get("all_reduce", 0) + n
-        est.notes.append(f"{gram_groups} matrices split over up to {max(split)} ranks")
     shard = np.zeros(W)
     for p in specs:
         per_row = p.numel // max(p.shape[0], 1)
         mult = 1 if p.algorithm == "root" else 2
         rows = per_row * _chunks(p.shape[0], W)
         shard += o.state_bytes * mult * rows
-        # DistributedROOT._root_sharded on the local shards: momentum, decay + update
-        # (and the shard copied into the send buffer, ``torch.cat``), or AdamW; the
-        # non-finite check of the local gradient; updates received in a narrower dtype
-        # are cast to float32 once
+        # sharded.step on the local shards: momentum, decay + update (and the shard copied
+        # into the send buffer, ``torch.cat``), or AdamW; the non-finite check and norm of
+        # the local gradient; updates received in a narrower dtype are cast to float32 once
         est.traffic += rows * (root_state_bytes(o) + 8 if p.algorithm == "root" else adamw_bytes(o))
-        est.traffic += rows * finite_check_bytes(o)
+        est.traffic += rows * 2 * finite_check_bytes(o)
         if p.algorithm == "root" and ret_bytes < 4:
             est.traffic += rows * (ret_bytes + 4)
     # the owner rebuilds each matrix from its W shards (``torch.cat``, float32: read +
@@ -1245,7 +787,8 @@ class StepTime:
     latency: float  # collectives issued by the step × latency
     fwd_bwd: float  # forward + backward of the model
     # optimizer seconds when the communication overlaps the compute, all but ``serial``
-    # (a bound for the design: today's code overlaps only the owner all-gathers)
+    # (a bound for the design: the code overlaps only the owner reduce-scatters, with
+    # backward)
     overlapped: float
     threshold: float = 0.0  # of elementwise: the busiest rank's quantile + clamp
     serial: float = 0.0  # of comm: before the first Newton–Schulz or after the last
@@ -1292,7 +835,6 @@ def step_time(
     comm_r = wire + np.clip(rest, 0, None) / hw.link
     comm = float(comm_r.max())
     # what no schedule hides behind compute (Estimate.serial_kind), per rank
-    # the split matrices' all-reduces (``gram``): each iteration waits for its own
     serial_r = est.node / hw.node_link
     for kind, nbytes in est.serial_kind.items():
         serial_r = serial_r + nbytes / hw.link_of(kind)[1]
@@ -1382,13 +924,9 @@ def llama3_flops_per_token(model: str, seq_len: int = LLAMA3_WORKLOAD.seq_len) -
 
 
 # The settings the large-scale table assumes: bf16 gradients, parameters and
-# Newton–Schulz (ROOT's ns_dtype="bfloat16"), float32 state, 1 GiB buckets, the gather
-# design as deployed (DDP averages), the owner reduce-scatter at the start of the step.
+# Newton–Schulz (ROOT's ns_dtype="bfloat16"), float32 state, 1 GiB buckets, the owner
+# reduce-scatter started in backward (no DDP wrapper).
 SCALE_OPTIONS = Options(grad_bytes=2, param_bytes=2, ns_bytes=2, bucket_bytes=GiB)
-
-
-def scale_options(design: Design, base: Options = SCALE_OPTIONS) -> Options:
-    return replace(base, average_grads=False) if design == "gather" else base
 
 
 def table_rows(
@@ -1408,7 +946,7 @@ def table_rows(
         fpt = llama3_flops_per_token(model, work.seq_len)
         for w in worlds:
             for d in designs:
-                e = estimate(params, w, d, scale_options(d, options))
+                e = estimate(params, w, d, options)
                 t = step_time(e, hw, work, fpt)
                 rows.append(
                     {
@@ -1439,7 +977,7 @@ def model_state_bytes(est: Estimate) -> float:
     """Parameters and gradients a rank holds (activations not counted): all of them in
     the DDP designs, a 1/W shard with FSDP2."""
     per = est.options.param_bytes + est.options.grad_bytes
-    if est.design in ("fsdp", "gram"):
+    if est.design == "fsdp":
         return per * est.params / est.world
     return float(per * est.params)
 
@@ -1451,7 +989,6 @@ class Verdict:
     rows: list[dict[str, Any]]  # per design: fraction, fraction_overlapped, fits, ...
     best: str | None  # the design with the smallest optimizer time among those that fit
     target: float
-    best_implemented: str | None = None  # the same among designs DistributedROOT runs
 
     @property
     def best_row(self) -> dict[str, Any] | None:
@@ -1473,22 +1010,17 @@ class Verdict:
         out = [f"verdict: {self.model} at W = {self.world:,}"]
         for r in self.rows:
             fit = "fits" if r["fits"] else "does not fit"
-            only = "; model only, not implemented" if r["design"] in MODEL_ONLY else ""
             out.append(
                 f"  {r['design']:<10} optimizer {1e3 * r['optimizer_s']:8.1f} ms = "
                 f"{100 * r['fraction']:6.2f} % of forward/backward "
                 f"({100 * r['fraction_overlapped']:.2f} % overlapped); "
-                f"{r['memory_gib'] + r['model_state_gib']:.0f} GiB/rank ({fit}{only})"
+                f"{r['memory_gib'] + r['model_state_gib']:.0f} GiB/rank ({fit})"
             )
         b = self.best_row
         if b is None:
             out.append("  no design fits in device memory")
         else:
-            label = "best that fits" + (" (model only)" if b["design"] in MODEL_ONLY else "")
-            out.append(self._best_line(label, b))
-            impl = next((r for r in self.rows if r["design"] == self.best_implemented), None)
-            if impl is not None and impl is not b:
-                out.append(self._best_line("best implemented that fits", impl))
+            out.append(self._best_line("best that fits", b))
         out.append("assumptions:")
         out.append(f"  hardware: {hw.name}")
         out += [f"    - {src}" for src in hw.sources]
@@ -1497,8 +1029,8 @@ class Verdict:
             f"  settings: gradients {options.grad_bytes} B, parameters {options.param_bytes} B, "
             f"Newton–Schulz {options.ns_bytes} B per element ({options.ns_steps} iterations), "
             f"state {options.state_bytes} B; buckets {options.bucket_bytes / MiB:.0f} MiB; "
-            "gather as deployed (DDP all-reduce); owner's reduce-scatter "
-            + ("in backward" if options.sync_in_backward else "at the start of the step")
+            "owner's reduce-scatter "
+            + ("started in backward" if options.average_grads else "replaced by DDP's all-reduce")
         )
         out.append(
             "  optimizer time = Newton–Schulz on the path (each round waits for its busiest rank) + elementwise passes + exposed "
@@ -1506,7 +1038,7 @@ class Verdict:
             "same wrapper also moves behind backward is not counted; activations not in memory; "
             "overlapped: all communication but what precedes the first Newton–Schulz or "
             "follows the last hidden behind compute (a bound: the code overlaps only the "
-            "owner all-gathers)"
+            "owner reduce-scatters, with backward)"
         )
         return out
 
@@ -1525,11 +1057,9 @@ def verdict(
     rows = table_rows([model], [world], designs, options, hw, work)
     params = llama3_params(model)
     for r in rows:
-        e = estimate(params, world, r["design"], scale_options(r["design"], options))
+        e = estimate(params, world, r["design"], options)
         r["model_state_gib"] = model_state_bytes(e) / GiB
         r["fits"] = (model_state_bytes(e) + e.peak_memory) <= hw.memory
     fitting = [r for r in rows if r["fits"]]
     best = min(fitting, key=lambda r: r["optimizer_s"])["design"] if fitting else None
-    runs = [r for r in fitting if r["design"] not in MODEL_ONLY]
-    best_run = min(runs, key=lambda r: r["optimizer_s"])["design"] if runs else None
-    return Verdict(model, world, rows, best, target, best_run)
+    return Verdict(model, world, rows, best, target)

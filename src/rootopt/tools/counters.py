@@ -5,9 +5,11 @@
 duration of a ``with`` block and records, for every call made from Python on this rank,
 the operation and the bytes this rank sends and receives. The bytes follow
 :func:`collective_bytes`, which states the algorithm each backend uses for the operation;
-the cost model (:mod:`rootopt.distributed.plan`) predicts with the same formulas, and on gloo
+the cost model (:mod:`rootopt.tools.costmodel`) predicts with the same formulas, and on gloo
 they are checked against the bytes the process actually writes to its sockets
-(:func:`bytes_written`, ``/proc/self/io``; docs/distributed.md, "Cost model").
+(:func:`bytes_written`, ``/proc/self/io``; docs/distributed.md, "Cost model"). Analysis
+for tests and benchmarks: the runtime never imports it (the optimizer counts its own
+bytes in :class:`~rootopt.distributed.flat.StepStats`).
 
 Collectives issued from C++ (DDP's gradient all-reduce, FSDP2's own all-gather and
 reduce-scatter) do not pass through Python and are not seen; the cost model accounts for
@@ -413,17 +415,18 @@ def _nbytes(ts: Sequence[Tensor]) -> int:
 
 
 @contextmanager
-def TrafficCounter(apart: Sequence[tuple[type, str]] = ()) -> Iterator[Traffic]:
+def TrafficCounter(apart: Sequence[tuple[object, str]] = ()) -> Iterator[Traffic]:
     """Count, for every aten op this thread runs inside the block, the bytes of its tensor
     inputs (read) and outputs (written): the elementwise traffic the cost model charges at
-    a streaming rate (``plan.Estimate.traffic``). Not counted: matrix products (FLOPs),
+    a streaming rate (``costmodel.Estimate.traffic``). Not counted: matrix products (FLOPs),
     allocations, views (an output that shares an input's storage, unless the op writes in
     place), and collectives (``c10d``: bytes on the wire, :class:`CollectiveCounter`).
     The destination of ``copy_``/``fill_``/``zero_`` and ``out=`` tensors are written, not
     read. An upper bound where a kernel reads only part of an input (a reduction with
     early exit); exact for the streaming passes of a step. ``apart``: ``(class, method)``
-    pairs run paused inside the block (e.g. ``(DistributedROOT, "_orthogonalize")``: the
-    threshold + Newton–Schulz the cost model charges apart), restored on exit."""
+    pairs, or ``(module, function)``, run paused inside the block (e.g.
+    ``(rootopt.optim.functional, "root_direction")``: the threshold + Newton–Schulz the
+    cost model charges apart), restored on exit."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     traffic = Traffic()

@@ -1,0 +1,90 @@
+"""Publish the defaults study: the committed record in docs/study/ becomes every generated page.
+
+1. With ``--import DIR``: the finished runs, timings and session entries of the study directory
+   DIR (where ``rootopt bench study --out DIR`` runs) that docs/study/ lacks are appended to it.
+2. ``rootopt bench study --out docs/study --finished-only`` renders the summary from the record
+   alone (nothing is trained).
+3. The summary becomes docs/study_results.json; its tables replace the generated block of
+   docs/benchmarks.md (and v1's re-reading its own block, from docs/study_results_v1.json);
+   its headline replaces the generated block of README.md; its plots go to docs/img/
+   (study_lr.png, study_long.png, study_tail.png).
+
+Only the generated blocks between their markers are rewritten; the rest of each page is kept
+as it is, and a page without its markers stops the script before anything is written.
+
+Usage: python benchmarks/study_publish.py [--import DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from rootopt._atomic import atomic_write
+from rootopt.bench import study_report
+from rootopt.commands.bench import main as bench_main
+
+ROOT = Path(__file__).resolve().parents[1]
+PLOTS = ("study_lr.png", "study_long.png", "study_tail.png")
+
+
+def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
+    """Publish into the repository at ``root`` (its docs/ and README.md)."""
+    record, results = root / "docs" / "study", root / "docs" / "study_results.json"
+    page_path, readme_path, img = (
+        root / "docs" / "benchmarks.md",
+        root / "README.md",
+        root / "docs" / "img",
+    )
+    page, readme = page_path.read_text(encoding="utf-8"), readme_path.read_text(encoding="utf-8")
+    # check both pages before the first byte is written
+    for doc, begin, end, name in (
+        (page, study_report.BEGIN, study_report.END, page_path.name),
+        (readme, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END, readme_path.name),
+    ):
+        if doc.count(begin) != 1 or doc.count(end) != 1:
+            raise SystemExit(f"study_publish: {name} must hold its generated block's markers once")
+    argv = ["study", "--out", str(record), "--finished-only", "--no-progress"]
+    if import_dir is not None:
+        argv += ["--import", str(import_dir)]
+    if bench_main(argv) != 0:
+        raise SystemExit("study_publish: rootopt bench study failed")
+    summary = json.loads((record / "study.json").read_text(encoding="utf-8"))
+    atomic_write(results, study_report.dump_summary(summary).encode())
+    block = study_report.markdown(summary)
+    page = study_report.splice(page, block)
+    if study_report.V1_BEGIN in page:  # v1's corrections, from v1's committed summary
+        v1 = json.loads((root / "docs" / "study_results_v1.json").read_text(encoding="utf-8"))
+        page = study_report.splice(
+            page, study_report.v1_markdown(v1), study_report.V1_BEGIN, study_report.V1_END
+        )
+    atomic_write(page_path, page.encode())
+    head = study_report.headline(summary)
+    atomic_write(
+        readme_path,
+        study_report.splice(
+            readme, head, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END
+        ).encode(),
+    )
+    plots = []
+    for name in PLOTS:
+        if (record / name).is_file():
+            shutil.copyfile(record / name, img / name)
+            plots.append(name)
+    return {"runs": summary["index"]["runs"], "complete": summary["complete"], "plots": plots}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--import", dest="import_dir", default="", metavar="DIR")
+    args = ap.parse_args()
+    got = publish(ROOT, Path(args.import_dir) if args.import_dir else None)
+    print(json.dumps(got))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

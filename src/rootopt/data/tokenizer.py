@@ -1,0 +1,466 @@
+"""Tokenizers for text corpora: byte tokens, a Hugging Face ``tokenizer.json``, or a
+byte-level BPE trained on the corpus (docs/training.md, "Your own data").
+
+A spec string (``data.tokenizer``, ``rootopt data prepare --tokenizer``) names one:
+
+``bytes``
+    One token per UTF-8 byte, id = byte value, 256 ids, no end-of-document token: documents
+    are joined by a blank line (``"\\n\\n"``). The default, and what every dataset prepared
+    before tokenizers existed holds.
+``PATH``
+    A ``tokenizer.json`` (or a directory holding one) in the format of the Hugging Face
+    ``tokenizers`` library, loaded with it, used as it is.
+``bpe:N``
+    A byte-level BPE of ``N`` ids (``N`` ≥ 257: the 256 byte symbols and ``<|endoftext|>``)
+    trained on the corpus with ``tokenizers`` (the GPT-2 pre-tokenization; Radford et al.
+    2019). Fewer ids result when the corpus has fewer merges to learn.
+
+Token ids are stored in the narrowest unsigned type that holds the vocabulary
+(:func:`token_dtype`). The tokenizer of a prepared directory is recorded in its manifest
+(``manifest["tokenizer"]``) and, unless it is ``bytes``, stored beside the shards as
+``tokenizer.json``; :func:`hf_files` gives what ``transformers.AutoTokenizer`` needs to load
+it, for ``bytes`` too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from rootopt.data.corpora import DOC_SEPARATOR, CorpusError, Piece, piece_text
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
+
+BYTES: Literal["bytes"] = "bytes"
+FILE_NAME = "tokenizer.json"
+EOS_TOKEN = "<|endoftext|>"  # the end-of-document token of bpe:N (GPT-2's name for it)
+MIN_BPE = 257  # 256 byte symbols + EOS_TOKEN
+MAX_VOCAB = 1 << 20
+MAX_FILE_BYTES = 1 << 30
+# Names of an end-of-document token in common tokenizer files, first match wins, when no
+# tokenizer_config.json beside the file names its eos_token.
+EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]")
+Kind = Literal["bytes", "file", "bpe"]
+
+
+class TokenizerError(CorpusError):
+    """A tokenizer spec or file that cannot be used (a user error: one line, exit 2)."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype[Any]:
+    """The narrowest unsigned integer type that holds every id below ``vocab_size``."""
+    if vocab_size <= 1 << 8:
+        return np.dtype(np.uint8)
+    if vocab_size <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.uint32)
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A parsed spec: ``kind``, the string as given, the file (``file``), ``N`` (``bpe``)."""
+
+    kind: Kind
+    spec: str
+    path: Path | None = None
+    vocab: int = 0
+
+
+_BPE = re.compile(r"^bpe:(.*)$", re.IGNORECASE)
+
+
+def parse_spec(spec: str) -> TokenizerSpec:
+    """``bytes``, ``bpe:N`` or the path of a ``tokenizer.json`` (or of a directory holding
+    one); one line of :class:`TokenizerError` for anything else. A file is only located here,
+    not read: :func:`load` parses it."""
+    text = spec.strip() if isinstance(spec, str) else ""
+    if not text:
+        raise TokenizerError("tokenizer: expected bytes, bpe:N or the path of a tokenizer.json")
+    if text.lower() == BYTES:
+        return TokenizerSpec(BYTES, BYTES)
+    m = _BPE.match(text)
+    if m:
+        try:
+            n = int(m.group(1))
+        except ValueError:
+            raise TokenizerError(
+                f"tokenizer {text[:60]!r}: expected bpe:N with an integer vocabulary size N"
+            ) from None
+        if not MIN_BPE <= n <= MAX_VOCAB:
+            raise TokenizerError(
+                f"tokenizer {text[:60]!r}: N must be in [{MIN_BPE}, {MAX_VOCAB}] (256 byte "
+                f"symbols and {EOS_TOKEN} at least); got {n}"
+            )
+        return TokenizerSpec("bpe", f"bpe:{n}", vocab=n)
+    path = Path(text)
+    if path.is_dir():
+        path = path / FILE_NAME
+    if not path.exists():
+        raise TokenizerError(
+            f"tokenizer {text[:120]!r}: no such file (expected bytes, bpe:N or the path of a "
+            "tokenizer.json)"
+        )
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer {text[:120]!r} is not a regular file")
+    return TokenizerSpec("file", text, path=path)
+
+
+def spec_problem(spec: str) -> str | None:
+    """The problem of a spec as one line, or None (config validation)."""
+    try:
+        parse_spec(spec)
+    except TokenizerError as exc:
+        return str(exc)
+    return None
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+class Tokenizer:
+    """What preparing data needs of a tokenizer (see the module docstring for the kinds).
+
+    ``encode_batch`` tokenizes texts; :meth:`pack` turns the pieces of a corpus
+    (:class:`rootopt.data.corpora.Piece`) into one token stream in the storage dtype,
+    with the end-of-document token (or, without one, the text ``"\\n\\n"``) after each
+    document."""
+
+    kind: Kind
+    spec: str
+    vocab_size: int
+    eos_id: int | None
+    sha256: str | None
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return token_dtype(self.vocab_size)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def pack(self, pieces: list[Piece]) -> np.ndarray:
+        raise NotImplementedError
+
+    def to_json(self) -> str | None:
+        """The ``tokenizer.json`` stored beside the shards (None for ``bytes``)."""
+        return None
+
+    def record(self) -> dict[str, Any]:
+        """``manifest["tokenizer"]``."""
+        return {
+            "kind": self.kind,
+            "spec": self.spec,
+            "vocab_size": self.vocab_size,
+            "sha256": self.sha256,
+            "file": FILE_NAME if self.to_json() is not None else None,
+            "eos_id": self.eos_id,
+        }
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids (numpy; the raw bytes of a corpus file are kept as they are)."""
+
+    def __init__(self) -> None:
+        self.kind, self.spec, self.vocab_size = BYTES, BYTES, 256
+        self.eos_id, self.sha256 = None, None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).tolist() for t in texts]
+
+    def pack(self, pieces: list[Piece]) -> np.ndarray:
+        return np.frombuffer(b"".join(p.data + p.sep for p in pieces), dtype=np.uint8)
+
+
+class FileTokenizer(Tokenizer):
+    """A ``tokenizers.Tokenizer`` (a ``tokenizer.json`` or a BPE trained here). Batches are
+    encoded with ``encode_batch_fast``, which runs on all cores (the library's thread pool)
+    and skips the character offsets nobody here reads. Special tokens of the tokenizer's
+    post-processor (a BOS template, say) are not added: documents are separated by
+    ``eos_id`` alone."""
+
+    def __init__(self, tok: HFTokenizer, *, kind: Kind, spec: str, eos_id: int | None) -> None:
+        self.tok, self.kind, self.spec, self.eos_id = tok, kind, spec, eos_id
+        self._json = tok.to_str()
+        self.sha256 = hashlib.sha256(self._json.encode("utf-8")).hexdigest()
+        vocab = tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+        if self.vocab_size < 1:
+            raise TokenizerError(f"tokenizer {spec[:120]!r} has an empty vocabulary")
+        if self.vocab_size > MAX_VOCAB:
+            raise TokenizerError(
+                f"tokenizer {spec[:120]!r} has {self.vocab_size} ids; at most {MAX_VOCAB} "
+                "are supported"
+            )
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    def pack(self, pieces: list[Piece]) -> np.ndarray:
+        eos, dtype = self.eos_id, self.dtype
+        sep = DOC_SEPARATOR.decode()
+        texts = [piece_text(p) + ("" if eos is not None or not p.sep else sep) for p in pieces]
+        ids = self.encode_batch(texts)
+        if len(ids) != len(pieces):
+            raise TokenizerError(f"tokenizer returned {len(ids)} encodings for {len(pieces)}")
+        parts: list[np.ndarray] = []
+        tail = np.array([eos if eos is not None else 0], dtype=dtype)
+        for p, row in zip(pieces, ids):
+            parts.append(np.array(row, dtype=dtype))
+            if eos is not None and p.sep:
+                parts.append(tail)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    def to_json(self) -> str:
+        return self._json
+
+
+def _from_str(text: str, where: str) -> HFTokenizer:
+    from tokenizers import Tokenizer as HFTok
+
+    try:
+        return HFTok.from_str(text)
+    except Exception as exc:  # the library raises a bare Exception with serde's message
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise TokenizerError(
+            f"tokenizer {where[:120]!r} is not a tokenizers JSON file ({first})"
+        ) from None
+
+
+def _configured_eos(path: Path, tok: HFTokenizer) -> int | None:
+    """The eos_token of a ``tokenizer_config.json`` beside ``path`` (a Hugging Face model
+    directory), else the first of :data:`EOS_NAMES` the vocabulary holds."""
+    config = path.parent / "tokenizer_config.json"
+    name: Any = None
+    if config.is_file():
+        try:
+            name = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            name = None
+        if isinstance(name, dict):
+            name = name.get("content")
+    found = tok.token_to_id(name) if isinstance(name, str) else None
+    if found is not None:
+        return int(found)
+    for cand in EOS_NAMES:
+        i = tok.token_to_id(cand)
+        if i is not None:
+            return int(i)
+    return None
+
+
+def load_file(spec: TokenizerSpec) -> FileTokenizer:
+    """A ``tokenizer.json`` (one line of :class:`TokenizerError` if it does not parse)."""
+    assert spec.path is not None
+    path = spec.path
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise TokenizerError(f"tokenizer {spec.spec[:120]!r} is {size} bytes; not a tokenizer")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TokenizerError(
+            f"tokenizer {spec.spec[:120]!r} cannot be read ({exc.strerror or exc})"
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TokenizerError(f"tokenizer {spec.spec[:120]!r} is not UTF-8 text") from None
+    tok = _from_str(text, spec.spec)
+    out = FileTokenizer(tok, kind="file", spec=spec.spec, eos_id=_configured_eos(path, tok))
+    # the file is stored as it is (its sha256 is the user's file's), not re-serialized
+    out._json, out.sha256 = text, hashlib.sha256(raw).hexdigest()
+    return out
+
+
+def train_bpe(texts: Iterable[str], vocab: int) -> FileTokenizer:
+    """A byte-level BPE of at most ``vocab`` ids trained on ``texts`` (streamed: the
+    trainer keeps word counts, not the text). Deterministic: the same texts give the same
+    ``tokenizer.json`` in every process."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(  # type: ignore[call-arg]
+        vocab_size=vocab,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    eos = tok.token_to_id(EOS_TOKEN)
+    return FileTokenizer(tok, kind="bpe", spec=f"bpe:{vocab}", eos_id=eos)
+
+
+def load(spec: TokenizerSpec | str, texts: Callable[[], Iterable[str]] | None = None) -> Tokenizer:
+    """The tokenizer a spec names; ``bpe:N`` trains on ``texts()`` (required for it)."""
+    s = parse_spec(spec) if isinstance(spec, str) else spec
+    if s.kind == BYTES:
+        return ByteTokenizer()
+    if s.kind == "file":
+        return load_file(s)
+    if texts is None:
+        raise TokenizerError(f"tokenizer {s.spec}: training a BPE needs the corpus text")
+    return train_bpe(texts(), s.vocab)
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def record_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest["tokenizer"]``; a manifest from before tokenizers (``"tokenizer":
+    "bytes"`` or none) is byte tokens."""
+    tok = manifest.get("tokenizer")
+    if isinstance(tok, dict):
+        return tok
+    return ByteTokenizer().record()
+
+
+def vocab_size_of(manifest: dict[str, Any]) -> int:
+    """The number of token ids of a prepared text dataset (the model's minimum vocabulary)."""
+    tok = manifest.get("tokenizer")
+    if isinstance(tok, dict) and isinstance(tok.get("vocab_size"), int):
+        return int(tok["vocab_size"])
+    vocab = manifest.get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else 256
+
+
+def dtype_of(manifest: dict[str, Any]) -> np.dtype[Any]:
+    """The storage dtype of a prepared text dataset's ``tokens.bin`` (uint8 before tokenizers)."""
+    return np.dtype(str(manifest.get("token_dtype", "uint8")))
+
+
+def label(record: dict[str, Any]) -> str:
+    """A tokenizer record in words, for messages: ``bytes (256 ids)``, ``bpe:512 (512 ids,
+    sha256 1a2b3c4d5e6f)``."""
+    kind = record.get("kind", BYTES)
+    if kind == BYTES:
+        return "bytes (256 ids)"
+    name = record.get("spec") if kind == "bpe" else f"the tokenizer file {record.get('spec')!r}"
+    sha = str(record.get("sha256") or "")[:12]
+    return f"{name} ({record.get('vocab_size')} ids, sha256 {sha})"
+
+
+def matches(record: dict[str, Any], spec: str) -> bool:
+    """Whether data prepared with the tokenizer ``record`` was prepared with ``spec`` (a
+    tokenizer file: the same bytes as the one prepared with)."""
+    try:
+        s = parse_spec(spec)
+    except TokenizerError:
+        return False
+    kind = record.get("kind", BYTES)
+    if s.kind != kind:
+        return False
+    if s.kind == "bpe":
+        return bool(record.get("spec") == s.spec)
+    if s.kind == "file":
+        assert s.path is not None
+        try:
+            return hashlib.sha256(s.path.read_bytes()).hexdigest() == record.get("sha256")
+        except OSError:
+            return False
+    return True
+
+
+def same_record(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two tokenizer records name the same tokenizer (kind, vocabulary and file bytes)."""
+    return all(a.get(k) == b.get(k) for k in ("kind", "vocab_size", "sha256"))
+
+
+def identity_part(manifest: dict[str, Any]) -> str:
+    """What the tokenizer adds to a dataset's identity: nothing for byte tokens (datasets
+    from before tokenizers keep their identity), else kind, vocabulary and sha256."""
+    tok = record_of(manifest)
+    if tok.get("kind", BYTES) == BYTES:
+        return ""
+    return json.dumps(
+        {k: tok.get(k) for k in ("kind", "spec", "vocab_size", "sha256")}, sort_keys=True
+    )
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte → printable character table (Radford et al. 2019, ``bytes_to_unicode``
+    of the released encoder), the alphabet of the ``tokenizers`` ByteLevel pre-tokenizer:
+    printable Latin-1 bytes map to themselves, the rest to U+0100 onwards in byte order."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def bytes_tokenizer_json() -> str:
+    """A ``tokenizer.json`` whose ids are the UTF-8 byte values: a byte-level BPE without
+    merges over the 256 byte symbols, id ``b`` for byte ``b``."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    symbols = _byte_symbols()
+    if set(symbols) != set(pre_tokenizers.ByteLevel.alphabet()):
+        raise RuntimeError("the tokenizers library's byte alphabet is not GPT-2's")
+    tok = HFTok(models.BPE(vocab={s: b for b, s in enumerate(symbols)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return str(tok.to_str())
+
+
+def hf_files(data_dir: Path, manifest: dict[str, Any]) -> dict[str, bytes]:
+    """The files ``transformers.AutoTokenizer.from_pretrained(DIR)`` loads this dataset's
+    tokenizer from, offline: ``tokenizer.json`` (for ``bytes`` one whose ids are the byte
+    values), ``tokenizer_config.json`` and, with an end-of-document token,
+    ``special_tokens_map.json``. The stored ``tokenizer.json`` is checked against its
+    sha256 in the manifest."""
+    from rootopt.data.shards import ShardError
+
+    tok = record_of(manifest)
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        # decode(encode(text)) == text: no clean-up of spaces before punctuation
+        "clean_up_tokenization_spaces": False,
+    }
+    if tok.get("kind", BYTES) == BYTES:
+        files = {FILE_NAME: bytes_tokenizer_json().encode("utf-8")}
+    else:
+        name = tok.get("file") or FILE_NAME
+        path = Path(data_dir) / str(name)
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise ShardError(
+                f"{str(path)!r}: the dataset's tokenizer cannot be read ({exc.strerror or exc})"
+            ) from None
+        if hashlib.sha256(raw).hexdigest() != tok.get("sha256"):
+            raise ShardError(
+                f"{str(path)!r} does not match the sha256 in the manifest: the tokenizer was "
+                "modified; prepare the data again"
+            )
+        files = {FILE_NAME: raw}
+        eos = tok.get("eos_id")
+        if isinstance(eos, int):
+            name = _from_str(raw.decode("utf-8"), str(path)).id_to_token(eos)
+            if name is not None:
+                config["eos_token"] = name
+                files["special_tokens_map.json"] = _json_bytes({"eos_token": name})
+    files["tokenizer_config.json"] = _json_bytes(config)
+    return files
+
+
+def _json_bytes(data: dict[str, Any]) -> bytes:
+    return (json.dumps(data, indent=1) + "\n").encode("utf-8")
