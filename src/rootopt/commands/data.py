@@ -131,8 +131,11 @@ def main(argv: list[str]) -> int:
     except (CorpusError, ShardError) as exc:
         print(f"rootopt data: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # stdout's reader left (`| head`): rootopt.cli ends quietly
     except OSError as exc:
-        print(f"rootopt data: {exc.strerror or exc} ({exc.filename or args.out})", file=sys.stderr)
+        where = exc.filename or (args.dir if args.action == "verify" else args.out)
+        print(f"rootopt data: {exc.strerror or exc} ({where})", file=sys.stderr)
         return 1
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     tok = ""

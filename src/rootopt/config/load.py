@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -58,6 +59,17 @@ def _is_number_string(value: str) -> bool:
 def _coerce(value: Any, tp: Any, where: str, rules: dict[str, Any], problems: list[str]) -> Any:
     """Check ``value`` against the annotated type ``tp``; return the typed value or None."""
     origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType) and bool in get_args(tp):
+        # `bool | Literal[...]` (mixed_precision.enabled: true, false or auto)
+        words = [w for a in get_args(tp) if get_origin(a) is Literal for w in get_args(a)]
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in words:
+            return value.lower()
+        problems.append(
+            f"{where}: expected true, false or {' or '.join(map(str, words))}; got {short(value)}"
+        )
+        return None
     if origin is Literal:
         choices = get_args(tp)
         if isinstance(value, str) and value.lower() in choices:
@@ -199,6 +211,21 @@ def _cross_checks(cfg: Config, problems: list[str]) -> None:
         problems.append(
             f"run.loss_spike_factor: must be 0 (off) or > 1; got {cfg.run.loss_spike_factor}"
         )
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Valid settings that are probably not what was meant, one line each (printed at the
+    start of a run; nothing is refused)."""
+    found = []
+    o, r = cfg.optimization, cfg.run
+    if o.warmup_steps >= r.max_steps:
+        found.append(
+            f"optimization.warmup_steps={o.warmup_steps} >= run.max_steps={r.max_steps}: the "
+            f"learning rate never leaves its warmup and never reaches base_lr={o.base_lr:g}; "
+            f"a warmup of about 10 % of the run is usual (optimization.warmup_steps="
+            f"{max(1, r.max_steps // 10)})"
+        )
+    return found
 
 
 def from_dict(data: Any) -> Config:
