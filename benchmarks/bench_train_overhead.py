@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rootopt.config import load_config
     from rootopt.data import load_manifest
     from rootopt.train import Hooks, train
-    from rootopt.train.build import ProcessInfo
+    from rootopt.train.build import Precision, ProcessInfo
     from rootopt.train.data import resolve_data
 
     total = args.rounds * args.steps + args.warmup_steps
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": here(cfg.model.hf_config),
         "batch": cfg.data.batch_size,
         "seq_len": cfg.data.seq_len,
-        "precision": "bf16" if cfg.mixed_precision.enabled else "fp32",
+        "precision": Precision(cfg, torch.device("cpu")).name,
         "log_every": cfg.run.log_every,
         "eval_every": cfg.run.eval_every,
         "checkpoint_every": cfg.checkpoint.every,

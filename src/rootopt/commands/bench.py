@@ -79,8 +79,12 @@ def _pick(raw: str, known: list[str], what: str) -> list[str]:
     return items
 
 
-def _claim_out(out: Path) -> None:
-    """Use ``out`` only if it is new, empty or already ours (has our manifest)."""
+class NothingFinished(Exception):
+    pass
+
+
+def _check_out(out: Path) -> None:
+    """Refuse ``out`` unless it is new, empty or already ours (has our manifest)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
@@ -88,6 +92,18 @@ def _claim_out(out: Path) -> None:
             f"--out {str(out)!r} is a non-empty directory not written by rootopt bench; "
             "choose a new or empty directory"
         )
+
+
+def _check_finished(out: Path) -> None:
+    """``--finished-only`` runs nothing, so it writes nothing either where nothing finished."""
+    _check_out(out)
+    if not (out / MANIFEST).is_file() or not any((out / "runs").glob("*.json")):
+        raise NothingFinished(out)
+
+
+def _claim_out(out: Path) -> None:
+    """Use ``out`` only if it is new, empty or already ours (has our manifest)."""
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / MANIFEST).is_file():
         from rootopt._atomic import atomic_write
@@ -125,7 +141,10 @@ def run(argv: list[str]) -> int:
     if args.seeds < 0:
         raise UserError(f"--seeds must be >= 1; got {args.seeds}")
     out = Path(args.out)
-    _claim_out(out)
+    if args.finished_only:
+        _check_finished(out)
+    else:
+        _claim_out(out)
 
     from rootopt._atomic import atomic_write
     from rootopt.bench import report, suites
@@ -152,8 +171,15 @@ def run(argv: list[str]) -> int:
         results["lr_robustness"] = suites.lr_robustness(results["convergence"])
     if s in ("robustness", "all"):
         results["robustness"] = suites.robustness(cfg, results.get("convergence"))
-    if s in ("overhead", "all") and not (args.finished_only and "overhead" in results):
+    # The overhead suite is a measurement, not a set of finished runs: --finished-only keeps
+    # the one already in results.json and never starts one.
+    if s in ("overhead", "all") and not args.finished_only:
         results["overhead"] = overhead(quick=args.quick, optimizers=opts, progress=cfg.progress)
+    if args.finished_only:
+        shown = report.finished_sections(results)
+        if not shown:
+            raise NothingFinished(out)
+        results = {k: v for k, v in results.items() if k in shown}
     results["meta"] = {
         **_meta(args, argv),
         "wall_s (this command)": round(time.perf_counter() - t0),
@@ -269,6 +295,13 @@ def main(argv: list[str]) -> int:
     except UserError as exc:
         print(f"rootopt bench: {exc}", file=sys.stderr)
         return 2
+    except NothingFinished as exc:
+        print(
+            f"rootopt bench: no finished runs in {str(exc.args[0])!r} to report; nothing was "
+            "written (run without --finished-only to compute them)",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print(
             "rootopt bench: interrupted; finished runs are kept, rerun to resume", file=sys.stderr

@@ -131,8 +131,11 @@ def main(argv: list[str]) -> int:
     except (CorpusError, ShardError) as exc:
         print(f"rootopt data: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # stdout's reader left (`| head`): rootopt.cli ends quietly
     except OSError as exc:
-        print(f"rootopt data: {exc.strerror or exc} ({exc.filename or args.out})", file=sys.stderr)
+        where = exc.filename or (args.dir if args.action == "verify" else args.out)
+        print(f"rootopt data: {exc.strerror or exc} ({where})", file=sys.stderr)
         return 1
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     tok = ""
@@ -140,6 +143,8 @@ def main(argv: list[str]) -> int:
         from rootopt.data.tokenizer import label, record_of
 
         tok = f" ({label(record_of(manifest))}, {manifest['tokens']} tokens)"
+        if args.max_bytes and manifest["text_bytes"] >= args.max_bytes:
+            tok += f" from its first {args.max_bytes} bytes (--max_bytes 0 reads all of it)"
     print(
         f"{manifest['task']} corpus {manifest['corpus']}{tok}: {sum(e['samples'] for e in tr)} train samples in "
         f"{len(tr)} shards, {sum(e['samples'] for e in va)} validation samples in {len(va)} shards "

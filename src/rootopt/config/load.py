@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -59,6 +60,17 @@ def _is_number_string(value: str) -> bool:
 def _coerce(value: Any, tp: Any, where: str, rules: dict[str, Any], problems: list[str]) -> Any:
     """Check ``value`` against the annotated type ``tp``; return the typed value or None."""
     origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType) and bool in get_args(tp):
+        # `bool | Literal[...]` (mixed_precision.enabled: true, false or auto)
+        words = [w for a in get_args(tp) if get_origin(a) is Literal for w in get_args(a)]
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in words:
+            return value.lower()
+        problems.append(
+            f"{where}: expected true, false or {' or '.join(map(str, words))}; got {short(value)}"
+        )
+        return None
     if origin is Literal:
         choices = get_args(tp)
         if isinstance(value, str) and value.lower() in choices:
@@ -277,6 +289,21 @@ def _model_files(m: Any, problems: list[str]) -> None:
 
 # The weight files of a Hugging Face model directory (one file, or shards and their index).
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Valid settings that are probably not what was meant, one line each (printed at the
+    start of a run; nothing is refused)."""
+    found = []
+    o, r = cfg.optimization, cfg.run
+    if o.warmup_steps >= r.max_steps:
+        found.append(
+            f"optimization.warmup_steps={o.warmup_steps} >= run.max_steps={r.max_steps}: the "
+            f"learning rate never leaves its warmup and never reaches base_lr={o.base_lr:g}; "
+            f"a warmup of about 10 % of the run is usual (optimization.warmup_steps="
+            f"{max(1, r.max_steps // 10)})"
+        )
+    return found
 
 
 def from_dict(data: Any) -> Config:

@@ -235,7 +235,11 @@ class OptimizationConfig:
 
 @dataclass
 class MixedPrecisionConfig:
-    enabled: bool = _f(False, "autocast the forward pass")
+    enabled: bool | Literal["auto"] = _f(
+        False,
+        "autocast the forward pass: true, false, or auto = on CUDA only (a CPU without "
+        "native bfloat16 runs bf16 autocast several times slower than fp32: docs/training.md)",
+    )
     dtype: Literal["auto", "bf16", "fp16"] = _f("auto", "auto: fp16 on CUDA, bf16 on CPU")
     loss_scale: str = _f(
         "dynamic", "fp16 loss scaling: 'dynamic' (GradScaler) or a static number such as 8192"
@@ -248,7 +252,13 @@ class MixedPrecisionConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(1000, "steps between checkpoints (docs/training.md: 1000)", min=1, max=10**10)
+    every: int = _f(
+        100,
+        "steps between checkpoints: a killed or restarted run loses at most this many "
+        "(docs/training.md, 'Checkpoints and resume')",
+        min=1,
+        max=10**10,
+    )
     keep_last: int = _f(3, "checkpoints of this run to keep", min=1, max=10**6)
     dir: str = _f("", "checkpoint directory; empty = <log_dir>/checkpoints")
     resume: str = _f(

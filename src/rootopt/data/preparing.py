@@ -24,6 +24,7 @@ of ours).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -46,9 +47,11 @@ from rootopt.data.shards import FORMAT, VERSION, ShardError, ShardWriteError
 STAGING = ".rootopt-staging"
 MARKER = "staging.json"
 TOKENS = "tokens.bin"
-# Text per tokenizer call: many pieces (corpora.PIECE_BYTES each) for the library's thread
-# pool, a few MiB of ids in Python lists at a time (see benchmarks/bench_prepare.py).
-BATCH_BYTES = 1 << 22
+# Text per tokenizer call: four pieces (corpora.PIECE_BYTES each) per core for the library's
+# thread pool, at least 1 MiB. A batch's encodings cost about 80 bytes of memory per byte of
+# text (ids as Python lists, the library's Encoding objects): ~80 MiB at 2 cores, which is
+# what preparing holds besides its imports (benchmarks/bench_prepare.py).
+BATCH_BYTES = max(1 << 20, 4 * corpora.PIECE_BYTES * (os.cpu_count() or 1))
 _OURS = re.compile(r"^(staging\.json|tokens\.bin|tokenizer\.json|\..+\.tmp)$")
 
 
@@ -155,15 +158,16 @@ def _bar(progress: bool, **kw: Any) -> Any:
 
 
 def _batches(stream: Iterator[Piece], limit: int) -> Iterator[list[Piece]]:
-    """Consecutive pieces, about ``limit`` bytes of text per batch."""
+    """Consecutive pieces, at most ``limit`` bytes of text per batch (or one piece)."""
     batch: list[Piece] = []
     size = 0
     for p in stream:
-        batch.append(p)
-        size += len(p.data) + len(p.sep)
-        if size >= limit:
+        n = len(p.data) + len(p.sep)
+        if batch and size + n > limit:
             yield batch
             batch, size = [], 0
+        batch.append(p)
+        size += n
     if batch:
         yield batch
 
@@ -207,18 +211,26 @@ def stage(
     spec: tokenizers.TokenizerSpec | None = None,
 ) -> Staged:
     """Prepare ``settings`` into ``staging`` (see the module docstring); on any failure the
-    staging directory is removed again."""
+    staging directory is removed again. The first two batches are read and tokenized
+    before anything is written, so an empty or too short corpus (or a bad line among its
+    first MiBs) is refused with nothing written; ``bpe:N`` reads the whole corpus first."""
     s = settings
     spec = spec or check(s)
     if s.corpus in CLASS_CORPORA:
         return _stage_classify(s, staging)
-    tok = _tokenizer(spec, s, progress)  # bpe:N reads the whole corpus: errors before a write
-    try:
-        _start(staging)
-        return _stage_text(s, tok, staging, progress)
-    except BaseException:
-        _quietly_discard(staging)
-        raise
+    tok = _tokenizer(spec, s, progress)
+    with _bar(progress, total=_progress_total(s), unit="B", unit_scale=True) as bar:
+        bar.set_description("tokenizing")
+        stream = _tokenized(tok, _batches(_text_stream(s, bar), BATCH_BYTES))
+        head = list(itertools.islice(stream, 2))
+        if len(head) < 2:  # the whole corpus
+            _count(s, sum(n for n, _ in head), sum(int(ids.size) for _, ids in head))
+        try:
+            _start(staging)
+            return _stage_text(s, tok, staging, itertools.chain(head, stream), progress)
+        except BaseException:
+            _quietly_discard(staging)
+            raise
 
 
 def _quietly_discard(staging: Path) -> None:
@@ -226,28 +238,47 @@ def _quietly_discard(staging: Path) -> None:
         discard(staging)
 
 
-def _stage_text(s: Settings, tok: tokenizers.Tokenizer, staging: Path, progress: bool) -> Staged:
-    dtype = tok.dtype
-    used = tokens = 0
-    path = staging / TOKENS
-    with (
-        _bar(progress, total=_progress_total(s), unit="B", unit_scale=True) as bar,
-        _writing(path) as fh,
-    ):
-        bar.set_description("tokenizing")
-        for batch in _batches(_text_stream(s, bar), BATCH_BYTES):
-            ids = tok.pack(batch)
-            if ids.dtype != dtype:
-                raise CorpusError(f"tokenizer returned {ids.dtype} ids, expected {dtype}")
-            fh.write(ids.tobytes())
-            used += sum(len(p.data) + len(p.sep) for p in batch)
-            tokens += int(ids.size)
-    block = s.seq_len + 1
-    n = tokens // block
+def _tokenized(
+    tok: tokenizers.Tokenizer, batches: Iterator[list[Piece]]
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(text bytes, token ids)`` of each batch, ids in the tokenizer's storage dtype."""
+    for batch in batches:
+        ids = tok.pack(batch)
+        if ids.dtype != tok.dtype:
+            raise CorpusError(f"tokenizer returned {ids.dtype} ids, expected {tok.dtype}")
+        yield sum(len(p.data) + len(p.sep) for p in batch), ids
+
+
+def _count(s: Settings, used: int, tokens: int) -> int:
+    """The number of samples ``tokens`` make; refuses fewer than two."""
+    n = tokens // (s.seq_len + 1)
     if n < 2:
         raise ShardError(
             f"corpus of {used} bytes ({tokens} tokens) is too small for seq_len={s.seq_len}"
         )
+    return n
+
+
+def _stage_text(
+    s: Settings,
+    tok: tokenizers.Tokenizer,
+    staging: Path,
+    stream: Iterator[tuple[int, np.ndarray]],
+    progress: bool,
+) -> Staged:
+    dtype = tok.dtype
+    used = tokens = 0
+    path = staging / TOKENS
+    with _writing(path) as fh:
+        for size, ids in stream:
+            fh.write(ids.tobytes())
+            used += size
+            tokens += int(ids.size)
+            del ids
+            if _TRIM is not None:
+                _TRIM()
+    n = _count(s, used, tokens)
+    block = s.seq_len + 1
     width = block * dtype.itemsize
     meta = {
         "task": "lm",
@@ -292,6 +323,25 @@ class _writing:
 
     def __exit__(self, *exc: object) -> None:
         _guard(self.fh.close, self.path)
+
+
+def _libc_trim() -> Callable[[], Any] | None:
+    """glibc's ``malloc_trim``, or None where there is none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return lambda: fn(0)
+
+
+# After each batch, memory the batch freed goes back to the system: glibc keeps freed
+# blocks of the library's worker threads and of the batch's bytes in its heaps, and the
+# resident size then creeps up with the corpus (bytes: 255 → 239 MiB peak at 60 MB, bpe:
+# 323 → 302 MiB; benchmarks/bench_prepare.py measures 20 against 200 MB).
+_TRIM = _libc_trim()
 
 
 def _guard(fn: Callable[[], Any], where: Path) -> Any:

@@ -140,6 +140,8 @@ def _precision(run_dir: Path, events: list[dict[str, Any]]) -> str:
         mp = cfg.get("mixed_precision", {}) if isinstance(cfg, dict) else {}
         if not mp.get("enabled"):
             return "fp32"
+        if mp.get("enabled") == "auto":  # on CUDA only: the device is not in the config
+            return "unknown"
         return str(mp.get("dtype", "auto"))
     except (OSError, ValueError, AttributeError, ImportError):
         return "unknown"

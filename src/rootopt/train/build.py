@@ -252,19 +252,24 @@ class Precision:
     def __init__(self, cfg: Config, device: torch.device) -> None:
         mp = cfg.mixed_precision
         self.device = device
-        self.enabled = mp.enabled
+        # auto: autocast on CUDA only; a CPU without native bfloat16 emulates it, several
+        # times slower than fp32 (docs/training.md, "Mixed precision")
+        enabled = mp.enabled if isinstance(mp.enabled, bool) else device.type == "cuda"
+        self.enabled = enabled
         dtype = mp.dtype if mp.dtype != "auto" else ("fp16" if device.type == "cuda" else "bf16")
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-        self.name = dtype if mp.enabled else "fp32"
+        self.name = dtype if enabled else "fp32"
         self.static_scale: float | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self._probe: torch.optim.Optimizer | None = None  # see _agreed_update
         self.description = f"precision: {self.name}" + (
-            f" autocast on {device.type}" if mp.enabled else ""
+            f" autocast on {device.type}" if enabled else ""
         )
-        if mp.enabled and dtype == "bf16" and loss_scale_value(cfg) is not None:
+        if mp.enabled == "auto" and not enabled:
+            self.description += " (mixed_precision.enabled=auto: autocast on CUDA only)"
+        if enabled and dtype == "bf16" and loss_scale_value(cfg) is not None:
             self.description += f"; loss_scale {mp.loss_scale} unused (bf16 needs no loss scaling)"
-        if mp.enabled and dtype == "fp16":
+        if enabled and dtype == "fp16":
             static = loss_scale_value(cfg)
             if static is None:
                 self.scaler = torch.amp.GradScaler(

@@ -28,7 +28,7 @@ import torch
 import rootopt
 from rootopt import checkpoint
 from rootopt._atomic import atomic_write
-from rootopt.config import Config, ConfigError, dump_yaml
+from rootopt.config import Config, ConfigError, config_warnings, dump_yaml
 from rootopt.data import CorpusError, ShardError, load_manifest
 from rootopt.distributed import CollectiveError, CollectiveTimeoutError
 from rootopt.monitor import Monitor, plot_loss, read_jsonl
@@ -216,6 +216,8 @@ def setup(
     if info.is_main:
         if info.note:
             say(info.note)
+        for line in config_warnings(cfg):
+            say(f"warning: {line}")
         say(f"run dir: {chosen}")
         if not explicit:
             note = other_runs_note(cfg, data_path, config_path, chosen)

@@ -419,8 +419,8 @@ def _other_data(name: str, what: str) -> CheckpointError:
 
 def _other_tokenizer(name: str, old: str, new: str) -> CheckpointError:
     return CheckpointError(
-        f"the tokenizer differs: {name} was trained on data tokenized by {old}, this data is "
-        f"tokenized by {new}; resume needs the same tokenizer: restore data.tokenizer or "
+        f"the tokenizer differs: {name} was trained on data tokenized by {old}, this run's "
+        f"data by {new}; resume needs the same tokenizer: restore data.tokenizer or "
         "--data_path, or use a new --log_dir or checkpoint.resume=restart"
     )
 

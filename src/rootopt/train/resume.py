@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -92,6 +93,7 @@ def save_checkpoint(run: Run, reason: str) -> Path:
     """
     name = f"ckpt-{run.state.step:08d}.pt"
     in_episode = run.state.trouble_since >= 0
+    started = time.perf_counter()
     try:
         if run.world_size > 1:
             name = f"dcp-{run.state.step:08d}"
@@ -126,7 +128,12 @@ def save_checkpoint(run: Run, reason: str) -> Path:
     else:
         run.good_checkpoint, run.suspect = path.name, []
     run.monitor.event(
-        "checkpoint", step=run.state.step, reason=reason, path=path.name, suspect=in_episode
+        "checkpoint",
+        step=run.state.step,
+        reason=reason,
+        path=path.name,
+        suspect=in_episode,
+        seconds=round(time.perf_counter() - started, 4),  # write + prune (docs/training.md)
     )
     return path
 
