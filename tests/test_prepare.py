@@ -501,8 +501,10 @@ def test_a_launch_refused_after_preparing_leaves_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
-    # the data's 300 ids do not fit the model's 256: refused after the data was staged
-    assert train_main(["--log_dir", str(run), *TOK_RUN, "data.tokenizer=bpe:300"]) == 2
+    # the data's 300 ids do not fit the model's 256 (named: by default the model takes
+    # the tokenizer's vocabulary): refused after the data was staged
+    args = ["--log_dir", str(run), *TOK_RUN, "data.tokenizer=bpe:300", "model.vocab_size=256"]
+    assert train_main(args) == 2
     assert "model.vocab_size: 256 is smaller than the data's vocabulary" in _one_line(capsys)
     assert not run.exists()
 

@@ -126,6 +126,7 @@ def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
     elif mp["dtype"] == ("fp16" if resolved_device == "cuda" else "bf16"):
         mp["dtype"] = "auto"
     data["data"].pop("path", None)  # named by data_path below, resolved
+    _model_as_before(data, byte_data=not given and cfg.data.tokenizer == "bytes")
     if given:
         for key in _PREP_ONLY:
             data["data"].pop(key, None)
@@ -139,6 +140,20 @@ def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
                 flat[f"{section}.{key}"] = value
     flat["data_path"] = where
     return flat
+
+
+def _model_as_before(data: dict[str, Any], *, byte_data: bool) -> None:
+    """The model keys added with ``model.kind=hf`` as runs named them before: no
+    ``hf_config`` / ``init_from`` when empty (unused), and ``vocab_size: 0`` (the
+    tokenizer's) as the 256 it resolves to on byte tokens the run prepares itself, the
+    earlier default (:func:`rootopt.train.model.resolve_vocab`). With given shards or
+    another tokenizer the 0 stays: the data, part of the identity, decides it."""
+    model = data["model"]
+    for key in ("hf_config", "init_from"):
+        if model.get(key) == "":
+            model.pop(key)
+    if model.get("vocab_size") == 0 and byte_data:
+        model["vocab_size"] = 256
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -173,6 +188,7 @@ _LEGACY_SESSION_KEYS: tuple[tuple[str, str], ...] = (
 _LEGACY_LATER_KEYS: dict[tuple[str, str], object] = {
     ("data", "tokenizer"): "bytes",
     ("data", "text_field"): "text",
+    ("run", "peak_tflops"): 0.0,
 }
 
 
@@ -185,6 +201,8 @@ def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
     for (section, key), value in _LEGACY_LATER_KEYS.items():
         if data[section].get(key) == value:
             data[section].pop(key)
+    # byte tokens were the only tokens: the vocabulary was always the data's 256
+    _model_as_before(data, byte_data=True)
     payload = {
         "config": data,
         "data_path": str(Path(data_path).resolve()) if data_path else "",
