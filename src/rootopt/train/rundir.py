@@ -175,6 +175,14 @@ _LEGACY_LATER_KEYS: dict[tuple[str, str], object] = {
 }
 
 
+# Defaults that changed since that key: (section, key) -> (today's default, the earlier one).
+# A config at today's default is written with the earlier default, so the run an earlier
+# version started with the same command is found again.
+_LEGACY_CHANGED_DEFAULTS: dict[tuple[str, str], tuple[object, object]] = {
+    ("checkpoint", "every"): (100, 1000),
+}
+
+
 def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
     """The key earlier versions named a default run directory with (the whole config
     less a few session keys), to find such a run again after an upgrade."""
@@ -184,6 +192,9 @@ def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
     for (section, key), value in _LEGACY_LATER_KEYS.items():
         if data[section].get(key) == value:
             data[section].pop(key)
+    for (section, key), (now, before) in _LEGACY_CHANGED_DEFAULTS.items():
+        if data[section].get(key) == now:
+            data[section][key] = before
     payload = {
         "config": data,
         "data_path": str(Path(data_path).resolve()) if data_path else "",
