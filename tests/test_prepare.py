@@ -120,12 +120,16 @@ def test_the_default_config_prepares_the_reference_data() -> None:
 
 
 def test_a_default_run_keeps_its_run_directory() -> None:
-    """The new data keys at their defaults leave the default run directory's key as it was
-    before they existed (value computed by the code before tokenizers)."""
-    from rootopt.train.rundir import identity_key
+    """The default command still finds the run directory an earlier version named (value
+    computed by the code before tokenizers, the identity key and checkpoint.every=100): the
+    new data keys at their defaults and the changed checkpoint interval do not move it."""
+    from rootopt.train.rundir import identity_key, legacy_identity_key
 
-    assert identity_key(load_config(None), None) == "70ef8a9a"
-    assert identity_key(load_config(None, ["data.tokenizer=bpe:300"]), None) != "70ef8a9a"
+    assert legacy_identity_key(load_config(None), None) == "70ef8a9a"
+    assert legacy_identity_key(load_config(None, ["data.tokenizer=bpe:300"]), None) != "70ef8a9a"
+    assert identity_key(load_config(None), None) != identity_key(
+        load_config(None, ["data.tokenizer=bpe:300"]), None
+    )
 
 
 # --------------------------------------------------------------------------- own text

@@ -126,7 +126,7 @@ def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
     elif mp["dtype"] == ("fp16" if resolved_device == "cuda" else "bf16"):
         mp["dtype"] = "auto"
     data["data"].pop("path", None)  # named by data_path below, resolved
-    _model_as_before(data, byte_data=not given and cfg.data.tokenizer == "bytes")
+    _model_as_before(data, byte_data=cfg.data.tokenizer == "bytes")
     if given:
         for key in _PREP_ONLY:
             data["data"].pop(key, None)
@@ -145,9 +145,10 @@ def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
 def _model_as_before(data: dict[str, Any], *, byte_data: bool) -> None:
     """The model keys added with ``model.kind=hf`` as runs named them before: no
     ``hf_config`` / ``init_from`` when empty (unused), and ``vocab_size: 0`` (the
-    tokenizer's) as the 256 it resolves to on byte tokens the run prepares itself, the
-    earlier default (:func:`rootopt.train.model.resolve_vocab`). With given shards or
-    another tokenizer the 0 stays: the data, part of the identity, decides it."""
+    tokenizer's) as the earlier default 256 under ``data.tokenizer: bytes``, what byte
+    tokens resolve it to (:func:`rootopt.train.model.resolve_vocab`). Given shards of
+    another tokenizer are named by ``data_path``; an explicit 256 on them is refused
+    before a run exists, so the two never name one run."""
     model = data["model"]
     for key in ("hf_config", "init_from"):
         if model.get(key) == "":
@@ -192,6 +193,14 @@ _LEGACY_LATER_KEYS: dict[tuple[str, str], object] = {
 }
 
 
+# Defaults that changed since that key: (section, key) -> (today's default, the earlier one).
+# A config at today's default is written with the earlier default, so the run an earlier
+# version started with the same command is found again.
+_LEGACY_CHANGED_DEFAULTS: dict[tuple[str, str], tuple[object, object]] = {
+    ("checkpoint", "every"): (100, 1000),
+}
+
+
 def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
     """The key earlier versions named a default run directory with (the whole config
     less a few session keys), to find such a run again after an upgrade."""
@@ -201,6 +210,9 @@ def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
     for (section, key), value in _LEGACY_LATER_KEYS.items():
         if data[section].get(key) == value:
             data[section].pop(key)
+    for (section, key), (now, before) in _LEGACY_CHANGED_DEFAULTS.items():
+        if data[section].get(key) == now:
+            data[section][key] = before
     # byte tokens were the only tokens: the vocabulary was always the data's 256
     _model_as_before(data, byte_data=True)
     payload = {
