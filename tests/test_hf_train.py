@@ -689,3 +689,27 @@ def test_bench_train_overhead_tiny_run_and_refusal(
     assert page.returncode == 0 and "Median ratio system / bare" in page.stdout
     again = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "exists" in again.stderr
+
+
+def test_the_overhead_results_page_is_generated_from_its_json() -> None:
+    """docs/results/train_overhead.md is the benchmark's rendering of the committed JSON,
+    and the JSON's summary is what its rounds say."""
+    import importlib.util
+    import statistics
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_train_overhead", ROOT / "benchmarks" / "bench_train_overhead.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = json.loads((ROOT / "docs" / "results" / "train_overhead.json").read_text())
+    assert (ROOT / "docs" / "results" / "train_overhead.md").read_text() == bench.render(data)
+    ratios = [r["system_s"] / r["bare_s"] for r in data["rounds"]]
+    assert len(ratios) == 15 and data["median_ratio"] == pytest.approx(statistics.median(ratios))
+    total = sum(r["system_s"] for r in data["rounds"]) / sum(r["bare_s"] for r in data["rounds"])
+    assert data["total_ratio"] == pytest.approx(total)
+    assert data["met"] == (data["median_ratio"] <= data["target"] == 1.05)
+    assert "/" not in data["commit"] and not any(
+        "/work" in o or "/tmp" in o for o in data["overrides"]
+    )
