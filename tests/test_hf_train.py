@@ -710,6 +710,5 @@ def test_the_overhead_results_page_is_generated_from_its_json() -> None:
     total = sum(r["system_s"] for r in data["rounds"]) / sum(r["bare_s"] for r in data["rounds"])
     assert data["total_ratio"] == pytest.approx(total)
     assert data["met"] == (data["median_ratio"] <= data["target"] == 1.05)
-    assert "/" not in data["commit"] and not any(
-        "/work" in o or "/tmp" in o for o in data["overrides"]
-    )
+    # no machine paths: repository files are named relative to the repository
+    assert not any(o.split("=", 1)[-1].startswith("/") for o in data["overrides"])
