@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rootopt.tools import costmodel as P
+from rootopt_analysis import costmodel as P
 from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, results, run_ok
 from test_dist_edge import framing
 
