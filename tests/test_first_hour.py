@@ -357,7 +357,9 @@ def test_a_checkpoint_event_records_its_write_time(run_dir: Path) -> None:
     events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     ckpts = [e for e in events if e["event"] == "checkpoint"]
     assert [e["step"] for e in ckpts] == [10]  # FAST: every 10 steps; 10 = the final one
-    assert all(isinstance(e["seconds"], float) and 0 < e["seconds"] < 60 for e in ckpts)
+    # a part of the run's own time, not a clock window
+    wall = json.loads((run_dir / "summary.json").read_text())["wall_s"]
+    assert all(isinstance(e["seconds"], float) and 0 < e["seconds"] <= wall for e in ckpts)
 
 
 @pytest.mark.slow
