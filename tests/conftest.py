@@ -111,6 +111,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         {
             "test_a_missing_peer_fails_within_the_rendezvous_timeout",
             "test_signal_before_the_first_step_says_so",
+            "test_ctrl_c_while_importing_is_one_line",  # a python -c per case
         }
     ),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
@@ -185,19 +186,67 @@ E2E_TESTS: dict[str, frozenset[str]] = {
 }
 
 
+# Tests that guard only the analysis package (the study and benchmark pipelines, the
+# coefficient fitter and its spectra, the cost model) and cost seconds run in the slow tier
+# (`pytest -m slow`): the runtime's own tests stay in the default suite, and
+# tests/test_analysis_apart.py keeps the analysis commands' routing there too.
+ANALYSIS_SLOW: dict[str, frozenset[str]] = {
+    "test_adanewton_fit.py": frozenset(
+        {
+            "test_spectra_deterministic_and_seeded",
+            "test_rescaled_large_shape_matches_marchenko_pastur_edge",
+            "test_fit_respects_constraints_and_beats_published",
+            "test_single_mode_is_a_repeated_stable_tuple",
+            "test_fit_is_reproducible_from_its_provenance",
+            "test_shipped_entry_reproducible_from_table_provenance",
+            "test_bfloat16_fit_runs_and_passes_the_runtime_certificate",
+            "test_cli_bench_small",
+        }
+    ),
+    "test_bench.py": frozenset(
+        {
+            "test_quick_suite_runs_every_optimizer_on_every_task_and_resumes",
+            "test_a_blown_up_run_is_recorded_as_diverged",
+        }
+    ),
+    "test_first_hour.py": frozenset(
+        {"test_bench_finished_only_reports_a_partial_suite_and_runs_nothing"}
+    ),
+    "test_heldout.py": frozenset({"test_record_task_digits_default_path"}),
+    "test_hf_train.py": frozenset({"test_bench_train_overhead_tiny_run_and_refusal"}),
+    "test_plan.py": frozenset(
+        {
+            "test_owner_bytes_target_on_llama_shapes",
+            "test_imbalance_target_or_critical_path_at_the_bound",
+            "test_step_time_and_verdict_state_their_assumptions",
+            "test_cli_table_json_and_plot",
+        }
+    ),
+    "test_study.py": frozenset(
+        {
+            "test_quick_study_runs_decides_resumes_and_renders",
+            "test_selection_runs_evaluate_only_at_the_end_with_the_same_losses",
+            "test_publish_rewrites_only_the_generated_blocks",
+        }
+    ),
+}
+
+
 def _entry(entry: str) -> tuple[str, str]:
     """``"name"`` -> (name, "*"); ``"name[glob]"`` -> (name, glob on the case id)."""
     name, bracket, rest = entry.partition("[")
     return name, (rest[:-1] if bracket and rest.endswith("]") else "*")
 
 
-def _is_e2e(module: str, name: str, case: str) -> bool:
-    if module in E2E_MODULES:
-        return True
+def _named(table: dict[str, frozenset[str]], module: str, name: str, case: str) -> bool:
     return any(
         name == n and fnmatch.fnmatchcase(case, glob)
-        for n, glob in map(_entry, E2E_TESTS.get(module, ()))
+        for n, glob in map(_entry, table.get(module, ()))
     )
+
+
+def _is_e2e(module: str, name: str, case: str) -> bool:
+    return module in E2E_MODULES or _named(E2E_TESTS, module, name, case)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
@@ -207,18 +256,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = Path(str(item.path)).name
         name = getattr(item, "originalname", item.name)
         callspec = getattr(item, "callspec", None)
-        if _is_e2e(module, name, callspec.id if callspec is not None else ""):
+        case = callspec.id if callspec is not None else ""
+        if _is_e2e(module, name, case):
             item.add_marker(pytest.mark.e2e)
+        if _named(ANALYSIS_SLOW, module, name, case):
+            item.add_marker(pytest.mark.slow)
         if isinstance(item, pytest.Function):
             modules[module] = item.module
     # A renamed or deleted test must not drop silently out of the tier.
-    for module, names in E2E_TESTS.items():
-        if module in modules:
-            missing = sorted(n for n in names if not hasattr(modules[module], _entry(n)[0]))
-            if missing:
-                raise pytest.UsageError(
-                    f"tests/conftest.py E2E_TESTS names no test {module}::{missing}"
-                )
+    for table, label in ((E2E_TESTS, "E2E_TESTS"), (ANALYSIS_SLOW, "ANALYSIS_SLOW")):
+        for module, names in table.items():
+            if module in modules:
+                missing = sorted(n for n in names if not hasattr(modules[module], _entry(n)[0]))
+                if missing:
+                    raise pytest.UsageError(
+                        f"tests/conftest.py {label} names no test {module}::{missing}"
+                    )
 
 
 @pytest.fixture(autouse=True)
