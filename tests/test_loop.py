@@ -97,11 +97,15 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
     assert got[2]["steps"] == 4 and got[2]["finite_steps"] == 4
     assert got == want
     # episodes: ckpt-7 inside the first (it closes at step 8), ckpt-14 inside the second
-    assert _suspect(run) == _suspect(tmp_path / "whole") == {
-        "ckpt-00000007": True,
-        "ckpt-00000014": True,
-        "ckpt-00000016": False,
-    }
+    assert (
+        _suspect(run)
+        == _suspect(tmp_path / "whole")
+        == {
+            "ckpt-00000007": True,
+            "ckpt-00000014": True,
+            "ckpt-00000016": False,
+        }
+    )
     # the version that wrote the checkpoint logged the same run (float round-off aside)
     before = _records(OLD_RUN)
     assert [r["step"] for r in before] == [r["step"] for r in want]

@@ -78,7 +78,6 @@ def nan_grads(step: int, model: torch.nn.Module) -> None:
 def main(out: Path) -> None:
     sys.path.insert(0, str(HERE.parent))
     from _train_fixtures import prepare_tiny
-
     from rootopt import checkpoint
     from rootopt.config import load_config
     from rootopt.train import Hooks, train
