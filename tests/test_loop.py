@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from _train_fixtures import final_params, prepare_tiny, quiet
+from _train_fixtures import FAST, final_params, prepare_tiny, quiet
 from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
 from rootopt.train import Hooks, train
@@ -116,3 +116,14 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
                 assert abs(new[k] - v) <= 1e-5 * max(abs(v), 1.0), (old["step"], k, v, new[k])
             else:
                 assert new[k] == v, (old["step"], k, v, new[k])
+
+
+def test_max_time_stops_a_run_that_logs_every_step(shards: Path, tmp_path: Path) -> None:
+    """run.max_time counted only the steps since the last record, so with run.log_every=1
+    it never stopped a run; it stops after the session's first step here, with a
+    checkpoint, and the rerun continues."""
+    over = [*FAST, "run.max_steps=6", "run.log_every=1", "run.max_time=1e-6"]
+    for want in (1, 2):
+        s = train(load_config(None, over), tmp_path / "run", str(shards), say=quiet)
+        assert s.status == "max_time" and s.steps == want and s.session_steps == 1
+        assert (tmp_path / "run" / "checkpoints" / f"ckpt-{want:08d}.pt").is_file()
