@@ -14,8 +14,8 @@ Designs compared, each in its own torchrun launch (so peak memory is per design)
   * ``broadcast`` rank 0 thresholds + orthogonalizes every matrix and broadcasts the
                   updates; the other ranks wait (no gradient synchronisation in the step).
 The bytes and collectives are what the step issues, counted by
-``rootopt.tools.counters.CollectiveCounter`` (gradient synchronisation included for owner
-and adamw), with the cost model's prediction (``rootopt.tools.costmodel``) beside them;
+``rootopt_analysis.counters.CollectiveCounter`` (gradient synchronisation included for owner
+and adamw), with the cost model's prediction (``rootopt_analysis.costmodel``) beside them;
 ``state MiB`` is the optimizer state this rank holds (its tensors' bytes), ``x1/W`` that
 over one process's ROOT state divided by W.
 
@@ -97,8 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     from rootopt.distributed import DistributedROOT, finish, init_distributed, ns_cost, wrap_model
     from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim.functional import root_direction
-    from rootopt.tools import costmodel as P
-    from rootopt.tools.counters import CollectiveCounter
+    from rootopt_analysis import costmodel as P
+    from rootopt_analysis.counters import CollectiveCounter
 
     info = init_distributed(backend=args.backend, timeout_s=600)
     dev = torch.device("cuda", info.local_rank) if args.backend == "nccl" else torch.device("cpu")
@@ -226,7 +226,7 @@ def worker(args: argparse.Namespace) -> None:
     traffic = math.nan  # one more step: its elementwise bytes (threshold + NS apart)
     if args.design == "owner":
         import rootopt.optim.functional as F
-        from rootopt.tools.counters import TrafficCounter
+        from rootopt_analysis.counters import TrafficCounter
 
         set_grads()
         if info.world_size > 1:
@@ -327,7 +327,7 @@ def streaming_rate(model: nn.Module, groups: list[dict[str, Any]], reps: int) ->
     from rootopt.optim._finite import finite_flags
     from rootopt.optim.adamw import adamw_
     from rootopt.optim.functional import apply_, momentum_
-    from rootopt.tools.counters import TrafficCounter
+    from rootopt_analysis.counters import TrafficCounter
 
     mats, rest = list(groups[0]["params"]), list(groups[1]["params"])
     R, A = [torch.randn_like(p) for p in mats], [torch.randn_like(p) for p in rest]
@@ -368,7 +368,7 @@ def compute_constants(args: argparse.Namespace, reps: int = 5) -> dict[str, floa
     from rootopt.optim._coefficients import coefficients_for
     from rootopt.optim.functional import root_direction
     from rootopt.optim.quantile import abs_quantile
-    from rootopt.tools import costmodel as P
+    from rootopt_analysis import costmodel as P
 
     torch.manual_seed(0)
     model = transformer_matrices(args.d_model, args.layers, args.vocab)
@@ -408,7 +408,7 @@ def calib_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from rootopt.distributed import finish, init_distributed
-    from rootopt.tools.counters import collective_bytes
+    from rootopt_analysis.counters import collective_bytes
 
     info = init_distributed(backend="gloo", timeout_s=600)
     W, rank = info.world_size, info.rank
@@ -447,7 +447,7 @@ def _loadavg() -> str:
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from rootopt.tools import costmodel as P
+    from rootopt_analysis import costmodel as P
 
     try:
         cores = float(len(os.sched_getaffinity(0)))
@@ -679,7 +679,11 @@ def train_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 ]  # fmt: skip
                 env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
                 env["PYTHONPATH"] = os.pathsep.join(
-                    [str(HERE.parent / "src"), env.get("PYTHONPATH", "")]
+                    [
+                        str(HERE.parent / "src"),
+                        str(HERE.parent / "analysis"),
+                        env.get("PYTHONPATH", ""),
+                    ]
                 )
                 proc = subprocess.run(
                     cmd, env=env, capture_output=True, text=True, timeout=args.timeout
@@ -767,8 +771,9 @@ def launch(args: argparse.Namespace, design: str, world: int) -> list[dict[str, 
             "--warmup", str(args.warmup), "--backend", args.backend,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        src = HERE.parent / "src"
-        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+        # the workers count bytes with rootopt_analysis.counters: this checkout's copy
+        paths = [str(HERE.parent / d) for d in ("src", "analysis")]
+        env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-8000:])

@@ -32,7 +32,11 @@ def _orth(n: int, k: int, g: torch.Generator) -> Tensor:
 
 
 def _recorded() -> list[Tensor]:
-    text = resources.files("rootopt.tools").joinpath("data", "momentum_spectra.json").read_text()
+    text = (
+        resources.files("rootopt_analysis.coeffs")
+        .joinpath("data", "momentum_spectra.json")
+        .read_text()
+    )
     out = []
     for e in json.loads(text)["spectra"]:
         s = torch.tensor(e["sigma"], dtype=torch.float64)

@@ -1,7 +1,7 @@
 """One optimizer step: launches, time against Muon, Newton–Schulz against the matmul peak.
 
 Prints, in one run:
-  1. operations dispatched per step (``rootopt.tools.opcount``: a TorchDispatchMode counter
+  1. operations dispatched per step (``rootopt_analysis.opcount``: a TorchDispatchMode counter
      on meta tensors, i.e. what the step dispatches on an accelerator) for ROOT (default
      and bf16 iteration), ROOT's Muon mode and torch.optim.Muon, on the d = 2048, 8-layer
      decoder's 32 matrices (``--count-d-model``/``--count-layers``) and on this run's model;
@@ -47,7 +47,7 @@ from torch import nn
 import rootopt
 from rootopt.coeffs import resolve
 from rootopt.ortho import gram_newton_schulz, newton_schulz, spectral_newton_schulz
-from rootopt.tools.opcount import optimizer_counts, standard_makers
+from rootopt_analysis.opcount import optimizer_counts, standard_makers
 
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 NS_STEPS = 5

@@ -6,7 +6,7 @@ Newton–Schulz iteration with the shape's AdaNewton schedule, its GFLOP/s and t
 of the matmul peak measured at that shape and dtype (``X Xᵀ``).
 
 Part 2, optimizer steps on the matrices of a GPT-style decoder (``--d-model``,
-``--layers``): operations dispatched per step (``rootopt.tools.opcount``, meta tensors),
+``--layers``): operations dispatched per step (``rootopt_analysis.opcount``, meta tensors),
 then ROOT (default fp32 iteration and bf16 iteration), ROOT's Muon mode (threshold off,
 Muon's tuple) in both dtypes and ``torch.optim.Muon``; with ``--capture``, also ROOT
 with ``compile_step="reduce-overhead"`` (CUDA graphs on a GPU). Every contender owns its
@@ -28,7 +28,7 @@ import rootopt
 from _timing import median_ms, shape_list
 from rootopt.coeffs.adanewton import lookup
 from rootopt.ortho import direction, prefer_gram
-from rootopt.tools.opcount import optimizer_counts, standard_makers
+from rootopt_analysis.opcount import optimizer_counts, standard_makers
 
 
 def ns_costs(

@@ -62,7 +62,9 @@ TRAIN_SET = [
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT_DIR / "src"), env.get("PYTHONPATH", "")])
+    # rootopt and rootopt-analysis (the step table's operation counter) of this checkout
+    paths = [str(ROOT_DIR / d) for d in ("src", "analysis")]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
     return env
 
 

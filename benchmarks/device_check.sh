@@ -9,7 +9,8 @@
 #   python benchmarks/render_dist_results.py --device OUT.json ...   # the docs' GPU tables
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export PYTHONPATH="$here/../src${PYTHONPATH:+:$PYTHONPATH}"
+# rootopt and rootopt-analysis (analysis/: the step table's operation counter) of this checkout
+export PYTHONPATH="$here/../src:$here/../analysis${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 # the parts have their own limits (480 s in all); this is the backstop
 exec timeout --kill-after=10 540 "$python" "$here/device_check.py" "$@"

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rootopt.bench.runner import RunSpec, run_many
-from rootopt.bench.stats import mean_ci, paired_ci
+from rootopt_analysis.bench.runner import RunSpec, run_many
+from rootopt_analysis.bench.stats import mean_ci, paired_ci
 
 STUDY = Path(__file__).resolve().parents[1] / "docs" / "study_results_v1.json"
 ARM = "root-muon-bf16"

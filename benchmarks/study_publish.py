@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from rootopt._atomic import atomic_write
-from rootopt.bench import study_report
-from rootopt.commands.bench import main as bench_main
+from rootopt_analysis.bench import study_report
+from rootopt_analysis.commands.bench import main as bench_main
 
 ROOT = Path(__file__).resolve().parents[1]
 PLOTS = ("study_lr.png", "study_long.png", "study_tail.png")

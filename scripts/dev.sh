@@ -5,6 +5,10 @@
 #   scripts/dev.sh test [ARGS...]   install with every extra, then: pytest -q ARGS
 #   scripts/dev.sh install [EXTRAS] install only (default extras: train)
 #
+# The extra name `analysis` stands for the rootopt-analysis package of ./analysis (benchmarks,
+# the defaults study, coefficient fitting, the cost model; not in the rootopt wheel): `test`
+# installs it, editable, beside rootopt; `install train,analysis` does too.
+#
 # torch is installed first, pinned to TORCH_VERSION, before anything else is resolved: a
 # package that merely requires "torch" would otherwise let pip pick the newest torch, whose
 # Linux wheel on PyPI is a CUDA build of several GB. TORCH_INDEX_URL (default: PyTorch's CPU
@@ -19,7 +23,7 @@ set -euo pipefail
 
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
-ALL_EXTRAS="train,bench,dev,integrations,rl,anneal"
+ALL_EXTRAS="train,bench,dev,integrations,rl,anneal,analysis"
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-${repo}/.venv}"
@@ -38,7 +42,7 @@ install() {  # install EXTRAS
   # The stamp records what is installed: "torch==V <pyproject checksum>" and the extras.
   local stamp="${venv}/.rootopt-install"
   local key
-  key="torch==${TORCH_VERSION} $(cksum < "${repo}/pyproject.toml")"
+  key="torch==${TORCH_VERSION} $(cat "${repo}/pyproject.toml" "${repo}/analysis/pyproject.toml" | cksum)"
   if [[ -f "${stamp}" && "$(head -n 1 "${stamp}")" == "${key}" ]]; then
     local have missing=""
     have=",$(sed -n 2p "${stamp}"),"
@@ -50,11 +54,16 @@ install() {  # install EXTRAS
   local pip=("${venv}/bin/python" -m pip install --quiet)
   local index=()
   [[ -n "${TORCH_INDEX_URL}" ]] && index=(--extra-index-url "${TORCH_INDEX_URL}")
-  echo "dev.sh: installing torch==${TORCH_VERSION}, then rootopt[${extras}] into ${venv}" >&2
+  # `analysis` is a package of its own, installed in the same pip call as rootopt (whose
+  # version it pins), never an extra of rootopt
+  local rootopt_extras analysis=() also=""
+  rootopt_extras="$(tr ',' '\n' <<< "${extras}" | { grep -vx analysis || true; } | paste -sd, -)"
+  [[ ",${extras}," == *",analysis,"* ]] && analysis=(-e "${repo}/analysis") && also=" and rootopt-analysis"
+  echo "dev.sh: installing torch==${TORCH_VERSION}, then rootopt[${rootopt_extras}]${also} into ${venv}" >&2
   # torch alone from the torch index, then its dependencies from the default index only
   "${pip[@]}" --no-deps ${index[@]+"${index[@]}"} "torch==${TORCH_VERSION}"
   "${pip[@]}" "torch==${TORCH_VERSION}"
-  "${pip[@]}" -e "${repo}[${extras}]"
+  "${pip[@]}" -e "${repo}${rootopt_extras:+[${rootopt_extras}]}" ${analysis[@]+"${analysis[@]}"}
   printf '%s\n%s\n' "${key}" "${extras}" > "${stamp}"
 }
 

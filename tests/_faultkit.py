@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+ANALYSIS = Path(__file__).resolve().parents[1] / "analysis"  # rootopt-analysis (rootopt bench)
 TESTS = Path(__file__).resolve().parent
 
 
@@ -37,9 +38,10 @@ def tree_state(root: Path) -> dict[str, tuple[Any, ...]]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    """The environment of a subprocess that imports this checkout's rootopt."""
+    """The environment of a subprocess that imports this checkout's rootopt (and
+    rootopt-analysis)."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(SRC), str(TESTS)])
+    e["PYTHONPATH"] = os.pathsep.join([str(SRC), str(ANALYSIS), str(TESTS)])
     e["OMP_NUM_THREADS"] = "1"
     for key in (
         "RANK",

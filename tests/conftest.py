@@ -1,10 +1,21 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# The analysis package (analysis/rootopt_analysis: the benchmarks, the study, the coefficient
+# fitter, the cost model and the byte counters some distributed tests measure with) is not
+# part of the rootopt wheel. The tests use this checkout's copy: in this process through
+# pyproject's `pythonpath`, in every process they start through PYTHONPATH (a test that sets
+# its own PYTHONPATH names it too, or runs without it on purpose).
+ANALYSIS = Path(__file__).resolve().parents[1] / "analysis"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ANALYSIS), os.environ.get("PYTHONPATH", "")) if p
+)
 
 # The fast tier for the edit-test loop is `pytest -q -m "not e2e and not slow"`; the default
 # `pytest -q` (CI) still runs these. A test is e2e when it launches processes (python, the CLI,
@@ -28,6 +39,13 @@ E2E_MODULES = frozenset(
     }
 )
 E2E_TESTS: dict[str, frozenset[str]] = {
+    "test_analysis_apart.py": frozenset(
+        {
+            "test_the_wheel_is_the_runtime_package_and_nothing_else",
+            "test_the_analysis_package_installs_from_the_line_and_is_found",
+            "test_import_rootopt_and_rootopt_train_run_without_the_analysis_package",
+        }
+    ),
     "test_adanewton.py": frozenset(
         {
             "test_import_and_default_construction_do_not_import_tools_or_scipy",
@@ -76,9 +94,6 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_ctrl_c_under_torchrun_is_torchrun_s_traceback_and_the_run_resumes",
         }
     ),
-    "test_dist_alias.py": frozenset(
-        {"test_a_pickle_naming_the_old_module_loads", "test_new_name_does_not_warn"}
-    ),
     "test_dist_deploy.py": frozenset({"test_launch_sh_trains_from_another_directory"}),
     "test_dist_owner.py": frozenset(
         {
@@ -96,6 +111,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         {
             "test_a_missing_peer_fails_within_the_rendezvous_timeout",
             "test_signal_before_the_first_step_says_so",
+            "test_ctrl_c_while_importing_is_one_line",  # a python -c per case
         }
     ),
     "test_integrations_hf.py": frozenset({"test_import_rootopt_and_hf_do_not_import_transformers"}),
@@ -170,19 +186,67 @@ E2E_TESTS: dict[str, frozenset[str]] = {
 }
 
 
+# Tests that guard only the analysis package (the study and benchmark pipelines, the
+# coefficient fitter and its spectra, the cost model) and cost seconds run in the slow tier
+# (`pytest -m slow`): the runtime's own tests stay in the default suite, and
+# tests/test_analysis_apart.py keeps the analysis commands' routing there too.
+ANALYSIS_SLOW: dict[str, frozenset[str]] = {
+    "test_adanewton_fit.py": frozenset(
+        {
+            "test_spectra_deterministic_and_seeded",
+            "test_rescaled_large_shape_matches_marchenko_pastur_edge",
+            "test_fit_respects_constraints_and_beats_published",
+            "test_single_mode_is_a_repeated_stable_tuple",
+            "test_fit_is_reproducible_from_its_provenance",
+            "test_shipped_entry_reproducible_from_table_provenance",
+            "test_bfloat16_fit_runs_and_passes_the_runtime_certificate",
+            "test_cli_bench_small",
+        }
+    ),
+    "test_bench.py": frozenset(
+        {
+            "test_quick_suite_runs_every_optimizer_on_every_task_and_resumes",
+            "test_a_blown_up_run_is_recorded_as_diverged",
+        }
+    ),
+    "test_first_hour.py": frozenset(
+        {"test_bench_finished_only_reports_a_partial_suite_and_runs_nothing"}
+    ),
+    "test_heldout.py": frozenset({"test_record_task_digits_default_path"}),
+    "test_hf_train.py": frozenset({"test_bench_train_overhead_tiny_run_and_refusal"}),
+    "test_plan.py": frozenset(
+        {
+            "test_owner_bytes_target_on_llama_shapes",
+            "test_imbalance_target_or_critical_path_at_the_bound",
+            "test_step_time_and_verdict_state_their_assumptions",
+            "test_cli_table_json_and_plot",
+        }
+    ),
+    "test_study.py": frozenset(
+        {
+            "test_quick_study_runs_decides_resumes_and_renders",
+            "test_selection_runs_evaluate_only_at_the_end_with_the_same_losses",
+            "test_publish_rewrites_only_the_generated_blocks",
+        }
+    ),
+}
+
+
 def _entry(entry: str) -> tuple[str, str]:
     """``"name"`` -> (name, "*"); ``"name[glob]"`` -> (name, glob on the case id)."""
     name, bracket, rest = entry.partition("[")
     return name, (rest[:-1] if bracket and rest.endswith("]") else "*")
 
 
-def _is_e2e(module: str, name: str, case: str) -> bool:
-    if module in E2E_MODULES:
-        return True
+def _named(table: dict[str, frozenset[str]], module: str, name: str, case: str) -> bool:
     return any(
         name == n and fnmatch.fnmatchcase(case, glob)
-        for n, glob in map(_entry, E2E_TESTS.get(module, ()))
+        for n, glob in map(_entry, table.get(module, ()))
     )
+
+
+def _is_e2e(module: str, name: str, case: str) -> bool:
+    return module in E2E_MODULES or _named(E2E_TESTS, module, name, case)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
@@ -192,18 +256,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = Path(str(item.path)).name
         name = getattr(item, "originalname", item.name)
         callspec = getattr(item, "callspec", None)
-        if _is_e2e(module, name, callspec.id if callspec is not None else ""):
+        case = callspec.id if callspec is not None else ""
+        if _is_e2e(module, name, case):
             item.add_marker(pytest.mark.e2e)
+        if _named(ANALYSIS_SLOW, module, name, case):
+            item.add_marker(pytest.mark.slow)
         if isinstance(item, pytest.Function):
             modules[module] = item.module
     # A renamed or deleted test must not drop silently out of the tier.
-    for module, names in E2E_TESTS.items():
-        if module in modules:
-            missing = sorted(n for n in names if not hasattr(modules[module], _entry(n)[0]))
-            if missing:
-                raise pytest.UsageError(
-                    f"tests/conftest.py E2E_TESTS names no test {module}::{missing}"
-                )
+    for table, label in ((E2E_TESTS, "E2E_TESTS"), (ANALYSIS_SLOW, "ANALYSIS_SLOW")):
+        for module, names in table.items():
+            if module in modules:
+                missing = sorted(n for n in names if not hasattr(modules[module], _entry(n)[0]))
+                if missing:
+                    raise pytest.UsageError(
+                        f"tests/conftest.py {label} names no test {module}::{missing}"
+                    )
 
 
 @pytest.fixture(autouse=True)
@@ -213,11 +281,8 @@ def _seed() -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _adanewton_test_env(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """ns_coefficients="adanewton" on shapes outside the shipped table would fit at run
-    time (seconds each) and write to the user's cache. The suite uses a temporary cache
-    and the nearest-table-entry mode; tests/test_adanewton*.py re-enable fitting where
-    they test it."""
+    """A test that fits (``ns_fit=True``, ``rootopt coeffs fit --cache``) writes to a
+    temporary cache, never the user's (nothing fits unless asked: docs/adanewton.md)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ROOTOPT_CACHE_DIR", str(tmp_path_factory.mktemp("rootopt-cache")))
-        mp.setenv("ROOTOPT_ADANEWTON_FIT", "0")
         yield

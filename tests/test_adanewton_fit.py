@@ -10,8 +10,8 @@ import pytest
 from rootopt.coeffs import MUON, PAPER_TABLE, POLAR_EXPRESS, check_stability
 from rootopt.coeffs import adanewton as an
 from rootopt.coeffs.stability import apply_schedule, verify_schedule
-from rootopt.tools import spectra as sp
-from rootopt.tools.fit import FitConfig, _Problem, fit_coefficients
+from rootopt_analysis.coeffs import spectra as sp
+from rootopt_analysis.coeffs.fit import FitConfig, _Problem, fit_coefficients
 
 SMALL = dict(per_family=3, max_dim=48, max_iter=12)
 
@@ -152,7 +152,7 @@ def test_more_shipped_entries_reproducible(shape):
 @pytest.mark.slow
 def test_fit_is_ill_conditioned_in_coefficients_not_in_objective(monkeypatch):
     # Why the test above does not compare digits: one ulp in the constraint grid.
-    import rootopt.tools.fit as fit_mod
+    import rootopt_analysis.coeffs.fit as fit_mod
 
     cfg = FitConfig(seed=0, **SMALL)
     a = fit_coefficients(48, 48, cfg)
@@ -167,7 +167,7 @@ def test_bfloat16_fit_runs_and_passes_the_runtime_certificate():
     (with the rounding envelope), not only the exact-arithmetic checks: before, 48 of
     64 bfloat16 table fits passed the latter and were refused at run time."""
     from rootopt.coeffs import adanewton as an
-    from rootopt.tools.build import TABLE_FIT
+    from rootopt_analysis.coeffs.build import TABLE_FIT
 
     # the table's own fit budget: smaller budgets stop before the bound and never fail
     res = fit_coefficients(64, 64, FitConfig(dtype="bfloat16", seed=0, **TABLE_FIT))
@@ -236,8 +236,8 @@ def test_build_table_keeps_other_dtypes_and_never_overwrites_a_foreign_file(
     before any fit and left as it was."""
     import json
 
-    from rootopt.tools import build
-    from rootopt.tools import fit as fit_mod
+    from rootopt_analysis.coeffs import build
+    from rootopt_analysis.coeffs import fit as fit_mod
 
     fits = []
 

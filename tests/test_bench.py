@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rootopt.bench.runner import Corruption, RunSpec, _corrupt, run_one
-from rootopt.bench.suites import DEFAULT_TASKS as TASKS
-from rootopt.bench.suites import smoothness, steps_to_target
-from rootopt.commands.bench import main as bench_main
 from rootopt.optim.registry import REGISTRY
+from rootopt_analysis.bench.runner import Corruption, RunSpec, _corrupt, run_one
+from rootopt_analysis.bench.suites import DEFAULT_TASKS as TASKS
+from rootopt_analysis.bench.suites import smoothness, steps_to_target
+from rootopt_analysis.commands.bench import main as bench_main
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+PATHS = os.pathsep.join(str(Path(__file__).resolve().parents[1] / d) for d in ("src", "analysis"))
 
 
 def _bench(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": PATHS, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "rootopt.cli", "bench", *args],
         capture_output=True,

@@ -162,12 +162,21 @@ def test_scheduler_closure_zero_grad_add_param_group() -> None:
         assert torch.equal(p, before[n]), n  # lr 0 and decay lr*wd = 0: nothing moves
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+    # An added group is stepped like a ROOT of its own, at the lr a scheduler gives it.
     extra = nn.Parameter(torch.randn(5, 7))
-    opt.add_param_group({"params": [extra], "param_names": ["extra"], "algorithm": "root"})
-    extra.grad = torch.randn(5, 7)
-    opt.param_groups[-1]["lr"] = 0.1
-    opt.step()
-    assert "extra" in opt.param_groups[-1]["param_names"]
+    twin, start = nn.Parameter(extra.detach().clone()), extra.detach().clone()
+    opt.add_param_group({"params": [extra], "param_names": ["extra"], "lr": 0.1})
+    halve = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # knows every group
+    halve.step()
+    assert opt.param_groups[-1]["lr"] == pytest.approx(0.05)
+    ref = ROOT([twin], lr=0.05)
+    for _ in range(2):  # the second step also reads the momentum the first one left
+        grad = torch.randn(5, 7)
+        extra.grad, twin.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    assert not torch.equal(extra, start)
+    torch.testing.assert_close(extra, twin, rtol=0, atol=0)
 
 
 def test_grad_scaler_unscale_then_step() -> None:
@@ -197,22 +206,32 @@ def test_grad_scaler_unscale_then_step() -> None:
     assert scaler.get_scale() < 2.0**10
 
 
+def _compiled_equals_eager(backend: str, tol: float) -> None:
+    """A torch.compile'd module trained by ROOT (the optimizer holds the module's own
+    parameters) follows the eager module trained the same way: losses and parameters."""
+    eager = Tiny()
+    model = copy.deepcopy(eager)
+    start = copy.deepcopy(eager.state_dict())
+    compiled = torch.compile(model, backend=backend)
+    seeds = [0, 1, 2, 0, 1, 2]
+    want = _train(eager, _make(eager), seeds)
+    got = _train(compiled, _make(model), seeds)  # type: ignore[arg-type]
+    assert len(got) == len(want) == len(seeds)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    a, b = model.state_dict(), eager.state_dict()
+    assert list(a) == list(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=tol, atol=tol, msg=name)
+    assert not torch.equal(b["fc1.weight"], start["fc1.weight"])  # it did train
+
+
 @pytest.mark.slow
-def test_compiled_model() -> None:
-    model = Tiny()
-    compiled = torch.compile(model)
-    opt = _make(model)
-    losses = _train(compiled, opt, [0] * 6)  # type: ignore[arg-type]
-    assert losses[-1] < losses[0]
+def test_compiled_model_equals_eager() -> None:
+    _compiled_equals_eager("inductor", 1e-4)
 
 
-def test_compiled_model_eager_backend() -> None:
-    """torch.compile wraps the module; parameters and the optimizer are the same objects."""
-    model = Tiny()
-    compiled = torch.compile(model, backend="eager")
-    opt = _make(model)
-    losses = _train(compiled, opt, [0] * 6)  # type: ignore[arg-type]
-    assert losses[-1] < losses[0]
+def test_compiled_model_eager_backend_equals_eager() -> None:
+    _compiled_equals_eager("eager", 1e-6)
 
 
 def test_empty_and_gradless_params() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rootopt.distributed import DistributedROOT
-from rootopt.tools import costmodel as P
+from rootopt_analysis import costmodel as P
 from test_dist import STATE_TOL, TOL, results, run_ok
 from test_dist_owner import specs
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rootopt.distributed.owners import chunk_rows
-from rootopt.tools import costmodel as P
+from rootopt_analysis import costmodel as P
 from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, free_port, results, run_ok  # noqa: F401
 
 # What gloo writes beyond the payload: its framing, a small header per message; a ring or

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rootopt.tools import costmodel as P
+from rootopt_analysis import costmodel as P
 from test_dist import STATE_TOL, TOL, check_resharded_checkpoint, results, run_ok
 from test_dist_edge import framing
 
@@ -129,16 +129,19 @@ def test_owner_checkpoint_saved_at_two_loads_at_three(tmp_path: Path) -> None:
 
 
 def test_blocked_seconds_counts_issuing_and_waiting_not_overlapped_compute(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """StepStats.comm_seconds is the difference of group.blocked_seconds(): what a rank
     spends issuing collectives and waiting for them. Compute done while a collective is
-    in flight must not count, and a failed wait still counts its time."""
-    import time
+    in flight must not count, and a failed wait still counts its time. The clock the
+    module reads is a fake one that only the collectives and the "compute" advance, so the
+    counts are exact whatever else the machine runs."""
+    import types
 
     import torch
     import torch.distributed as dist
 
+    from rootopt.distributed import group
     from rootopt.distributed.group import (
         CollectiveError,
         PendingCollective,
@@ -146,36 +149,39 @@ def test_blocked_seconds_counts_issuing_and_waiting_not_overlapped_compute(
         start_collective,
     )
 
+    now = [1000.0]
+    monkeypatch.setattr(group, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
     class Work:  # a collective that completes `delay` s after its wait begins
         def __init__(self, delay: float, fail: bool = False) -> None:
             self.delay, self.fail = delay, fail
 
         def wait(self, timeout: object) -> bool:
-            time.sleep(self.delay)
+            now[0] += self.delay
             if self.fail:
                 raise RuntimeError("peer gone")
             return True
 
     b0 = blocked_seconds()
-    pending = PendingCollective("x", Work(0.05), 60.0, 0, 2)
-    time.sleep(0.2)  # "overlapped compute": not blocked
+    pending = PendingCollective("x", Work(5.0), 60.0, 0, 2)
+    now[0] += 100.0  # "overlapped compute" while it is in flight: not blocked
     pending.wait()
     pending.wait()  # a second wait is a no-op and adds nothing
     b1 = blocked_seconds()
-    assert 0.05 <= b1 - b0 < 0.15, b1 - b0
-    with pytest.raises(CollectiveError):
-        PendingCollective("y", Work(0.05, fail=True), 60.0, 0, 2).wait()
-    assert 0.05 <= blocked_seconds() - b1 < 0.15
+    assert b1 - b0 == 5.0
+    with pytest.raises(CollectiveError, match="failed after 7.0 s: peer gone"):
+        PendingCollective("y", Work(7.0, fail=True), 60.0, 0, 2).wait()
+    assert blocked_seconds() - b1 == 7.0
     # issuing counts too (a collective that blocks in its call, as a synchronous one does)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
 
         def slow_issue(t: torch.Tensor, *, async_op: bool, group: object) -> None:
-            time.sleep(0.05)
+            now[0] += 3.0
 
         b2 = blocked_seconds()
         start_collective("z", slow_issue, torch.zeros(1)).wait()
-        assert 0.05 <= blocked_seconds() - b2 < 0.15
+        assert blocked_seconds() - b2 == 3.0
     finally:
         dist.destroy_process_group()

@@ -150,9 +150,8 @@ def test_bench_help_without_the_train_extra_names_it() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    ("missing", "extra"), [("scipy", "bench"), ("pytorch_optimizer.optimizer", "bench")]
-)
+# (scipy, which comes with the analysis package: tests/test_analysis_apart.py)
+@pytest.mark.parametrize(("missing", "extra"), [("pytorch_optimizer.optimizer", "bench")])
 def test_a_missing_package_while_a_command_runs_names_its_extra(
     missing: str, extra: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -186,8 +185,8 @@ def test_a_missing_rootopt_module_is_a_bug_with_its_traceback(
 def test_bench_finished_only_with_nothing_finished_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rootopt.commands.bench import MANIFEST
-    from rootopt.commands.bench import main as bench_main
+    from rootopt_analysis.commands.bench import MANIFEST
+    from rootopt_analysis.commands.bench import main as bench_main
 
     missing = tmp_path / "missing"
     empty = tmp_path / "empty"
@@ -358,7 +357,9 @@ def test_a_checkpoint_event_records_its_write_time(run_dir: Path) -> None:
     events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     ckpts = [e for e in events if e["event"] == "checkpoint"]
     assert [e["step"] for e in ckpts] == [10]  # FAST: every 10 steps; 10 = the final one
-    assert all(isinstance(e["seconds"], float) and 0 < e["seconds"] < 60 for e in ckpts)
+    # a part of the run's own time, not a clock window
+    wall = json.loads((run_dir / "summary.json").read_text())["wall_s"]
+    assert all(isinstance(e["seconds"], float) and 0 < e["seconds"] <= wall for e in ckpts)
 
 
 @pytest.mark.slow

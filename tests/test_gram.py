@@ -44,7 +44,11 @@ def _family(name: str, m: int, n: int, seed: int, noise: float = 0.05) -> torch.
         S = _orth(m, r, g) @ torch.diag(torch.arange(1, r + 1).double() ** -0.5) @ _orth(n, r, g).T
         N = torch.randn(m, n, dtype=torch.float64, generator=g)
         return S / S.norm() * math.sqrt(1 - noise) + N / N.norm() * math.sqrt(noise)
-    text = resources.files("rootopt.tools").joinpath("data", "momentum_spectra.json").read_text()
+    text = (
+        resources.files("rootopt_analysis.coeffs")
+        .joinpath("data", "momentum_spectra.json")
+        .read_text()
+    )
     spectra = [e["sigma"] for e in json.loads(text)["spectra"]]
     s = torch.tensor(spectra[seed % len(spectra)], dtype=torch.float64)
     s = s[s > 0].sort(descending=True).values

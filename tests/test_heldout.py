@@ -1,4 +1,4 @@
-"""The held-out polar-error evaluation (``rootopt coeffs heldout``, rootopt.tools.heldout):
+"""The held-out polar-error evaluation (``rootopt coeffs heldout``, rootopt_analysis.coeffs.heldout):
 its error measure, its float32 and bfloat16 iterations, the recorder's capture of the
 matrices ROOT orthogonalizes, AdaNewton through the optimizer's own path, the CLI's
 handling of existing files, and the report in docs/adanewton.md against its JSON."""
@@ -19,7 +19,7 @@ from rootopt import ROOT
 from rootopt.coeffs import resolve
 from rootopt.coeffs.presets import NAMED_SETS
 from rootopt.optim.functional import clip_outliers
-from rootopt.tools import heldout as ho
+from rootopt_analysis.coeffs import heldout as ho
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

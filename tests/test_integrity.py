@@ -940,7 +940,7 @@ def test_coeffs_bad_inputs_are_refused_before_any_work(
     the table shipped inside the package (an editable install used to rewrite its source
     tree): one refusal each, status 2, the shipped table byte-identical."""
     from rootopt import cli
-    from rootopt.tools.build import DEFAULT_OUT
+    from rootopt_analysis.coeffs.build import DEFAULT_OUT
 
     shipped = _digest(DEFAULT_OUT)
     with pytest.raises(SystemExit) as info:

@@ -1,5 +1,5 @@
 """Operations per step on the d = 2048, 8-layer decoder's 32 matrices, counted on meta
-tensors (what the step dispatches on an accelerator; ``rootopt.tools.opcount``): ROOT, with
+tensors (what the step dispatches on an accelerator; ``rootopt_analysis.opcount``): ROOT, with
 its threshold and per-matrix coefficient selection, launches no more than
 ``torch.optim.Muon``, and reads the device once per step (the non-finite check)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rootopt.tools.opcount import OpCounter, count_step, optimizer_counts, standard_makers
+from rootopt_analysis.opcount import OpCounter, count_step, optimizer_counts, standard_makers
 
 
 @pytest.fixture(scope="module")

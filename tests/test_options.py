@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from rootopt import ROOT
-from rootopt.optim import _options
+from rootopt.optim import _options, functional
 
 
 def _run(**options: Any) -> list[torch.Tensor]:
@@ -47,11 +47,36 @@ def test_ns_dtype_auto_is_the_studys_choice_per_device_and_flips_in_one_place(
     assert {r.key[3] for r in opt.coefficient_resolutions()} == {"bfloat16"}
 
 
-def test_bucket_bytes_auto_per_device() -> None:
+def test_bucket_bytes_auto_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _options.bucket_budget("auto", torch.device("cpu")) == 32 << 20
     assert _options.bucket_budget("auto", torch.device("meta")) == 1 << 30
     assert _options.bucket_budget(0, torch.device("meta")) == 0
-    assert _same(_run(), _run(bucket_bytes=32 << 20))
+    # The budget is how many same-shape matrices one Newton–Schulz call stacks; it changes
+    # how the step runs, never what it computes.
+    stacks: list[int] = []
+    real = functional.root_direction
+
+    def spy(V: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        stacks.append(V.shape[0])
+        return real(V, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "root_direction", spy)
+
+    def run(**options: Any) -> tuple[list[int], list[torch.Tensor]]:
+        stacks.clear()
+        g = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(64, 64, generator=g)) for _ in range(6)]
+        for p in params:
+            p.grad = torch.randn(64, 64, generator=g)
+        ROOT(params, lr=0.02, **options).step()
+        return list(stacks), [p.detach() for p in params]
+
+    matrix = 64 * 64 * 4  # bytes of one float32 matrix
+    auto, two, none = run(), run(bucket_bytes=2 * matrix), run(bucket_bytes=0)
+    assert auto[0] == [6]  # 32 MiB on the CPU: all six in one call
+    assert two[0] == [2, 2, 2]
+    assert none[0] == [6]  # 0: no limit
+    assert _same(auto[1], two[1]) and _same(auto[1], none[1])
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The owner layout (rootopt.distributed.layout), the cost model of distributed ROOT
-(rootopt.tools.costmodel) and its CLI, in-process; and that neither the runtime nor the
+(rootopt_analysis.costmodel) and its CLI, in-process; and that neither the runtime nor the
 training command load the cost model.
 
 The measured side (gloo runs whose counted and written bytes must equal the model's) is
@@ -22,8 +22,8 @@ import torch
 
 from rootopt.distributed import layout as L
 from rootopt.distributed.owners import assign_owners, ns_cost
-from rootopt.tools import costmodel as P
-from rootopt.tools.counters import TrafficCounter, collective_bytes, collective_bytes_ranks
+from rootopt_analysis import costmodel as P
+from rootopt_analysis.counters import TrafficCounter, collective_bytes, collective_bytes_ranks
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 
@@ -643,7 +643,7 @@ def test_the_runtime_and_rootopt_train_never_import_the_cost_model() -> None:
     code = (
         "import sys, rootopt, rootopt.distributed, rootopt.distributed.checkpoint, "
         "rootopt.train, rootopt.train.loop, rootopt.train.main, rootopt.commands.train; "
-        "bad = sorted(m for m in sys.modules if m.startswith('rootopt.tools')); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'rootopt_analysis'); "
         "print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run(

@@ -116,7 +116,8 @@ def test_dev_script_pins_torch_first_then_installs_then_runs(tmp_path: Path) -> 
     # every extra for the tests, run from the repository whatever the caller's directory
     calls = _dev(venv, elsewhere, "test", "-x")
     assert calls[2:] == [
-        f"python -m pip install --quiet -e {ROOT_DIR}[train,bench,dev,integrations,rl,anneal]",
+        f"python -m pip install --quiet -e {ROOT_DIR}[train,bench,dev,integrations,rl,anneal] "
+        f"-e {ROOT_DIR}/analysis",
         "python -m pytest -q -x",
     ]
     assert calls[0] == f"python -m pip install --quiet --no-deps {cpu} torch=={TORCH}"
@@ -159,8 +160,13 @@ def test_python_snippet_runs_as_written() -> None:
 def test_results_table_is_the_committed_study() -> None:
     """The README's results block is rendered from docs/study_results.json (the defaults study)
     and names the default the library ships."""
-    from rootopt.bench.study_report import HEADLINE_BEGIN, HEADLINE_END, headline, headline_arm
     from rootopt.optim import ROOT
+    from rootopt_analysis.bench.study_report import (
+        HEADLINE_BEGIN,
+        HEADLINE_END,
+        headline,
+        headline_arm,
+    )
 
     text = _text(README)
     section = text.split("## Measured", 1)[1].split("\n## ", 1)[0]

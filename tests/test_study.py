@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from rootopt.bench import study
-from rootopt.bench.runner import RunSpec
-from rootopt.bench.stats import mean_ci, paired_ci
-from rootopt.bench.study import (
+from rootopt_analysis.bench import study
+from rootopt_analysis.bench.runner import RunSpec
+from rootopt_analysis.bench.stats import mean_ci, paired_ci
+from rootopt_analysis.bench.study import (
     COEFFICIENT_CANDIDATES,
     Cell,
     Protocol,
@@ -29,7 +29,7 @@ from rootopt.bench.study import (
     selection_score,
 )
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+PATHS = os.pathsep.join(str(Path(__file__).resolve().parents[1] / d) for d in ("src", "analysis"))
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -159,9 +159,9 @@ def test_missing_runs_are_requested_not_guessed() -> None:
 
 def test_official_coefficients_are_muons_on_every_matrix_the_study_trains() -> None:
     """Why `root-official` is not a separate arm (docs/benchmarks.md)."""
-    from rootopt.bench.tasks import TASKS
     from rootopt.coeffs import MUON, resolve
     from rootopt.optim.routing import param_groups
+    from rootopt.tasks import TASKS
 
     shapes = set()
     for name in {c.task for c in Protocol.full().cells}:
@@ -281,7 +281,7 @@ def test_decision_reports_whether_one_cell_decides() -> None:
 
 
 def _quick_cli(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": PATHS, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rootopt.cli", "bench", "study", "--quick", "--no-progress"]
     return subprocess.run(
         [*cmd, "--out", str(out), *extra], capture_output=True, text=True, timeout=900, env=env
@@ -375,14 +375,14 @@ def test_quick_study_runs_decides_resumes_and_renders(tmp_path: Path) -> None:
 
 
 def test_study_refuses_flags_that_would_change_its_protocol(tmp_path: Path) -> None:
-    from rootopt.commands.bench import main
+    from rootopt_analysis.commands.bench import main
 
     assert main(["study", "--out", str(tmp_path / "o"), "--seeds", "2"]) == 2
     assert not (tmp_path / "o").exists()
 
 
 def test_selection_runs_evaluate_only_at_the_end_with_the_same_losses(tmp_path: Path) -> None:
-    from rootopt.bench.runner import run_one
+    from rootopt_analysis.bench.runner import run_one
 
     (tmp_path / "runs").mkdir()
     kw: dict[str, Any] = dict(task="digits", optimizer="root", lr=3e-3, seed=1, steps=40)
@@ -397,7 +397,7 @@ def test_selection_runs_evaluate_only_at_the_end_with_the_same_losses(tmp_path: 
 def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> None:
     """A session logs at its start, so a kill (or a reboot) leaves its commit and command on
     record; its end is the end of the last run it finished before the next session started."""
-    from rootopt.bench.study_report import provenance, read_sessions
+    from rootopt_analysis.bench.study_report import provenance, read_sessions
 
     out = tmp_path / "study"
     out.mkdir()
@@ -429,7 +429,7 @@ def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> Non
 
 def test_benchmarks_page_is_the_committed_study() -> None:
     """docs/benchmarks.md carries exactly the tables rendered from docs/study_results.json."""
-    from rootopt.bench.study_report import BEGIN, END, markdown, splice
+    from rootopt_analysis.bench.study_report import BEGIN, END, markdown, splice
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     summary = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
@@ -449,7 +449,13 @@ def test_benchmarks_page_is_the_committed_study() -> None:
 def test_v1_rereading_is_v1s_summary() -> None:
     """The corrections to v1 on docs/benchmarks.md are rendered from v1's committed summary,
     and read validation where v1 read test."""
-    from rootopt.bench.study_report import V1_BEGIN, V1_END, splice, v1_markdown, v1_rereading
+    from rootopt_analysis.bench.study_report import (
+        V1_BEGIN,
+        V1_END,
+        splice,
+        v1_markdown,
+        v1_rereading,
+    )
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     v1 = json.loads((docs / "study_results_v1.json").read_text(encoding="utf-8"))
@@ -470,7 +476,7 @@ def test_v1_rereading_is_v1s_summary() -> None:
 
 
 def test_holm_matches_the_step_down_procedure() -> None:
-    from rootopt.bench.stats import holm
+    from rootopt_analysis.bench.stats import holm
 
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm([]) == [] and holm([0.7]) == [0.7] and holm([0.6, 0.9]) == [1.0, 1.0]
@@ -490,7 +496,7 @@ def test_holm_matches_the_step_down_procedure() -> None:
 
 
 def test_paired_p_agrees_with_the_interval() -> None:
-    from rootopt.bench.stats import paired_p
+    from rootopt_analysis.bench.stats import paired_p
 
     rng = __import__("random").Random(1)
     for _ in range(100):
@@ -643,8 +649,8 @@ def test_index_lists_runs_the_protocol_no_longer_uses(tmp_path: Path) -> None:
 def test_momentum_tail_sees_what_root_thresholds() -> None:
     import torch
 
-    from rootopt.bench.runner import _orthogonalized, momentum_tail
     from rootopt.optim import ROOT
+    from rootopt_analysis.bench.runner import _orthogonalized, momentum_tail
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(64, 100))
@@ -681,7 +687,7 @@ def test_flops_count_the_optimizer_and_do_not_depend_on_load(tmp_path: Path) -> 
 
 
 def test_bf16_autocast_runs_train_under_autocast(tmp_path: Path) -> None:
-    from rootopt.bench.runner import run_one
+    from rootopt_analysis.bench.runner import run_one
 
     (tmp_path / "runs").mkdir()
     kw: dict[str, Any] = dict(suite=study.REPORT_SUITE, task="digits", optimizer="adamw",
@@ -696,7 +702,7 @@ def test_bf16_autocast_runs_train_under_autocast(tmp_path: Path) -> None:
 def test_committed_summary_is_rendered_from_the_committed_record() -> None:
     """docs/study_results.json is what the committed record (docs/study/: one line per run)
     gives, rendered again here: every number, decision and index row, nothing trained."""
-    from rootopt.bench.study_report import provenance, read_sessions
+    from rootopt_analysis.bench.study_report import provenance, read_sessions
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     committed = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
@@ -722,7 +728,7 @@ def _publish_module() -> Any:
 
 
 def _mini_repo(root: Path, *, readme_markers: bool = True) -> None:
-    from rootopt.bench.study_report import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END
+    from rootopt_analysis.bench.study_report import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END
 
     (root / "docs" / "study").mkdir(parents=True)
     (root / "docs" / "img").mkdir()
@@ -735,7 +741,7 @@ def _mini_repo(root: Path, *, readme_markers: bool = True) -> None:
 
 
 def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
-    from rootopt.bench.study_report import headline, markdown
+    from rootopt_analysis.bench.study_report import headline, markdown
 
     mod = _publish_module()
     _mini_repo(tmp_path)
@@ -761,7 +767,7 @@ def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path:
 
 
 def test_study_refuses_an_import_that_is_not_a_study_directory(tmp_path: Path) -> None:
-    from rootopt.commands.bench import main
+    from rootopt_analysis.commands.bench import main
 
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
@@ -771,7 +777,7 @@ def test_study_refuses_an_import_that_is_not_a_study_directory(tmp_path: Path) -
 
 
 def test_summary_text_is_json_with_one_index_row_per_line() -> None:
-    from rootopt.bench.study_report import dump_summary
+    from rootopt_analysis.bench.study_report import dump_summary
 
     s = {
         "a": [1, 2],

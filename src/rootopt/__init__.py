@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
     from rootopt import anneal as anneal
-    from rootopt import bench as bench
     from rootopt import checkpoint as checkpoint
     from rootopt import coeffs as coeffs
     from rootopt import config as config
@@ -59,7 +58,6 @@ if TYPE_CHECKING:
     from rootopt import optim as optim
     from rootopt import ortho as ortho
     from rootopt import rl as rl
-    from rootopt import tools as tools
     from rootopt import train as train
     from rootopt.optim import (
         ROOT,
@@ -87,12 +85,12 @@ _WHERE = {
 
 
 # Subpackages reachable as attributes of a bare ``import rootopt`` (imported on first use;
-# one whose extra is missing raises its ModuleNotFoundError then). Not ``dist``: the old
-# name of ``distributed``, which warns when imported.
+# one whose extra is missing raises its ModuleNotFoundError then). The benchmarks, the
+# coefficient fitter and the cost model are no part of it: they are the separate
+# ``rootopt_analysis`` package (analysis/ in the source tree).
 _SUBMODULES = frozenset(
     {
         "anneal",
-        "bench",
         "checkpoint",
         "coeffs",
         "config",
@@ -103,7 +101,6 @@ _SUBMODULES = frozenset(
         "optim",
         "ortho",
         "rl",
-        "tools",
         "train",
     }
 )

@@ -1,4 +1,5 @@
-"""``rootopt`` command line: dispatch ``rootopt <command> ...`` to ``rootopt.commands.<command>``.
+"""``rootopt`` command line: dispatch ``rootopt <command> ...`` to ``rootopt.commands.<command>``
+(or, for the analysis commands, to ``rootopt_analysis.commands.<command>``).
 
 Each command module exposes ``main(argv: list[str]) -> int`` and owns its own argument
 parsing; this file only routes, so that ``rootopt --help`` stays fast (no torch import).
@@ -13,19 +14,32 @@ import signal
 import sys
 import typing
 
-# command name -> one-line description (the module is rootopt.commands.<name>)
+# command name -> one-line description (the module is rootopt.commands.<name>, or
+# rootopt_analysis.commands.<name> for ANALYSIS_COMMANDS)
 COMMANDS: dict[str, str] = {
     "train": "train a model with ROOT (embedded default when no --config is given)",
     "data": "prepare WebDataset shards with checksums from a real corpus",
     "report": "check a run directory against the validation criteria",
     "export": "write a run's newest checkpoint as a Hugging Face model directory",
     "diagnose": "gradient-range / update-ratio / loss-surface diagnostics",
-    "coeffs": "fit, show and benchmark Newton–Schulz coefficients (AdaNewton)",
-    "bench": "benchmark ROOT against the optimizer family (convergence, lr, robustness, overhead)",
+    "coeffs": "show Newton–Schulz coefficients (AdaNewton); fit, bench: rootopt-analysis",
+    "bench": "benchmark ROOT against the optimizer family, the defaults study (rootopt-analysis)",
     "rl": "train / evaluate a learned ROOT controller (RecurrentPPO; extra [rl])",
     "anneal": "quantized block updates solved as a QUBO (dimod samplers; extra [anneal])",
-    "plan": "cost model of distributed ROOT: bytes, collectives, Newton–Schulz, memory per rank",
+    "plan": "cost model of distributed ROOT: bytes, collectives, memory per rank (rootopt-analysis)",
 }
+
+# Commands that live in the rootopt-analysis package (analysis/ in the source tree; not in
+# the rootopt wheel). ``rootopt coeffs show`` is the runtime's; its other subcommands are
+# analysis too and reach that package from rootopt.commands.coeffs.
+ANALYSIS_COMMANDS = frozenset({"bench", "plan"})
+ANALYSIS_PACKAGE = "rootopt_analysis"
+# The one line that says how to get it (a source checkout holds it; scripts/dev.sh installs
+# it with the `test` and `install analysis` actions).
+ANALYSIS_INSTALL = (
+    "needs the rootopt-analysis package, which the rootopt wheel does not carry; "
+    "install it from a rootopt source checkout with: pip install ./analysis"
+)
 
 # Import names of the packages in the `train` and `bench` extras (pyproject.toml) -> the extra.
 OPTIONAL_DEPENDENCIES: dict[str, str] = {
@@ -39,7 +53,6 @@ OPTIONAL_DEPENDENCIES: dict[str, str] = {
     "bible": "train",
     "sklearn": "train",
     "pytorch_optimizer": "bench",
-    "scipy": "bench",
     "transformers": "train",
     "tokenizers": "train",
     "safetensors": "train",
@@ -160,11 +173,16 @@ def _dispatch(argv: list[str] | None) -> int:
     try:
         # A command imports most of what it needs when it runs (`bench --help` builds its
         # task list), so the hint covers the import and the run.
-        module = importlib.import_module(f"rootopt.commands.{name}")
+        package = ANALYSIS_PACKAGE if name in ANALYSIS_COMMANDS else "rootopt"
+        module = importlib.import_module(f"{package}.commands.{name}")
         result: int = module.main(rest)
     except ModuleNotFoundError as exc:
         # Only a missing optional dependency earns the install hint; anything else (a
-        # rootopt module, a typo in an import) is a bug and keeps its traceback.
+        # rootopt module, a typo in an import) is a bug and keeps its traceback. scipy comes
+        # with the analysis package (its statistics).
+        if exc.name in (ANALYSIS_PACKAGE, "scipy"):
+            print(f"rootopt {name}: {ANALYSIS_INSTALL}", file=sys.stderr)
+            return 2
         extra = OPTIONAL_DEPENDENCIES.get((exc.name or "").split(".")[0])
         if extra is None:
             raise

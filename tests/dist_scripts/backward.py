@@ -26,7 +26,7 @@ from owner import groups as owner_groups
 
 import rootopt
 from rootopt.distributed import DistributedROOT, finish, init_distributed
-from rootopt.tools.counters import CollectiveCounter
+from rootopt_analysis.counters import CollectiveCounter
 
 STEPS = 3
 SMALL_BUCKETS = 2048  # bytes: about one owner.py matrix per bucket, so several start early

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import rootopt
 from rootopt.distributed import DistributedROOT, finish, init_distributed, wrap_model
-from rootopt.tools.counters import CollectiveCounter, bytes_written
+from rootopt_analysis.counters import CollectiveCounter, bytes_written
 
 STEPS = 3
 BATCH = 24  # divisible by 2, 3, 4 and 8: every rank's mean loss has the same weight

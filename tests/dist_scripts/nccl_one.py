@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import rootopt
 from rootopt.distributed import DistributedROOT, finish, init_distributed, wrap_model
-from rootopt.tools.counters import CollectiveCounter
+from rootopt_analysis.counters import CollectiveCounter
 
 STEPS = 4
 

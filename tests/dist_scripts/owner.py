@@ -23,7 +23,7 @@ import rootopt
 import rootopt.distributed.flat as flat
 import rootopt.optim.functional as F
 from rootopt.distributed import DistributedROOT, finish, init_distributed
-from rootopt.tools.counters import CollectiveCounter, TrafficCounter, bytes_written
+from rootopt_analysis.counters import CollectiveCounter, TrafficCounter, bytes_written
 
 HYPER: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9)
 BATCH = 12  # divisible by 2, 3 and 4

@@ -55,7 +55,7 @@ class HeadConfig:
 
 
 def _model(cfg: HeadConfig) -> tuple[nn.Module, nn.Linear, Any]:
-    from rootopt.bench.tasks import BBC_CLASSES, BBC_FEATURES, load_task_data
+    from rootopt.tasks import BBC_CLASSES, BBC_FEATURES, load_task_data
     from rootopt.train.model import DigitsCNN, MLPClassifier
 
     data = load_task_data(cfg.task)
@@ -72,7 +72,7 @@ def _model(cfg: HeadConfig) -> tuple[nn.Module, nn.Linear, Any]:
 
 
 def block_size(cfg: HeadConfig) -> int:
-    from rootopt.bench.tasks import BBC_CLASSES
+    from rootopt.tasks import BBC_CLASSES
 
     if cfg.task == "bbc":
         return BBC_CLASSES * cfg.hidden

@@ -26,7 +26,6 @@ import numpy as np
 # all 2^N states (memory O(2^N)); the annealers are heuristics whose cost grows with the
 # number of couplings, which is dense (O(N²)) here.
 BUILTIN_SAMPLERS = {"sa": 2048, "tabu": 2048, "exact": 20}
-DEFAULT_SAMPLER = "sa"
 
 
 class AnnealError(ValueError):

@@ -342,16 +342,6 @@ def adanewton_schedule(rows: int, cols: int, steps: int, dtype: str = "float32")
     return lookup(rows, cols, steps, dtype=dtype).schedule
 
 
-def nearest_entry(rows: int, cols: int, steps: int, dtype: str = "float32") -> TableEntry | None:
-    """The table entry closest in ``(log min dim, log aspect)`` with the same steps/dtype."""
-    m, n = min(rows, cols), max(rows, cols)
-    _, entries = load_table()
-    cands = _candidates(entries, steps, dtype)
-    if not cands:
-        return None
-    return min(cands, key=lambda e: _distance((m, n), (e.rows, e.cols)))
-
-
 def clear_memory_caches() -> None:
     """Forget in-process lookups (the table is re-read, the log-once set emptied)."""
     _lookup_cached.cache_clear()

@@ -101,9 +101,6 @@ PAPER_TABLE: dict[tuple[int, int], Coeff] = {
     (2048, 8192): (2.9794, -3.6674, 1.6207),
     (2048, 16384): (3.1943, -3.8221, 1.5322),
 }
-PAPER_TABLE_SOURCE = (
-    "ROOT, arXiv 2511.20626, official example code (huawei-noah/noah-research, ROOT/)"
-)
 
 NAMED_SETS: dict[str, CoefficientSet] = {
     s.name: s for s in (MUON, CUBIC, QUINTIC, YOU, POLAR_EXPRESS, CANS)

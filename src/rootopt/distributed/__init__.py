@@ -3,7 +3,7 @@
 checkpoints and a world-size-invariant sampler (docs/distributed.md).
 
 Imports ``optim``/``ortho``/``coeffs`` only; never the training loop, and never the cost
-model (:mod:`rootopt.tools.costmodel`, analysis outside the runtime).
+model (:mod:`rootopt_analysis.costmodel`, analysis outside the runtime).
 """
 
 from __future__ import annotations

@@ -343,10 +343,6 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def collective_timeout_s() -> float:
-    return _TIMEOUT_S
-
-
 # Seconds this process has spent issuing and waiting for collectives started by
 # start_collective/collective (a running total; differences time a span, e.g.
 # StepStats.comm_seconds). One process drives one step at a time, so no lock.

@@ -4,7 +4,7 @@
 Pure Python on sizes and costs, deterministic (ties go to the lower rank and the earlier
 item), so every rank computes the same plan without communicating. The optimizer
 (:mod:`rootopt.distributed.replicated`, :mod:`rootopt.distributed.sharded`) and the cost
-model (:mod:`rootopt.tools.costmodel`) both call these functions.
+model (:mod:`rootopt_analysis.costmodel`) both call these functions.
 """
 
 from __future__ import annotations

@@ -14,21 +14,12 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 GRAD_RANGE = (1e-6, 1e3)
 UPDATE_RATIO_BAND = (1e-5, 1e-3)
-
-
-@dataclass
-class TensorDiag:
-    name: str
-    grad_max: float
-    grad_min: float
-    update_ratio: float
 
 
 def gradient_range(model: nn.Module) -> dict[str, tuple[float, float]]:

@@ -38,9 +38,19 @@ def resolve_group(cache: CoefficientCache, group: dict[str, Any], is_root: Any) 
         return
     fitter: Fitter | None = None
     if group.get("ns_fit", False):
-        # Opt-in fitting: the one place the runtime reaches the offline tools, and only
-        # while the optimizer is being built.
-        from rootopt.tools.fitcache import fitted_resolution
+        # Opt-in fitting: the one place the runtime reaches the offline tools (the separate
+        # rootopt-analysis package), and only while the optimizer is being built.
+        try:
+            from rootopt_analysis.coeffs.fitcache import fitted_resolution
+        except ModuleNotFoundError as exc:
+            if exc.name != "rootopt_analysis":
+                raise
+            raise CoefficientError(
+                "ns_fit=True fits coefficients with the rootopt-analysis package, which the "
+                "rootopt wheel does not carry; install it from a rootopt source checkout with: "
+                "pip install ./analysis (or leave ns_fit off: the shipped table and its "
+                "certified generalisation)"
+            ) from None
 
         def fitter(r: int, c: int, k: int, dt: str) -> Any:
             return fitted_resolution(r, c, k, dtype=dt)

@@ -86,7 +86,8 @@ class ROOT(Optimizer):
         bucket_bytes: most bytes of float32 matrices stacked at once (0: no limit;
             ``"auto"``: 32 MiB on the CPU, up to 1 GiB on an accelerator).
         ns_fit: opt-in: shapes the AdaNewton table lacks are fitted and cached while the
-            optimizer is built (off: the shipped table or its certified generalisation).
+            optimizer is built (off: the shipped table or its certified generalisation);
+            needs the rootopt-analysis package (``pip install ./analysis``).
         telemetry, record_spectra: per-matrix diagnostics in ``self.telemetry`` after each
             step (or on the steps ``self.telemetry_enabled`` is set), with spectra of ``B``.
         nonfinite: ``"error"`` raises :class:`NonFiniteGradientError` before anything is

@@ -1,7 +1,7 @@
 """The task distribution of controller episodes: small variants of the benchmark tasks.
 
 Each :class:`EpisodeTask` reuses a benchmark task's data and model family
-(:mod:`rootopt.bench.tasks`) at a size that keeps an episode to a few seconds on one CPU core.
+(:mod:`rootopt.tasks`) at a size that keeps an episode to a few seconds on one CPU core.
 The training distribution and the held-out set differ in corpus (``kjv`` is never trained on)
 and in model size (widths never trained on), so an evaluation measures transfer.
 """
@@ -55,7 +55,7 @@ def _digits(width: int) -> nn.Module:
 
 
 def _bbc(hidden: int) -> nn.Module:
-    from rootopt.bench.tasks import BBC_CLASSES, BBC_FEATURES
+    from rootopt.tasks import BBC_CLASSES, BBC_FEATURES
     from rootopt.train.model import MLPClassifier
 
     return MLPClassifier(BBC_FEATURES, hidden, BBC_CLASSES)
@@ -77,8 +77,6 @@ TASKS: dict[str, EpisodeTask] = {
         EpisodeTask("digits-w24", "digits", lambda: _digits(24), 64),
     )
 }
-TRAIN_TASKS = ("stdlib-d32", "digits-w8", "bbc-h32")
-HELDOUT_TASKS = ("kjv-d32", "stdlib-d64", "digits-w24")
 
 
 def episode_task(name: str) -> EpisodeTask:
@@ -103,7 +101,7 @@ class Sampler:
             x, y = _toy_data()
             self.train_x, self.train_y, self.val_x, self.val_y = x, y, x, y
             return
-        from rootopt.bench.tasks import load_task_data
+        from rootopt.tasks import load_task_data
 
         s = load_task_data(t.data)
         self.train_x, self.train_y = s.train_x, s.train_y

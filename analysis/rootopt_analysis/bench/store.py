@@ -37,7 +37,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
 def compact(r: Result) -> Result:
     """The stored form of a run's result: the training-loss series replaced by its smoothness
     (the only statistic the study takes from it), evaluations without their timers."""
-    from rootopt.bench.suites import smoothness
+    from rootopt_analysis.bench.suites import smoothness
 
     out = {k: v for k, v in r.items() if k not in ("train_loss", "last_eval")}
     if "spec" in r:  # fields at their default are left out (RunSpec.from_dict restores them)

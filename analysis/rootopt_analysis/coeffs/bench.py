@@ -8,7 +8,7 @@ worst-case amplification ``max_{σ∈[0,1]} p_K(σ)`` (refined grid).
 
 Spectra are drawn with a seed the table was never fitted with (default 1000), and the
 real momentum spectra come from recorded models held out of every fit
-(:data:`rootopt.tools.spectra.HOLDOUT_MODELS`): ``momentum`` carries all of them to
+(:data:`rootopt_analysis.coeffs.spectra.HOLDOUT_MODELS`): ``momentum`` carries all of them to
 each table shape by quantiles, ``recorded`` judges them on their own (native) shapes.
 
 Errors are computed on the singular values (exact for Newton–Schulz in exact
@@ -32,9 +32,9 @@ import numpy as np
 from rootopt.coeffs import CANS, CUBIC, MUON, PAPER_TABLE, POLAR_EXPRESS, QUINTIC, YOU, Schedule
 from rootopt.coeffs.adanewton import lookup
 from rootopt.coeffs.stability import apply_schedule, verify_schedule
-from rootopt.tools import new_file
-from rootopt.tools.shapes import family_of, table_shapes
-from rootopt.tools.spectra import (
+from rootopt_analysis.coeffs import new_file
+from rootopt_analysis.coeffs.shapes import family_of, table_shapes
+from rootopt_analysis.coeffs.spectra import (
     SpectrumSample,
     load_recorded,
     recorded_for_shape,

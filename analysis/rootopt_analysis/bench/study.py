@@ -6,7 +6,7 @@ functions that, given the finished runs, say which runs are still needed (:func:
 what was found (:func:`summarize`). :func:`run_study` keeps a pool of worker processes busy with
 the needed runs, highest priority first, and walks the protocol again after every finished
 run; each finished run is one line of the study directory's ``runs.jsonl``
-(:mod:`rootopt.bench.store`), so an interrupted study resumes where it stopped, from the
+(:mod:`rootopt_analysis.bench.store`), so an interrupted study resumes where it stopped, from the
 directory it ran in or from a committed copy of its record.
 
 Three disjoint seed sets: selection seeds tune each arm (validation split: the matrix lr on a
@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rootopt.bench.runner import Corruption, RunSpec
-from rootopt.bench.stats import holm, mean_ci, paired_ci, paired_p
-from rootopt.bench.store import Store
+from rootopt_analysis.bench.runner import Corruption, RunSpec
+from rootopt_analysis.bench.stats import holm, mean_ci, paired_ci, paired_p
+from rootopt_analysis.bench.store import Store
 
 Result = dict[str, Any]
 Lookup = Callable[[RunSpec], Result | None]
@@ -531,9 +531,9 @@ def _time_pair(spec: TimingSpec, out_dir: str) -> Result:
     import torch
 
     from rootopt._atomic import atomic_write
-    from rootopt.bench.runner import build_optimizer
-    from rootopt.bench.tasks import load_task_data, task
+    from rootopt.tasks import load_task_data, task
     from rootopt.train.model import loss_fn
+    from rootopt_analysis.bench.runner import build_optimizer
 
     t = task(spec.task)
     data = load_task_data(spec.task)
@@ -579,9 +579,9 @@ def count_flops(spec: FlopSpec, out_dir: str) -> Result:
 
     from rootopt._atomic import atomic_write
     from rootopt._threads import one_thread
-    from rootopt.bench.runner import build_optimizer
-    from rootopt.bench.tasks import load_task_data, task
+    from rootopt.tasks import load_task_data, task
     from rootopt.train.model import loss_fn
+    from rootopt_analysis.bench.runner import build_optimizer
 
     with one_thread():
         t = task(spec.task)
@@ -1133,7 +1133,7 @@ def _run_job(job: Job, out_dir: str) -> Result:
     """Worker entry: one run, one timing or one FLOP count. A run that raises (e.g. an SVD
     that does not converge on a non-finite matrix) is recorded as diverged with the error,
     not retried."""
-    from rootopt.bench.runner import FORMAT, run_one
+    from rootopt_analysis.bench.runner import FORMAT, run_one
 
     if isinstance(job, TimingSpec):
         return time_pair(job, out_dir)
@@ -1171,7 +1171,7 @@ def _run_job(job: Job, out_dir: str) -> Result:
 
 
 def open_store(out: Path) -> Store:
-    from rootopt.bench.runner import FORMAT
+    from rootopt_analysis.bench.runner import FORMAT
 
     return Store(out, run_format=FORMAT)
 
@@ -1192,7 +1192,7 @@ def run_study(
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
-    from rootopt.bench.runner import _worker_init
+    from rootopt_analysis.bench.runner import _worker_init
 
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -1679,7 +1679,7 @@ FAMILIES = (
 
 
 def _param_count(task_name: str) -> int:
-    from rootopt.bench.tasks import task
+    from rootopt.tasks import task
 
     return sum(p.numel() for p in task(task_name).model().parameters())
 

@@ -13,21 +13,6 @@ SEED_TABLE = {
     "lamb": {"steps_to_target": "98k", "accuracy": "79.1%"},
     "root": {"steps_to_target": "82k", "accuracy": "80.5%"},
 }
-SEED_OVERHEAD = {"memory": "+17%", "step_time": "+25%"}
-
-MAIN = (
-    "adamw",
-    "adam",
-    "lamb",
-    "muon",
-    "root",
-    "momentum",
-    "sgd",
-    "adagrad",
-    "adafactor",
-    "shampoo",
-    "sgld",
-)
 
 
 def _pm(v: Any, fmt: str = "{:.4f}") -> str:

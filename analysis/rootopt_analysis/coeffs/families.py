@@ -35,8 +35,8 @@ import numpy as np
 from rootopt.coeffs import CANS, MUON, POLAR_EXPRESS, YOU, Schedule
 from rootopt.coeffs.adanewton import lookup
 from rootopt.coeffs.stability import apply_schedule
-from rootopt.tools import new_file
-from rootopt.tools.spectra import load_recorded, transport
+from rootopt_analysis.coeffs import new_file
+from rootopt_analysis.coeffs.spectra import load_recorded, transport
 
 SHAPES: dict[str, tuple[tuple[int, int], ...]] = {
     "square": ((300, 300), (200, 200)),
@@ -151,32 +151,6 @@ def bench(
                     }
                 )
     return {"steps": steps, "seed": seed, "dtype": dtype, "rows": rows, "worst_peak": worst_peak}
-
-
-def lowest_k(
-    shape: tuple[int, int], family: str, *, seed: int = 2024, k_max: int = 10
-) -> list[dict[str, Any]]:
-    """Ratio to the best baseline (at the same K) for K = 5..k_max on one shape/family."""
-    rng = np.random.default_rng(seed)
-    sigs = draw_family(family, *shape, rng)
-    out = []
-    for k in range(5, k_max + 1):
-        base = {s.name: s.schedule(k) for s in (MUON, YOU, POLAR_EXPRESS, CANS)}
-        errs = {
-            name: float(np.mean([rel_error(s, x) for _, x in sigs])) for name, s in base.items()
-        }
-        ada = float(np.mean([rel_error(lookup(*shape, k).schedule, x) for _, x in sigs]))
-        best = min(errs, key=lambda k2: errs[k2])
-        out.append(
-            {
-                "K": k,
-                "adanewton": ada,
-                "best": best,
-                "best_error": errs[best],
-                "ratio": ada / errs[best],
-            }
-        )
-    return out
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -226,7 +226,9 @@ def load_recorded(path: str | None = None, *, split: str = "fit") -> RecordedSet
     if path is None:
         try:
             text = (
-                resources.files("rootopt.tools").joinpath("data", RECORDED_SPECTRA_FILE).read_text()
+                resources.files("rootopt_analysis.coeffs")
+                .joinpath("data", RECORDED_SPECTRA_FILE)
+                .read_text()
             )
         except (FileNotFoundError, OSError):
             return RecordedSet()

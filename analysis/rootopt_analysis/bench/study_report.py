@@ -597,7 +597,7 @@ V1_CANDIDATES = ("root-adanewton", "root-muon", "root-polar", "root-adanewton-st
 
 
 def _seed_pooled(per_cell: list[list[float]]) -> dict[str, Any] | None:
-    from rootopt.bench.stats import mean_ci
+    from rootopt_analysis.bench.stats import mean_ci
 
     if not per_cell or any(len(d) != len(per_cell[0]) for d in per_cell):
         return None
@@ -612,8 +612,8 @@ def v1_rereading(v1: dict[str, Any]) -> dict[str, Any]:
     report runs' validation loss (v1 applied it to their test loss), pooled paired differences
     against ``torch.optim.Muon``, ROOT against its Muon mode at equal CPU time, and the
     between-arm differences of degradation that v1 did not print. Every number from ``v1``."""
-    from rootopt.bench.stats import paired_ci
-    from rootopt.bench.study import rule_with_stability
+    from rootopt_analysis.bench.stats import paired_ci
+    from rootopt_analysis.bench.study import rule_with_stability
 
     cells = v1["cells"]
     names = [n for n in V1_CANDIDATES if n in v1["arms"]]

@@ -10,7 +10,7 @@ schedules on data none of that saw:
    and shapes outside the fitting data: the ``kjv`` byte-level LM (another corpus),
    ``stdlib-large`` (the model of ``rootopt train``'s default config: d=128, 4 layers,
    GQA), the ``digits`` CNN (conv kernels flattened to ``(out, in·9)``) and the ``bbc`` MLP
-   (a 128×2000 input layer). Models and data come from :mod:`rootopt.bench.tasks`; the
+   (a 128×2000 input layer). Models and data come from :mod:`rootopt.tasks`; the
    optimizer is the registry's ``root`` (ROOT at its defaults with ``ns_coefficients="adanewton"``) with the bench runner's lr
    protocol. At the capture steps, every matrix that enters Newton–Schulz is captured as
    the optimizer passes it — the clipped Nesterov momentum ``B``, full matrices, together
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from rootopt.tools import new_file
+from rootopt_analysis.coeffs import new_file
 
 if TYPE_CHECKING:
     from rootopt.optim.functional import OrthoMethod
@@ -107,7 +107,7 @@ class HeldoutError(ValueError):
 
 def default_out() -> Path:
     """Where recordings go unless ``--out`` says otherwise: the user cache, not the repo."""
-    from rootopt.tools.fitcache import cache_dir
+    from rootopt_analysis.coeffs.fitcache import cache_dir
 
     return cache_dir() / "heldout"
 
@@ -115,7 +115,7 @@ def default_out() -> Path:
 def task_of(name: str) -> tuple[Any, str]:
     """``(Task, data key)`` for a held-out task name. ``stdlib-large`` is the bench's stdlib
     task with the model and sequence length of ``rootopt train``'s default config."""
-    from rootopt.bench.tasks import TASKS
+    from rootopt.tasks import TASKS
 
     if name == "stdlib-large":
         from rootopt.config import DataConfig, ModelConfig
@@ -279,8 +279,8 @@ def record_task(name: str, *, seed: int, capture: Sequence[int]) -> dict[str, An
     """One held-out run of task ``name``: ROOT (registry defaults, AdaNewton's schedules), the bench runner's lr
     protocol (registry lr, 10 % warmup, cosine to 0.1× over the run), ``max(capture)``
     steps, seed ``seed`` for the initialisation and the batches."""
-    from rootopt.bench.tasks import load_task_data
     from rootopt.optim.registry import REGISTRY, make_optimizer
+    from rootopt.tasks import load_task_data
     from rootopt.train.model import loss_fn
     from rootopt.train.schedule import LRMultiplier
 
@@ -674,7 +674,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
 
 
 def _git_version() -> str:
-    from rootopt.tools.build import _git_version as version
+    from rootopt_analysis.coeffs.build import _git_version as version
 
     return version()
 

@@ -21,9 +21,9 @@ Designs (``DESIGNS``):
 * ``fsdp`` — FSDP2-sharded parameters: FSDP2's own reduce-scatter / all-gathers, and two
   all-to-alls per round that move each matrix's shards to its owner and the update back.
 
-Byte formulas are those of :func:`rootopt.tools.counters.collective_bytes` (ring algorithms
+Byte formulas are those of :func:`rootopt_analysis.counters.collective_bytes` (ring algorithms
 on NCCL; gloo's own algorithms on gloo), so a measured run with a
-:class:`~rootopt.tools.counters.CollectiveCounter` checks the model exactly. The owner
+:class:`~rootopt_analysis.counters.CollectiveCounter` checks the model exactly. The owner
 layout and the sharded rounds are :mod:`rootopt.distributed.layout`'s, the functions the
 optimizer itself calls. Everything here is pure Python on shapes: no tensors are
 allocated. Analysis, not runtime: ``import rootopt`` and ``rootopt train`` never load it
@@ -43,7 +43,7 @@ from numpy.typing import NDArray
 from rootopt.distributed.layout import LayoutItem, owner_layout, owner_rounds
 from rootopt.distributed.owners import ns_cost
 from rootopt.optim.functional import matrix_view
-from rootopt.tools.counters import collective_bytes_ranks
+from rootopt_analysis.counters import collective_bytes_ranks
 
 Design = Literal["replicated", "owner", "fsdp"]
 DESIGNS: tuple[Design, ...] = ("replicated", "owner", "fsdp")
@@ -201,7 +201,7 @@ class Estimate:
     Bytes come in two kinds: ``sync_*`` is gradient (and, for ``owner``, parameter)
     synchronisation that replaces what DDP/FSDP2 AdamW moves; ``opt_*`` is moved by the
     optimizer step on top of it. ``step_*`` is what the step issues itself from Python
-    (what :class:`~rootopt.tools.counters.CollectiveCounter` counts: ``opt_*`` plus the
+    (what :class:`~rootopt_analysis.counters.CollectiveCounter` counts: ``opt_*`` plus the
     ``owner`` reduce-scatter/all-gather). ``exposed`` is what is not hidden behind
     backward (inter-node link) and ``node`` what runs on the intra-node link.
     """

@@ -254,8 +254,8 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     import torch
 
     from rootopt._atomic import atomic_write
-    from rootopt.bench.tasks import load_task_data, task
     from rootopt.optim import NonFiniteGradientError
+    from rootopt.tasks import load_task_data, task
     from rootopt.train.model import loss_fn
     from rootopt.train.schedule import LRMultiplier
 

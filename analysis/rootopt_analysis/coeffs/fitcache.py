@@ -1,7 +1,7 @@
 """Opt-in fitting with a user cache and a file lock (``ROOT(..., ns_fit=True)``,
 ``rootopt coeffs fit --cache``).
 
-A shape the shipped table lacks is read from the cache, or fitted (:mod:`rootopt.tools.fit`,
+A shape the shipped table lacks is read from the cache, or fitted (:mod:`rootopt_analysis.coeffs.fit`,
 seconds per shape) and written atomically to the cache. The fit runs under an exclusive
 ``fcntl`` lock on ``<entry>.lock``: concurrent processes (the ranks of one job, two jobs on
 one machine) wait for the first one and then read its entry, so a shape is fitted once.
@@ -34,7 +34,7 @@ from rootopt.coeffs.adanewton import (
 )
 from rootopt.coeffs.presets import Schedule
 from rootopt.coeffs.stability import DEFAULT_DELTA, certify
-from rootopt.tools.fit import FITTER_VERSION, FitConfig, fit_coefficients
+from rootopt_analysis.coeffs.fit import FITTER_VERSION, FitConfig, fit_coefficients
 
 log = logging.getLogger("rootopt.coeffs")
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from rootopt._threads import one_thread
-from rootopt.bench.tasks import LM_SEQ
 from rootopt.config import ModelConfig
 from rootopt.optim.registry import REGISTRY, make_optimizer
+from rootopt.tasks import LM_SEQ
 from rootopt.train.model import LlamaLM, loss_fn
 
 MODELS = {
@@ -47,7 +47,8 @@ def time_optimizer(name: str, cfg: ModelConfig, *, steps: int, warmup: int) -> d
         name, model, lr=spec.lr, weight_decay=0.1 if spec.decoupled_weight_decay else 0.0
     )
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.vocab_size, (16, LM_SEQ + 1), generator=gen)
+    # the model's own vocabulary (cfg.vocab_size 0 means the tokenizer's: byte tokens here)
+    x = torch.randint(0, model.embed.num_embeddings, (16, LM_SEQ + 1), generator=gen)
     total, opt_only = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()

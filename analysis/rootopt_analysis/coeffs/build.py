@@ -1,8 +1,8 @@
-"""Build the shipped AdaNewton table: ``python -m rootopt.tools.build`` (or
+"""Build the shipped AdaNewton table: ``python -m rootopt_analysis.coeffs.build`` (or
 ``rootopt coeffs build-table``).
 
-Fits every shape of :func:`rootopt.tools.shapes.table_shapes` (float64, CPU, seeded;
-see :mod:`rootopt.tools.fit`) and writes ``data/adanewton_table.json`` with the
+Fits every shape of :func:`rootopt_analysis.coeffs.shapes.table_shapes` (float64, CPU, seeded;
+see :mod:`rootopt_analysis.coeffs.fit`) and writes ``data/adanewton_table.json`` with the
 provenance of the whole build (objective, spectra mix, δ, K, dtype, seed, fitter and
 package version, the recorded-spectra file's provenance) and, per entry, the models
 using the shape, the fit objective, the per-family training error and the peak of the
@@ -22,12 +22,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import rootopt.coeffs
 from rootopt.coeffs.adanewton import TABLE_FILE, TABLE_FORMAT
-from rootopt.tools.fit import FITTER_VERSION, OBJECTIVE, FitConfig, fit_coefficients
-from rootopt.tools.shapes import table_shapes
-from rootopt.tools.spectra import load_recorded
+from rootopt_analysis.coeffs.fit import FITTER_VERSION, OBJECTIVE, FitConfig, fit_coefficients
+from rootopt_analysis.coeffs.shapes import table_shapes
+from rootopt_analysis.coeffs.spectra import load_recorded
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "coeffs" / "data" / TABLE_FILE
+# The table shipped inside the rootopt package (the runtime reads it); never written here
+# unless named with --out, and refused then too (_is_shipped).
+DEFAULT_OUT = Path(rootopt.coeffs.__file__).resolve().parent / "data" / TABLE_FILE
 
 # The budget of the shipped table (a run-time fit uses a smaller one).
 TABLE_FIT: dict[str, Any] = {"per_family": 10, "max_dim": 256, "max_iter": 100}
@@ -95,7 +98,7 @@ def build_table(
         "fit_config": cfg.to_json(),
         "spectra": {
             "mix": dict(cfg.mix),
-            "families": "see rootopt.tools.spectra (gaussian, lowrank, heavytail, momentum)",
+            "families": "see rootopt_analysis.coeffs.spectra (gaussian, lowrank, heavytail, momentum)",
             "recorded": rec.source,
             "recorded_count": len(rec.spectra),
         },
@@ -240,7 +243,7 @@ def _steps(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rootopt.tools.fit import UNIT_ROUNDOFF
+    from rootopt_analysis.coeffs.fit import UNIT_ROUNDOFF
 
     ap = argparse.ArgumentParser(prog="rootopt coeffs build-table", description=__doc__)
     ap.add_argument("--steps", type=_steps, default=5)

@@ -125,7 +125,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from rootopt.tools import costmodel as P
+    from rootopt_analysis import costmodel as P
 
     ap = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

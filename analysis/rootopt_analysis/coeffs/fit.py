@@ -2,12 +2,12 @@
 
 Offline tool (float64, CPU, deterministic given a seed and the library versions); the
 runtime never imports it. ``rootopt coeffs fit|build-table`` run it, and the opt-in
-``ROOT(..., ns_fit=True)`` reaches it through :mod:`rootopt.tools.fitcache` while the
+``ROOT(..., ns_fit=True)`` reaches it through :mod:`rootopt_analysis.coeffs.fitcache` while the
 optimizer is built, for a shape that neither the shipped table nor the user cache holds.
 
 Objective. For a shape ``(m, n)`` and ``K`` iterations, minimise the expected relative
 Frobenius error ``E ||X_K − U Vᵀ||_F / ||U Vᵀ||_F`` over a spectrum mix
-(:mod:`rootopt.tools.spectra`). After Frobenius normalisation the error depends only on
+(:mod:`rootopt_analysis.coeffs.spectra`). After Frobenius normalisation the error depends only on
 the singular values, ``err(σ)² = mean_i (p_K(σ_i) − 1)²`` with ``p_K`` the K-fold
 composition of ``p_k(x) = a_k x + b_k x³ + c_k x⁵``, so the objective is evaluated on
 sampled singular-value vectors; the families are averaged with the mix weights.
@@ -49,7 +49,7 @@ import torch
 
 from rootopt.coeffs.presets import CANS, MUON, POLAR_EXPRESS, YOU, Schedule
 from rootopt.coeffs.stability import DEFAULT_DELTA, apply_schedule, certify
-from rootopt.tools.spectra import (
+from rootopt_analysis.coeffs.spectra import (
     DEFAULT_MIX,
     RecordedSet,
     SpectrumSample,

@@ -29,8 +29,8 @@ class UserError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from rootopt.bench.tasks import TASKS
     from rootopt.optim.registry import help_text
+    from rootopt.tasks import TASKS
 
     p = argparse.ArgumentParser(
         prog="rootopt bench",
@@ -127,12 +127,12 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from rootopt.bench.tasks import TASKS
     from rootopt.optim.registry import REGISTRY
+    from rootopt.tasks import TASKS
 
     if args.suite == "study":
         return _study(args, argv)
-    from rootopt.bench.suites import DEFAULT_TASKS
+    from rootopt_analysis.bench.suites import DEFAULT_TASKS
 
     tasks = _pick(args.tasks, list(TASKS), "task") if args.tasks else list(DEFAULT_TASKS)
     opts = _pick(args.optimizers, list(REGISTRY), "optimizer")
@@ -147,8 +147,8 @@ def run(argv: list[str]) -> int:
         _claim_out(out)
 
     from rootopt._atomic import atomic_write
-    from rootopt.bench import report, suites
-    from rootopt.bench.overhead import overhead
+    from rootopt_analysis.bench import report, suites
+    from rootopt_analysis.bench.overhead import overhead
 
     cfg = suites.BenchConfig(
         out=out,
@@ -196,30 +196,37 @@ def run(argv: list[str]) -> int:
 
 
 def _git_commit() -> dict[str, Any]:
-    """The commit of the rootopt source tree being run, and whether it has local changes."""
+    """The commit of the source tree being run, and whether the code that runs (the rootopt
+    package and this one, both in that tree) has local changes."""
     import subprocess
 
-    src = Path(__file__).resolve().parents[1]
+    import rootopt
+
+    here = Path(__file__).resolve().parents[1]
+    runtime = Path(rootopt.__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10
+        )
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "."],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        head = git("rev-parse", "HEAD")
+        top = git("rev-parse", "--show-toplevel")
+        if head.returncode != 0 or top.returncode != 0:
+            return {"commit": None, "dirty": None}
+        paths = [str(here)]
+        if runtime.is_relative_to(Path(top.stdout.strip()).resolve()):
+            paths.append(str(runtime))  # the rootopt of the same tree (not an installed copy)
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", *paths)
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    if head.returncode != 0:
         return {"commit": None, "dirty": None}
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
 def _study(args: argparse.Namespace, argv: list[str]) -> int:
     from rootopt._atomic import atomic_write
-    from rootopt.bench import study, study_report
+    from rootopt_analysis.bench import study, study_report
 
     if args.tasks or args.optimizers or args.seeds:
         raise UserError(

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rootopt.bench.runner import Corruption, RunSpec, run_many
-from rootopt.bench.tasks import TASKS
 from rootopt.optim.registry import REGISTRY
+from rootopt.tasks import TASKS
+from rootopt_analysis.bench.runner import Corruption, RunSpec, run_many
 
 WEIGHT_DECAY = 0.1
 # lr grid: multiples of each optimizer's registry lr, half a decade apart (same budget for all).

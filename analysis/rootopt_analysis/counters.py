@@ -5,7 +5,7 @@
 duration of a ``with`` block and records, for every call made from Python on this rank,
 the operation and the bytes this rank sends and receives. The bytes follow
 :func:`collective_bytes`, which states the algorithm each backend uses for the operation;
-the cost model (:mod:`rootopt.tools.costmodel`) predicts with the same formulas, and on gloo
+the cost model (:mod:`rootopt_analysis.costmodel`) predicts with the same formulas, and on gloo
 they are checked against the bytes the process actually writes to its sockets
 (:func:`bytes_written`, ``/proc/self/io``; docs/distributed.md, "Cost model"). Analysis
 for tests and benchmarks: the runtime never imports it (the optimizer counts its own
