@@ -84,10 +84,12 @@ def run_all(plot: str) -> dict[str, Any]:
             if done.returncode != 0:
                 raise SystemExit(f"adanewton_results: {name} failed:\n{done.stderr[-3000:]}")
             shown = {OUT: f"{name}.json", PLOT: "docs/img/adanewton_bench.png", RECORDINGS: "DIR"}
+            # the tools record their argv: name the scratch directory as the command shows it
+            text = raw.read_text().replace(subs[RECORDINGS], "DIR").replace(str(raw), shown[OUT])
             runs[name] = {
                 "command": " ".join(["rootopt", *(shown.get(a, a) for a in argv)]),
                 "wall_s": round(wall, 1),
-                "result": json.loads(raw.read_text()),
+                "result": json.loads(text.replace(tmp, "TMP")),
             }
             print(f"{name}: {wall:.0f} s", flush=True)
     return runs
