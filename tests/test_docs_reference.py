@@ -236,3 +236,25 @@ def test_no_page_names_a_path_of_this_machine() -> None:
         text = _text(path)
         for root in roots:
             assert f"{root}/" not in text, f"{path.name} names a path under {root}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize(
+    "page",
+    [*PAGES, *sorted((DOCS / "results").glob("*.md"))],
+    ids=lambda p: str(p.relative_to(REPO)),
+)
+def test_relative_links_resolve(page: Path) -> None:
+    for link in re.findall(r"\]\(([^)\s]+)\)", _text(page)):
+        if re.match(r"[a-z]+:", link):
+            continue  # http(s), mailto
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        assert target.exists(), f"{page.name}: {link}"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", _text(target), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{page.name}: {link}"
