@@ -437,8 +437,9 @@ def test_launch_sh_trains_from_another_directory(tmp_path: Path) -> None:
     assert sorted(p.name for p in elsewhere.iterdir()) == ["run"]
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
     assert steps and steps[-1] == 4
-    # the repository's default config, with the overrides, is what ran
-    expected = load_config(ROOT_DIR / "configs" / "default.yaml", over)
+    # the repository's default config, with the overrides, is what ran (the run records the
+    # vocabulary it resolved from the data's tokenizer: 256 byte tokens)
+    expected = load_config(ROOT_DIR / "configs" / "default.yaml", [*over, "model.vocab_size=256"])
     assert load_config(run / "config.yaml") == expected
 
 

@@ -20,8 +20,12 @@ from rootopt.optim.registry import REGISTRY, make_optimizer
 from rootopt.train.model import LlamaLM, loss_fn
 
 MODELS = {
-    "lm-d64": ModelConfig(kind="llama", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
-    "lm-d256": ModelConfig(kind="llama", d_model=256, n_layers=4, n_heads=8, n_kv_heads=4),
+    "lm-d64": ModelConfig(
+        kind="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2
+    ),
+    "lm-d256": ModelConfig(
+        kind="llama", vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4
+    ),
 }
 BIG_MODEL_OPTIMIZERS = ("adamw", "muon", "root", "root-svd")
 
