@@ -11,16 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rootopt.train.build import TrainingError
+    from rootopt.train.failures import Diverged
     from rootopt.train.loop import train
-    from rootopt.train.records import Diverged
-    from rootopt.train.state import Hooks, Summary, TrainState
+    from rootopt.train.state import Hooks, TrainState
+    from rootopt.train.summary import Summary
 
 _WHERE = {
     "TrainingError": "rootopt.train.build",
     "train": "rootopt.train.loop",
-    "Diverged": "rootopt.train.records",
+    "Diverged": "rootopt.train.failures",
     "Hooks": "rootopt.train.state",
-    "Summary": "rootopt.train.state",
+    "Summary": "rootopt.train.summary",
     "TrainState": "rootopt.train.state",
 }
 

@@ -3,12 +3,14 @@
 ``setup`` builds a :class:`~rootopt.train.state.Run`: rank 0 first checks everything the run
 depends on and only then writes (:mod:`rootopt.train.plan`), every rank builds its
 components, and each phase's failures are agreed across ranks (:mod:`rootopt.train.agree`).
-``train`` then resumes, checks every shard, and runs ``train_step`` → ``account`` →
-divergence policy → log → evaluate → checkpoint until ``run.max_steps``, a signal or
-``run.max_time``. A restarted run resumes from the newest valid checkpoint and continues
-bit-identically (model, optimizer, scaler, schedule, clipper, RNG, data position, the open
-logging window, and an evaluation the previous session did not finish). A fatal error after
-step 1 writes an emergency checkpoint when the state is consistent, then stops with one line.
+``train`` then resumes, checks every shard, and runs ``train_step`` and the policies
+(:mod:`rootopt.train.policies`: stop, health, log, evaluate, checkpoint, faults) until
+``run.max_steps``, a signal or ``run.max_time``. A restarted run resumes from the newest
+valid checkpoint and continues bit-identically (model, optimizer, scaler, schedule, clipper,
+RNG, data position, the health counters, the open logging window, and an evaluation the
+previous session did not finish). A known failure after step 1 writes an emergency
+checkpoint when the state is consistent, then stops with one line
+(:mod:`rootopt.train.failures`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import contextlib
 import json
 import os
 import platform
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,49 +27,33 @@ from typing import Any
 import torch
 
 import rootopt
-from rootopt import checkpoint
 from rootopt._atomic import atomic_write
 from rootopt.config import Config, ConfigError, config_warnings, dump_yaml
-from rootopt.data import CorpusError, ShardError, load_manifest
-from rootopt.distributed import CollectiveError, CollectiveTimeoutError
-from rootopt.monitor import Monitor, plot_loss, read_jsonl
+from rootopt.data import load_manifest
+from rootopt.monitor import Monitor, plot_loss
 from rootopt.train import ckpts
 from rootopt.train import plan as planning
 from rootopt.train.agree import JobError, agreed, broadcast, gather
 from rootopt.train.build import (
     Precision,
     ProcessInfo,
-    TrainingError,
     build_optimizer,
     parallelize,
     process_info,
     resolve_device,
 )
 from rootopt.train.data import batches, check_data
+from rootopt.train.failures import Diverged, diverged, one_line
 from rootopt.train.mfu import device_peak, flops_per_token
 from rootopt.train.model import build_model, with_vocab
-from rootopt.train.records import (
-    Clock,
-    Diverged,
-    account,
-    build_record,
-    close_window,
-    divergence,
-    healthy,
-)
-from rootopt.train.resume import (
-    StopFlag,
-    interruptible,
-    last_good,
-    last_good_after_divergence,
-    params_finite,
-    resume,
-    save_checkpoint,
-)
+from rootopt.train.policies import Evaluate, Log, Policies
+from rootopt.train.records import account, divergence
+from rootopt.train.resume import interruptible, resume
 from rootopt.train.rundir import Locks, default_run_dir, identity_key, other_runs_note
 from rootopt.train.schedule import GradClipper, LRMultiplier
-from rootopt.train.state import Hooks, Run, Summary, TrainState
+from rootopt.train.state import Hooks, Run, TrainState
 from rootopt.train.step import evaluate, train_step
+from rootopt.train.summary import Summary, already_complete, write_summary
 
 __all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "setup", "train"]
 
@@ -412,7 +397,7 @@ def train(
         try:
             run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
         except planning.AlreadyComplete as exc:
-            return _complete(cfg, exc.done)
+            return already_complete(cfg, exc.done)
     try:
         summary = _train(run, hooks, say)
     except BaseException as exc:
@@ -421,8 +406,8 @@ def train(
         if run.info.is_main and not isinstance(exc, Diverged):
             with contextlib.suppress(Exception):
                 interrupted = isinstance(exc, KeyboardInterrupt)
-                _write_summary(
-                    run, "interrupted" if interrupted else "failed", -1, detail=_line(exc)
+                write_summary(
+                    run, "interrupted" if interrupted else "failed", -1, detail=one_line(exc)
                 )
         with contextlib.suppress(Exception):
             run.monitor.close()
@@ -435,34 +420,23 @@ def train(
     return summary
 
 
-def _complete(cfg: Config, done: planning.Complete) -> Summary:
-    """The summary of a run found complete in a directory this process cannot write."""
-    nan = float("nan")
-    return Summary(
-        status="completed",
-        steps=done.step,
-        session_steps=0,
-        wall_s=0.0,
-        steps_per_s=0.0,
-        tokens_per_s=0.0,
-        initial_loss=nan,
-        final_loss=nan,
-        val_loss=nan,
-        nonfinite_steps=0,
-        checkpoint=done.checkpoint,
-        run_dir=done.run_dir,
-        resumed_from=done.checkpoint,
-        max_steps=cfg.run.max_steps,
-        detail=f"nothing was written: {done.why}",
-    )
-
-
-def _line(exc: BaseException) -> str:
-    return " ".join(str(exc).split("\n")).strip()[:500] or type(exc).__name__
-
-
 def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
-    cfg = run.cfg
+    evaluation = Evaluate(run, evaluate)  # looked up here: a caller may wrap loop.evaluate
+    _start(run, evaluation, say)
+    policies = Policies.start(run, hooks, evaluation)  # the clock, signal handlers, bar
+    run.model.train()
+    global TRAINING
+    TRAINING = True
+    try:
+        status = _loop(run, policies)
+        return _finish(run, policies, status)
+    finally:
+        policies.close()
+
+
+def _start(run: Run, evaluation: Evaluate, say: Callable[[str], None]) -> None:
+    """Before the session's first step: what runs, the log continued where the checkpoint
+    left it, and an evaluation the previous session did not finish."""
     if run.info.is_main:
         if run.routing:
             say(run.routing)
@@ -470,390 +444,54 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
     if run.resumed_from:
         run.monitor.event("resume", step=run.state.step, path=run.resumed_from)
     run.monitor.supersede_after(run.state.step)
-    _flush_open_window(run)
+    Log.recover(run)
     if run.info.is_main:
-        _write_summary(run, "running", 0)
-    _redo_evaluation(run)
+        write_summary(run, "running", 0)
+    evaluation.redo(run)
     run.monitor.event("start", step=run.state.step, precision=run.precision.name)
-    clock = Clock(run.state)
-    stop = StopFlag(cfg.checkpoint.on_signal)
-    bar = _progress_bar(run)
-    run.model.train()
-    global TRAINING
-    TRAINING = True
-    try:
-        status = _loop(run, hooks, clock, stop, bar)
-        return _finish(run, status, clock, stop)
-    finally:
-        stop.restore()
-        if bar is not None:
-            bar.close()
 
 
-def _redo_evaluation(run: Run) -> None:
-    """A resumed run evaluates first when the session it continues stopped at an
-    evaluation step without writing that step's validation record (e.g. the validation
-    data failed there and an emergency checkpoint was written)."""
-    st, r = run.state, run.cfg.run
-    due = bool(
-        run.resumed_from
-        and run.monitor.enabled
-        and run.cfg.monitoring.jsonl
-        and r.eval_every
-        and 0 < st.step < r.max_steps
-        and st.step % r.eval_every == 0
-        and st.step not in run.monitor.val_steps
-    )
-    if broadcast(run.info, due, "evaluation due"):
-        val = evaluate(run)
-        if val:
-            run.monitor.log({"step": st.step, **val})
-
-
-def _loop(run: Run, hooks: Hooks, clock: Clock, stop: StopFlag, bar: Any) -> str:
-    cfg = run.cfg
+def _loop(run: Run, p: Policies) -> str:
+    """Steps until a stop rule says why not (the status)."""
     data = batches(run)
-    checkpoint_due = False
-    while run.state.step < cfg.run.max_steps:
-        # ---- stop conditions (checked between steps, so the state is consistent)
-        # max_time limits this session (a job's time slot); a rerun continues from the checkpoint.
-        # At least one step per session, so that every rerun makes progress (and the
-        # checkpoint the stop promises exists) even with a tiny run.max_time.
-        out_of_time = bool(
-            cfg.run.max_time and clock.steps and clock.since_session() >= cfg.run.max_time
-        )
-        if run.world_size == 1:
-            if stop.signal is not None:
-                return "interrupted"
-            if out_of_time:
-                return "max_time"
-        else:  # several ranks: vote in the next step's reduction, stop together after it
-            if run.stop_status:
-                return run.stop_status
-            run.vote = (float(stop.signal is not None), float(out_of_time))
-        st = run.state
-        log_now = (st.step + 1) % cfg.run.log_every == 0 or st.step + 1 == cfg.run.max_steps
-        at_start = (st.copy(), checkpoint.rng_state())
-        try:
-            # ---- one optimizer step
-            run.phase = "data"
-            out = train_step(run, data, hooks, log_now=log_now)
-            run.phase = "between"
-            if out.stop[0]:
-                run.stop_status, stop.signal = "interrupted", stop.signal or -1
-            elif out.stop[1]:
-                run.stop_status = "max_time"
-            account(st, out)
-            clock.steps += 1
-            if out.applied:
-                run.monitor.grad_norm(out.grad_norm)
-            else:
-                run.monitor.nonfinite_step()
-                run.monitor.event(
-                    "nonfinite_step",
-                    step=st.step,
-                    grad_norm=out.grad_norm,
-                    loss=out.loss,
-                    loss_scale=run.precision.scale,
-                )
+    while not (status := p.stop.before_step(run)):
+        with p.faults.guard(run):  # a known failure: emergency checkpoint, one line
+            out = train_step(run, data, p.hooks, log_now=p.log.due(run.state.step + 1))
+            account(run.state, out)  # the position and the health counters
             reason = divergence(run, out)
-            # ---- metrics
-            if log_now or reason:
-                record, labelled = build_record(run, out, clock)
-                run.monitor.log(record, labelled)
-                close_window(st, clock)
-                if bar is not None:
-                    loss = record["loss"]
-                    bar.set_postfix(
-                        loss=f"{loss:.3f}" if loss is not None else "nan",
-                        lr=f"{record['lr']:.1e}",
-                        refresh=False,
-                    )
+            p.log.after_step(run, out, diverging=bool(reason))
             if reason:
-                _diverged(run, reason)
-            hist = cfg.monitoring.histogram_every
-            if hist and st.step % hist == 0:
-                run.monitor.histograms(st.step, run.model)
-            # ---- evaluation
-            if (
-                cfg.run.eval_every
-                and st.step % cfg.run.eval_every == 0
-                and st.step < cfg.run.max_steps
-            ):
-                val = evaluate(run)
-                if val:
-                    run.monitor.log({"step": st.step, **val})
-            if bar is not None:
-                bar.update(1)
-            st.elapsed = clock.elapsed0 + clock.since_session()
-            # ---- checkpoint (deferred while a divergence streak is open: never a bad one)
-            checkpoint_due = checkpoint_due or st.step % cfg.checkpoint.every == 0
-            if checkpoint_due and st.step < cfg.run.max_steps and healthy(st):
-                if not params_finite(run):
-                    _diverged(run, "parameters became non-finite")
-                save_checkpoint(run, "periodic")
-                checkpoint_due = False
-        except (
-            ShardError,
-            CorpusError,
-            OSError,
-            torch.OutOfMemoryError,
-            MemoryError,
-            RuntimeError,
-        ) as exc:
-            if isinstance(exc, TrainingError):
-                raise
-            _fatal(run, exc, at_start)
-        if hooks.after_step is not None and hooks.after_step(run.state.step):
-            stop.signal = stop.signal or -1  # same path as SIGTERM: checkpoint, then stop
-    return "completed"
+                diverged(run, reason)
+            p.evaluate.after_step(run)
+            p.checkpoint.after_step(run)
+        p.stop.after_step(run, out)
+    return status
 
 
-def _flush_open_window(run: Run) -> None:
-    """Write the record a failed log write left behind (emergency checkpoint at a log step)."""
-    st, r = run.state, run.cfg.run
-    if st.window_steps and (st.step % r.log_every == 0 or st.step == r.max_steps):
-        run.monitor.log(
-            {
-                "step": st.step,
-                "loss": st.window_loss_sum / st.window_finite if st.window_finite else None,
-                "steps": st.window_steps,
-                "finite_steps": st.window_finite,
-                "nonfinite_steps": st.nonfinite_steps,
-                "tokens": st.tokens,
-                "recovered": True,
-            }
-        )
-        close_window(st, Clock(st))
-
-
-def _progress_bar(run: Run) -> Any:
-    if not (run.info.is_main and run.cfg.monitoring.progress_bar):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=run.cfg.run.max_steps,
-        initial=run.state.step,
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
-
-
-# --------------------------------------------------------------------------- failures
-
-
-def _diverged(run: Run, reason: str) -> None:
-    st = run.state
-    hint = "lower optimization.base_lr"
-    if run.precision.name == "fp16":
-        hint += " or check mixed_precision.loss_scale"
-    run.monitor.event(
-        "diverged",
-        step=st.step,
-        reason=reason,
-        precision=run.precision.name,
-        checkpoint=run.good_checkpoint,
-        trouble_since=st.trouble_since,
-    )
-    kept = last_good_after_divergence(run)
-    msg = (
-        f"diverged at step {st.step}: {reason}; {kept}; {hint} and rerun with "
-        f"--log_dir {run.run_dir} to resume from it"
-    )
-    _write_summary(run, "diverged", -1, detail=msg)
-    raise Diverged(msg)
-
-
-def _fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, Any]]) -> None:
-    """Write an emergency checkpoint when the state is consistent, then raise one line."""
-    st = run.state
-    step_no = st.step + 1 if run.phase != "between" else st.step
-    kind, detail = _describe(exc)
-    if kind == "runtime":
-        raise exc  # not a known failure: keep the traceback
-    run.monitor.event(kind, step=step_no, detail=detail[:300])
-    note = ""
-    if run.world_size > 1:  # the other ranks may not reach a collective save
-        note = f"no emergency checkpoint at world size > 1; {last_good(run)}"
-    elif run.phase == "update":
-        note = f"the step was mid-update, no emergency checkpoint; {last_good(run)}"
-    else:
-        if run.phase == "data":  # roll back to the start of the unfinished step
-            run.state = at_start[0]
-            checkpoint.set_rng_state(at_start[1])
-        run.phase = "between"
-        note = _emergency(run)
-    if kind == "oom":
-        b = run.cfg.data.batch_size
-        msg = (
-            f"out of memory at step {step_no} ({detail}; batch_size={b}); reduce "
-            "data.batch_size (use optimization.grad_accum_steps to keep the global batch) or set "
-            f"model.activation_checkpointing=true; {note}"
-        )
-    elif kind == "worker":
-        msg = (
-            f"{detail} (at step {step_no}); each of the data.num_workers="
-            f"{run.cfg.data.num_workers} workers holds decoded shards in memory: lower "
-            f"data.num_workers, or look for the out-of-memory killer in the system log; {note}"
-        )
-    else:
-        msg = f"{detail} (at step {step_no}); {note}"
-    if isinstance(exc, (ShardError, CorpusError)):
-        raise ShardError(msg) from None
-    raise TrainingError(msg) from None
-
-
-_WORKER = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
-_CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "not enough memory")
-
-
-def _first(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
-def _from_worker(text: str) -> str:
-    """The original error of a data-loader worker, without the traceback torch's message
-    carries (``Caught ShardError in DataLoader worker process 1. Original Traceback ...``)."""
-    m = _WORKER.match(text)
-    if not m or "Original Traceback" not in text:
-        return _first(text)
-    last = [line for line in text.strip().splitlines() if line.strip()][-1].strip()
-    last = re.sub(r"^[\w.]+: ", "", last, count=1)  # "rootopt.data.shards.ShardError: ..."
-    return f"{last} (in data-loader worker {m.group(2)})"
-
-
-def _describe(exc: BaseException) -> tuple[str, str]:
-    text = str(exc)
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(exc, RuntimeError) and any(s in text for s in _CPU_OOM)
-    ):
-        line = _first(text) or "out of memory"
-        line = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", line)
-        return "oom", line[:160]
-    if isinstance(exc, (ShardError, CorpusError)):
-        return "data_error", _from_worker(text)
-    if isinstance(exc, OSError):
-        where = f" ({exc.filename})" if exc.filename else ""
-        return "io_error", f"I/O error: {exc.strerror or exc}{where}"
-    # rootopt.distributed's errors name rank, operation and timeout; the kind is the exception's
-    # type (decided from the elapsed time there), never its text
-    if isinstance(exc, CollectiveTimeoutError):
-        return "timeout", _first(text)
-    if isinstance(exc, (CollectiveError, torch.distributed.DistError)):
-        return "collective", _first(text)
-    if isinstance(exc, RuntimeError) and text.startswith("DataLoader worker"):
-        return "worker", f"a data-loader worker died ({_first(text)})"
-    if _WORKER.match(text):
-        return "runtime", text
-    return "runtime", _first(text) or type(exc).__name__
-
-
-def _emergency(run: Run) -> str:
-    st = run.state
-    if run.last_checkpoint and _step_of(run.last_checkpoint) == st.step:
-        return f"checkpoint {run.last_checkpoint} holds step {st.step}; rerun to resume"
-    if st.step == 0:
-        return "no step was completed, nothing to save"
-    if not (healthy(st) and params_finite(run)):
-        return f"a divergence streak is open, no emergency checkpoint; {last_good(run)}"
-    try:
-        path = save_checkpoint(run, "emergency")
-    except (TrainingError, OSError, RuntimeError, MemoryError) as err:
-        return f"emergency checkpoint failed ({_first(str(err)).split(';')[0]}); {last_good(run)}"
-    return f"emergency checkpoint {path.name} written; rerun to resume"
-
-
-def _step_of(name: str) -> int:
-    """The step in a checkpoint name (``ckpt-00000040.pt``, ``dcp-00000040``)."""
-    m = re.match(r"^(?:ckpt|dcp)-(\d{8})", name)
-    return int(m.group(1)) if m else -1
-
-
-# --------------------------------------------------------------------------- the end
-
-
-def _finish(run: Run, status: str, clock: Clock, stop: StopFlag) -> Summary:
+def _finish(run: Run, p: Policies, status: str) -> Summary:
     """Final checkpoint, final evaluation, summary.
 
     The signal handlers stay installed: a SIGINT/SIGTERM during the final evaluation stops
     it (one process) after the final checkpoint exists, the summary says so, and the rerun
     runs the evaluation (it is due whenever the last step has no validation record)."""
-    st, cfg = run.state, run.cfg
-    session_steps = st.step - clock.step0
-    st.elapsed = clock.elapsed0 + clock.since_session()
+    session_steps = run.state.step - p.clock.step0
+    p.checkpoint.final(run, status)
     val: dict[str, float] = {}
     detail = ""
-    if st.step > 0 and _step_of(run.last_checkpoint) != st.step:
-        if not params_finite(run):
-            _diverged(run, "parameters became non-finite")
-        save_checkpoint(run, status if status != "completed" else "final")
-    if status == "completed" and _final_evaluation_due(run):
-        interrupt = (lambda: stop.signal is not None) if run.world_size == 1 else None
-        got = evaluate(run, interrupt=interrupt)
+    if status == "completed":
+        interrupt = (lambda: p.stop.signal is not None) if run.world_size == 1 else None
+        got = p.evaluate.final(run, interrupt)
         if got is None:
             status = "interrupted"
             detail = (
                 f"stopped by signal during the final evaluation, after the final checkpoint "
                 f"{run.last_checkpoint}; run the same command to evaluate"
             )
-        elif got:
+        else:
             val = got
-            run.monitor.log({"step": st.step, **val})
     if status == "interrupted" and not run.last_checkpoint:
         detail = "stopped by signal before the first step completed (nothing to save); run the same command to start"
-    if run.info.is_main and cfg.monitoring.plot:
+    if run.info.is_main and run.cfg.monitoring.plot:
         plot_loss(run.run_dir)
-    signum = stop.signal if status == "interrupted" else None
-    return _write_summary(run, status, session_steps, val, clock, signum, detail=detail)
-
-
-def _final_evaluation_due(run: Run) -> bool:
-    """The last step has no validation record yet (rank 0 knows; every rank evaluates)."""
-    mon = run.monitor
-    due = not (mon.enabled and run.cfg.monitoring.jsonl and run.state.step in mon.val_steps)
-    return bool(broadcast(run.info, due, "final evaluation due"))
-
-
-def _write_summary(
-    run: Run,
-    status: str,
-    session_steps: int,
-    val: dict[str, float] | None = None,
-    clock: Clock | None = None,
-    signum: int | None = None,
-    *,
-    detail: str = "",
-) -> Summary:
-    st = run.state
-    wall = clock.since_session() if clock is not None else 0.0
-    rows = read_jsonl(run.run_dir / "metrics.jsonl") if run.info.is_main else []
-    losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
-    vals = [r["val_loss"] for r in rows if isinstance(r.get("val_loss"), (int, float))]
-    summary = Summary(
-        status=status,
-        steps=st.step,
-        session_steps=session_steps,
-        wall_s=wall,
-        steps_per_s=session_steps / wall if wall and session_steps > 0 else 0.0,
-        tokens_per_s=(st.tokens - clock.tokens0) / wall if clock is not None and wall else 0.0,
-        initial_loss=losses[0] if losses else float("nan"),
-        final_loss=losses[-1] if losses else float("nan"),
-        val_loss=(val or {}).get("val_loss", vals[-1] if vals else float("nan")),
-        nonfinite_steps=st.nonfinite_steps,
-        checkpoint=run.last_checkpoint,
-        run_dir=str(run.run_dir),
-        resumed_from=run.resumed_from,
-        signal=signum if signum and signum > 0 else 0,
-        max_steps=run.cfg.run.max_steps,
-        detail=detail,
-        metrics_records=run.monitor.records if run.cfg.monitoring.jsonl else None,
-    )
-    if run.info.is_main:
-        from rootopt._atomic import atomic_write
-        from rootopt.monitor import strict
-
-        text = json.dumps(strict(summary.__dict__), indent=1, allow_nan=False) + "\n"
-        atomic_write(run.run_dir / "summary.json", text.encode())
-    return summary
+    signum = p.stop.signal if status == "interrupted" else None
+    return write_summary(run, status, session_steps, val, p.clock, signum, detail=detail)

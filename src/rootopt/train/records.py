@@ -1,100 +1,90 @@
-"""Metric records and the divergence policy.
+"""Metric records: the open logging window, the session's clock, and the record itself.
 
 A record's ``loss`` is the mean of the finite step losses over exactly the steps since the
 previous record (``steps`` of them); the window is part of :class:`TrainState`, so it is
-carried across a checkpoint and a resumed run writes the same records.
+carried across a checkpoint and a resumed run writes the same records. ``account`` and
+``divergence`` fold a finished step into the position and the health counters
+(:mod:`rootopt.train.health`) and apply the divergence rule.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rootopt.monitor import memory_bytes
-from rootopt.train.build import TrainingError
 from rootopt.train.mfu import mfu
-from rootopt.train.state import Run, TrainState
-from rootopt.train.step import StepResult
 
-
-class Diverged(TrainingError):
-    """The divergence policy stopped the run (exit status 1; the last good checkpoint is kept)."""
+if TYPE_CHECKING:
+    from rootopt.train.state import Run, TrainState
+    from rootopt.train.step import StepResult
 
 
 def account(st: TrainState, out: StepResult) -> None:
-    """Fold one finished step into the counters and the open logging window."""
+    """Fold one finished step into the position and the health counters."""
     st.step += 1
-    st.window_steps += 1
-    st.window_tokens += out.tokens
-    if out.applied:
-        st.window_finite += 1
-        st.window_loss_sum += out.loss
-        st.nonfinite_streak = 0
-        st.finite_run += 1
-    else:
-        st.nonfinite_steps += 1
-        st.nonfinite_streak += 1
-        st.finite_run = 0
-        if st.trouble_since < 0:
-            st.trouble_since = st.step
+    st.health.count(st.step, out)
 
 
 def divergence(run: Run, out: StepResult) -> str:
-    """Apply ``run.max_nonfinite`` / ``max_nonfinite_total`` and the loss-spike rule.
-
-    Returns the reason to stop ('' to go on). Called after :func:`account`.
-    """
-    r, st = run.cfg.run, run.state
-    if r.max_nonfinite and st.nonfinite_streak >= r.max_nonfinite:
-        return (
-            f"{st.nonfinite_streak} consecutive non-finite steps (limit run.max_nonfinite="
-            f"{r.max_nonfinite}; last grad norm {out.grad_norm:g}, loss {out.loss:g})"
-        )
-    if r.max_nonfinite_total and st.nonfinite_steps >= r.max_nonfinite_total:
-        return (
-            f"{st.nonfinite_steps} non-finite steps in total (limit run.max_nonfinite_total="
-            f"{r.max_nonfinite_total})"
-        )
-    if not out.applied:
-        return ""
-    # active once the median rests on a few steps (a resumed run carries its history)
-    if r.loss_spike_factor and len(st.recent_losses) >= min(r.loss_spike_window, 10):
-        median = statistics.median(st.recent_losses)
-        spiking = out.loss > r.loss_spike_factor * median
-        st.spike_streak = st.spike_streak + 1 if spiking else 0
-        if spiking:
-            st.finite_run = 0
-            if st.trouble_since < 0:
-                st.trouble_since = st.step
-        if st.spike_streak >= r.loss_spike_patience:
-            return (
-                f"loss {out.loss:.4g} above {r.loss_spike_factor:g}× the median {median:.4g} of the "
-                f"previous {r.loss_spike_window} steps for {st.spike_streak} steps "
-                "(run.loss_spike_factor / loss_spike_patience)"
-            )
-    st.recent_losses.append(out.loss)
-    del st.recent_losses[: -r.loss_spike_window]
-    if st.trouble_since >= 0 and st.finite_run >= r.loss_spike_window:
-        st.trouble_since = -1  # the episode is over: later checkpoints are good again
-    return ""
+    """Apply ``run.max_nonfinite`` / ``max_nonfinite_total`` and the loss-spike rule
+    (:meth:`rootopt.train.health.Health.verdict`); the reason to stop, '' to go on. Called
+    after :func:`account`."""
+    return run.state.health.verdict(run.cfg.run, run.state.step, out)
 
 
-def healthy(st: TrainState) -> bool:
-    """No divergence streak open: a checkpoint written now holds good weights."""
-    return st.nonfinite_streak == 0 and st.spike_streak == 0
+class Window:
+    """The open logging window: the steps since the previous record."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.finite = 0
+        self.loss_sum = 0.0
+        self.tokens = 0
+
+    def add(self, out: StepResult) -> None:
+        self.steps += 1
+        self.tokens += out.tokens
+        if out.applied:
+            self.finite += 1
+            self.loss_sum += out.loss
+
+    @property
+    def loss(self) -> float | None:
+        """The mean finite loss of the window (None: no finite step in it)."""
+        return self.loss_sum / self.finite if self.finite else None
+
+    def close(self) -> None:
+        self.steps = self.finite = self.tokens = 0
+        self.loss_sum = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "finite": self.finite,
+            "loss_sum": self.loss_sum,
+            "tokens": self.tokens,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.finite = int(state["steps"]), int(state["finite"])
+        self.loss_sum, self.tokens = float(state["loss_sum"]), int(state["tokens"])
 
 
 class Clock:
-    """Wall time of this session and of the open logging window."""
+    """Wall time of this session, and where it started (step, tokens, training seconds)."""
 
     def __init__(self, st: TrainState) -> None:
-        self.session = self.window = time.perf_counter()
-        self.steps = 0  # steps of this session in the open window
+        self.start = time.perf_counter()
         self.elapsed0, self.tokens0, self.step0 = st.elapsed, st.tokens, st.step
 
     def since_session(self) -> float:
-        return time.perf_counter() - self.session
+        return time.perf_counter() - self.start
+
+    def elapsed(self) -> float:
+        """Training seconds over all sessions."""
+        return self.elapsed0 + self.since_session()
 
 
 def group_label(i: int, group: dict[str, Any]) -> str:
@@ -102,34 +92,35 @@ def group_label(i: int, group: dict[str, Any]) -> str:
 
 
 def build_record(
-    run: Run, out: StepResult, clock: Clock
+    run: Run, out: StepResult, seconds: float, steps_here: int
 ) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
-    """The record for the step just finished (the open window), and the per-tensor series."""
-    st = run.state
-    now = time.perf_counter()
-    dt = max(now - clock.window, 1e-9)
-    steps_here = max(clock.steps, 1)
+    """The record for the step just finished (the open window), and the per-tensor series.
+
+    ``seconds``: wall time of the window in this session, over ``steps_here`` of its steps
+    (fewer than the window's when it began in the session before a resume)."""
+    st, w = run.state, run.state.window
+    dt = max(seconds, 1e-9)
     memory = memory_bytes()
-    tokens_per_s = st.window_tokens / dt if clock.steps == st.window_steps else None
+    tokens_per_s = w.tokens / dt if steps_here == w.steps else None
     record: dict[str, Any] = {
         "step": st.step,
-        "loss": st.window_loss_sum / st.window_finite if st.window_finite else None,
-        "steps": st.window_steps,  # steps averaged into this record
-        "finite_steps": st.window_finite,
+        "loss": w.loss,
+        "steps": w.steps,  # steps averaged into this record
+        "finite_steps": w.finite,
         "lr": out.lrs[0],
         "lr_groups": {
             group_label(i, g): lr
             for i, (g, lr) in enumerate(zip(run.optimizer.param_groups, out.lrs))
         },
         "grad_norm": out.grad_norm,
-        "steps_per_s": clock.steps / dt,
+        "steps_per_s": steps_here / dt,
         "tokens_per_s": tokens_per_s,
         "mfu": mfu(run.flops_per_token, tokens_per_s, run.world_size, run.peak)
         if run.peak is not None
         else None,
-        "step_time_s": dt / steps_here,
+        "step_time_s": dt / max(steps_here, 1),
         "loss_scale": run.precision.scale,
-        "nonfinite_steps": st.nonfinite_steps,
+        "nonfinite_steps": st.health.nonfinite_steps,
         "tokens": st.tokens,
         **out.stats,
         "memory_rss_bytes": memory["rss"],
@@ -154,10 +145,3 @@ def build_record(
             float(v["ortho_residual"]) for v in tel.values()
         )
     return record, labelled
-
-
-def close_window(st: TrainState, clock: Clock) -> None:
-    """Start a new logging window (after its record was written)."""
-    st.window_steps = st.window_finite = st.window_tokens = 0
-    st.window_loss_sum = 0.0
-    clock.window, clock.steps = time.perf_counter(), 0

@@ -92,7 +92,7 @@ def save_checkpoint(run: Run, reason: str) -> Path:
     this run's checkpoints of both formats down to ``checkpoint.keep_last``.
     """
     name = f"ckpt-{run.state.step:08d}.pt"
-    in_episode = run.state.trouble_since >= 0
+    in_episode = run.state.health.in_episode
     started = time.perf_counter()
     try:
         if run.world_size > 1:
@@ -229,6 +229,8 @@ def resume(
     run.precision.load_state_dict(state["scaler"])
     run.clipper.load_state_dict(state["clipper"])
     checkpoint.set_rng_state(state["rng"])
+    # where the run is: the position and the state of the policies that carry over (health,
+    # the open logging window); a checkpoint of the flat counters of before loads too
     run.state = TrainState.from_dict(state["state"])
     run.resumed_from = run.last_checkpoint = path.name
     run.good_checkpoint, run.suspect = ckpts.good_and_suspect(run.ckpt_dir, run.run_id, path)

@@ -1,5 +1,5 @@
-"""What a run is made of: the components (:class:`Run`), the counters that say where it is
-(:class:`TrainState`), extension points (:class:`Hooks`) and the result (:class:`Summary`)."""
+"""What a run is made of: the components (:class:`Run`), where it is (:class:`TrainState`)
+and extension points (:class:`Hooks`)."""
 
 from __future__ import annotations
 
@@ -14,47 +14,59 @@ from torch import nn
 from rootopt.config import Config
 from rootopt.monitor import Monitor
 from rootopt.train.build import Precision, ProcessInfo
+from rootopt.train.health import Health
+from rootopt.train.records import Window
 from rootopt.train.schedule import GradClipper
 
 
 @dataclass
 class TrainState:
-    """Counters that, with the components' state dicts, define where a run is.
+    """Where a run is: its position, and the state of the two policies a resumed run must
+    continue: its health (:class:`~rootopt.train.health.Health`, the divergence policy) and
+    the open logging window (:class:`~rootopt.train.records.Window`).
 
-    Everything here is saved in every checkpoint, including the open logging window (the
-    steps since the last metric record), so a resumed run writes the same records as an
-    uninterrupted one.
+    With the components' state dicts it is saved in every checkpoint (:meth:`to_dict`: the
+    position, then each part under its name), so a resumed run continues an open streak and
+    writes the same records as an uninterrupted one.
     """
 
     step: int = 0  # optimizer steps attempted (applied + skipped)
     batches: int = 0  # micro-batches consumed by this rank: the data position
     tokens: int = 0  # tokens (or samples) consumed by this rank
-    nonfinite_steps: int = 0
     elapsed: float = 0.0  # training seconds over all sessions
-    # divergence policy (docs/training.md, "Divergence")
-    nonfinite_streak: int = 0
-    spike_streak: int = 0
-    recent_losses: list[float] = field(default_factory=list)
-    # an open "trouble episode": from the first non-finite or spiking step until
-    # run.loss_spike_window finite steps in a row; checkpoints written inside one are
-    # suspect (never replace the last good one, moved aside if the run diverges)
-    trouble_since: int = -1
-    finite_run: int = 0
-    # the open logging window: steps since the previous record
-    window_steps: int = 0
-    window_finite: int = 0
-    window_loss_sum: float = 0.0
-    window_tokens: int = 0
+    health: Health = field(default_factory=Health)
+    window: Window = field(default_factory=Window)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["recent_losses"] = list(self.recent_losses)
-        return d
+        return {
+            "step": self.step,
+            "batches": self.batches,
+            "tokens": self.tokens,
+            "elapsed": self.elapsed,
+            "health": self.health.state_dict(),
+            "window": self.window.state_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainState:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        """A state from :meth:`to_dict`, or the flat dict a checkpoint held before the
+        policies kept their own state (every counter under its own name)."""
+        st = cls(
+            step=int(data["step"]),
+            batches=int(data.get("batches", 0)),
+            tokens=int(data.get("tokens", 0)),
+            elapsed=float(data.get("elapsed", 0.0)),
+        )
+        if "health" in data:
+            st.health.load_state_dict(data["health"])
+            st.window.load_state_dict(data["window"])
+        else:  # flat: the health counters by name, the window as window_*
+            st.health.load_state_dict(data)
+            if "window_steps" in data:
+                st.window.load_state_dict(
+                    {k: data[f"window_{k}"] for k in ("steps", "finite", "loss_sum", "tokens")}
+                )
+        return st
 
     def copy(self) -> TrainState:
         return TrainState.from_dict(self.to_dict())
@@ -92,7 +104,6 @@ class Run:
     last_checkpoint: str = ""  # newest checkpoint of this run written (or resumed from)
     good_checkpoint: str = ""  # newest one written outside a trouble episode
     suspect: list[str] = field(default_factory=list)  # written inside the open episode
-    release: Callable[[], None] = lambda: None  # drops the checkpoint-directory lock
     params: list[torch.Tensor] = field(default_factory=list)  # trainable parameters
     telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
     controller: Any = None  # rootopt.rl.controller.Controller (optimization.controller)
@@ -104,9 +115,8 @@ class Run:
     # global-batch mean even when the world size does not divide the batch
     loss_weight: float = 1.0
     # at world size > 1 a stop (signal, run.max_time) is voted on in each step's loss
-    # reduction, so every rank stops after the same step; "" = keep going
+    # reduction, so every rank stops after the same step (rootopt.train.policies.Stop)
     vote: tuple[float, float] = (0.0, 0.0)
-    stop_status: str = ""
     # the mfu metric (rootopt.train.mfu): the model's training FLOPs per token and one
     # device's peak (rank 0 measures or looks it up; None elsewhere)
     flops_per_token: float = 0.0
@@ -115,26 +125,3 @@ class Run:
     @property
     def world_size(self) -> int:
         return self.info.world_size
-
-
-@dataclass
-class Summary:
-    status: str  # running | completed | interrupted | max_time | diverged | failed
-    steps: int  # total optimizer steps of the run
-    session_steps: int  # steps this process ran
-    wall_s: float
-    steps_per_s: float  # this session
-    tokens_per_s: float  # this session
-    initial_loss: float
-    final_loss: float
-    val_loss: float
-    nonfinite_steps: int
-    checkpoint: str
-    run_dir: str
-    resumed_from: str
-    signal: int = 0
-    max_steps: int = 0
-    detail: str = ""  # why the session stopped, when not completed
-    # lines in metrics.jsonl when the summary was written (None: no JSONL log); `rootopt
-    # report` compares it with the file to tell a complete log from a cut one
-    metrics_records: int | None = None

@@ -48,7 +48,20 @@ class StepResult:
 def train_step(
     run: Run, data: Iterator[dict[str, torch.Tensor]], hooks: Hooks, *, log_now: bool
 ) -> StepResult:
-    """Run one optimizer step; sets ``run.phase`` so a failure knows whether state is intact."""
+    """Run one optimizer step (``log_now``: collect the log-step statistics).
+
+    ``run.phase`` says how far it got, so that a failure knows whether the state is intact
+    (:mod:`rootopt.train.failures`): ``data`` while reading and computing, ``update`` once
+    the model, optimizer or scaler may change, ``between`` when the step is complete."""
+    run.phase = "data"
+    out = _step(run, data, hooks, log_now=log_now)
+    run.phase = "between"
+    return out
+
+
+def _step(
+    run: Run, data: Iterator[dict[str, torch.Tensor]], hooks: Hooks, *, log_now: bool
+) -> StepResult:
     cfg, model, opt, st = run.cfg, run.model, run.optimizer, run.state
     accum = cfg.optimization.grad_accum_steps
     seq = cfg.data.seq_len if run.manifest["task"] == "lm" else 1
