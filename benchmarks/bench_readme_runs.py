@@ -21,7 +21,7 @@ Printed and written (``--json``, a new file): every run, and per arm the medians
 repeats; for ``default``, the periodic checkpoints' write time as a fraction of the run's
 wall time. The git commit of the source tree is recorded.
 
-Usage: python benchmarks/bench_readme_runs.py [--repeats 2] [--json docs/readme_runs.json]
+Usage: python benchmarks/bench_readme_runs.py [--repeats 2] [--json docs/results/readme_runs.json]
 """
 
 from __future__ import annotations
@@ -174,37 +174,15 @@ def _cpu() -> dict[str, Any]:
 
 
 def sentences(result: dict[str, Any]) -> dict[str, str]:
-    """The statements README.md and docs/training.md make from ``result`` (a test checks
-    that the pages hold them verbatim)."""
-    m = result["summary"]
-    dep, default = m["deployment"], m["default"]
-    commit = (result["commit"] or "unknown")[:7]
-    n = default["runs"]
+    """The statement README.md makes from ``result`` (a test checks that the README holds it
+    verbatim); docs/results/training.md is rendered from the same file by
+    ``benchmarks/results_pages.py``."""
+    dep = result["summary"]["deployment"]
     minutes = dep["command_s"] / 60
     return {
         "readme-deployment": (
             "# the deployment guide's config for 8 GPUs, here one CPU process in fp32 "
             f"({minutes:.0f} min, val loss {dep['val_loss']:.2f})"
-        ),
-        "training-deployment": (
-            f"Measured (`benchmarks/bench_readme_runs.py`, commit {commit}, median of {n} runs on "
-            f"a shared 2-core CPU under a load average of about "
-            f"{statistics.median(r['load_average_1min'] for r in result['runs']):.0f}; "
-            "`docs/readme_runs.json`): that command takes "
-            f"{dep['command_s']:.0f} s and ends at a validation loss of {dep['val_loss']:.2f}, "
-            f"against {default['val_loss']:.2f} for the embedded default, whose lr 6e-3 was "
-            "tuned for this model (the guide's 5e-4 was not). With bf16 autocast, as the file had "
-            f"it before, a step took {m['bf16_over_fp32_step_time']:.1f}× as long as in fp32 on "
-            f"this CPU, which has bfloat16 instructions ({', '.join(result['cpu']['bf16_instructions']) or 'none'}), "
-            f"and {m['bf16_over_fp32_step_time_avx2']:.1f}× with torch limited to AVX2, where "
-            "bfloat16 is emulated."
-        ),
-        "training-checkpoints": (
-            f"Measured on the default run (commit {commit}, median of {n} runs, "
-            "`docs/readme_runs.json`): a checkpoint takes "
-            f"{default['checkpoint_write_s']:.2f} s to write, so the two periodic ones cost "
-            f"{default['periodic_write_s']:.2f} s of a {default['wall_s']:.0f} s run "
-            f"({100 * default['periodic_fraction_of_wall']:.2f} %)."
         ),
     }
 

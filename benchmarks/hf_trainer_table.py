@@ -1,14 +1,12 @@
-"""docs/integrations.md's table of examples/hf_trainer.py, regenerated from the command it states.
+"""The table of examples/hf_trainer.py on docs/results/integrations.md, rerun from its command.
 
 Runs ``OMP_NUM_THREADS=1 python examples/hf_trainer.py --optimizer O --seed S`` for the
 three optimizers and seeds 0, 1, 2, reads the losses the example prints, and writes them with
-the commit and the versions (torch, transformers) to a new JSON file. The page holds the
-table between ``<!-- hf-trainer -->`` and ``<!-- /hf-trainer -->``;
-``tests/test_first_hour.py`` checks it equals what :func:`render` makes of the committed
-``docs/hf_trainer_results.json``.
+the commit and the versions (torch, transformers) to a new JSON file. :func:`render` makes the
+table; ``benchmarks/results_pages.py`` renders the page from the committed
+``docs/results/hf_trainer.json``.
 
-    python benchmarks/hf_trainer_table.py --json docs/hf_trainer_results.json   # ~5 min
-    python benchmarks/hf_trainer_table.py --render docs/hf_trainer_results.json --write docs/integrations.md
+    python benchmarks/hf_trainer_table.py --json docs/results/hf_trainer.json   # ~5 min
 """
 
 from __future__ import annotations
@@ -94,53 +92,28 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def block(page: str) -> str | None:
-    found = re.search(r"<!-- hf-trainer -->\n(.*?)\n<!-- /hf-trainer -->", page, re.S)
-    return found.group(1) if found else None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
-        "--json", default="", help="run the example; write the results to this new file"
+        "--json", required=True, help="run the example; write the results to this new file"
     )
-    ap.add_argument("--render", default="", help="render the table of this results file")
-    ap.add_argument("--write", default="", help="with --render: replace the table in this page")
     args = ap.parse_args()
-    if bool(args.json) == bool(args.render):
-        ap.error("give --json (run) or --render (table), one of them")
-    if args.json:
-        if os.path.lexists(args.json):
-            ap.error(f"--json {args.json}: the file exists; name a new one")  # before running
-        result = {
-            "benchmark": "benchmarks/hf_trainer_table.py",
-            **_commit(),
-            "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",
-            "python": platform.python_version(),
-            "versions": {
-                n: importlib.metadata.version(n) for n in ("torch", "transformers", "accelerate")
-            },
-            "command": "OMP_NUM_THREADS=1 python examples/hf_trainer.py --optimizer O --seed S",
-            "rows": run_all(),
-        }
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        return 0
-    table = render(json.loads(Path(args.render).read_text()))
-    if args.write:
-        page = Path(args.write)
-        text = page.read_text(encoding="utf-8")
-        new, n = re.subn(
-            r"(<!-- hf-trainer -->\n).*?(\n<!-- /hf-trainer -->)",
-            lambda m: m.group(1) + table + m.group(2),
-            text,
-            flags=re.S,
-        )
-        if n != 1:
-            raise SystemExit(f"hf_trainer_table: {page} has {n} hf-trainer blocks")
-        page.write_text(new, encoding="utf-8")
-    else:
-        print(table)
+    if os.path.lexists(args.json):
+        ap.error(f"--json {args.json}: the file exists; name a new one")  # before running
+    result = {
+        "benchmark": "benchmarks/hf_trainer_table.py",
+        **_commit(),
+        "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",
+        "python": platform.python_version(),
+        "versions": {
+            n: importlib.metadata.version(n) for n in ("torch", "transformers", "accelerate")
+        },
+        "command": "OMP_NUM_THREADS=1 python examples/hf_trainer.py --optimizer O --seed S",
+        "rows": run_all(),
+    }
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(render(result))
     return 0
 
 

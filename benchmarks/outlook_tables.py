@@ -5,10 +5,10 @@ Runs every command of the page (``rootopt anneal head ... --json``, ``rootopt rl
 with the commit, the package versions and the machine into one JSON file, and renders the
 page's tables from that file. The page holds each table between ``<!-- outlook:NAME -->``
 and ``<!-- /outlook:NAME -->``; ``tests/test_first_hour.py`` checks that they equal what
-:func:`render` makes of the committed ``docs/outlook_results.json``.
+:func:`render` makes of the committed ``docs/results/outlook.json``.
 
-    python benchmarks/outlook_tables.py --json docs/outlook_results.json   # ~30 min on 2 cores
-    python benchmarks/outlook_tables.py --render docs/outlook_results.json --write docs/outlook.md
+    python benchmarks/outlook_tables.py --json docs/results/outlook.json   # ~30 min on 2 cores
+    python benchmarks/outlook_tables.py --render docs/results/outlook.json --write docs/outlook.md
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -137,7 +136,7 @@ def run_all(names: list[str]) -> dict[str, Any]:
                 prov = json.loads((Path(policy) / "provenance.json").read_text())
                 entry["episode_returns"] = prov["episode_returns"]
                 entry["train_seconds"] = prov["train_seconds"]
-                entry["stdout"] = done.stdout.strip()
+                entry["stdout"] = done.stdout.strip().replace(policy, "policy6k")
             else:
                 entry["rows"] = json.loads(raw.read_text())
             results[name] = entry
@@ -217,54 +216,28 @@ def render(results: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def blocks(page: str) -> dict[str, str]:
-    """The tables between the page's markers."""
-    found = re.findall(r"<!-- outlook:([a-z-]+) -->\n(.*?)\n<!-- /outlook:\1 -->", page, re.S)
-    return dict(found)
-
-
-def write_page(page: str, tables: dict[str, str]) -> str:
-    for name, text in tables.items():
-        pattern = rf"(<!-- outlook:{name} -->\n).*?(\n<!-- /outlook:{name} -->)"
-        page, n = re.subn(pattern, lambda m, t=text: m.group(1) + t + m.group(2), page, flags=re.S)
-        if n != 1:
-            raise SystemExit(f"outlook_tables: the page has {n} blocks named {name!r}")
-    return page
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
-        "--json", default="", help="run every command; write the results to this new file"
+        "--json", required=True, help="run every command; write the results to this new file"
     )
-    ap.add_argument("--render", default="", help="render the tables of this results file")
-    ap.add_argument("--write", default="", help="with --render: replace the tables in this page")
     args = ap.parse_args()
-    if bool(args.json) == bool(args.render):
-        ap.error("give --json (run) or --render (tables), one of them")
-    if args.json:
-        if os.path.lexists(args.json):
-            ap.error(f"--json {args.json}: the file exists; name a new one")  # before running
-        import torch
+    if os.path.lexists(args.json):
+        ap.error(f"--json {args.json}: the file exists; name a new one")  # before running
+    import torch
 
-        result = {
-            "benchmark": "benchmarks/outlook_tables.py",
-            **_commit(),
-            "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "versions": _versions(),
-            "runs": run_all(list(COMMANDS)),
-        }
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        return 0
-    tables = render(json.loads(Path(args.render).read_text()))
-    if args.write:
-        page = Path(args.write)
-        page.write_text(write_page(page.read_text(encoding="utf-8"), tables), encoding="utf-8")
-    else:
-        print("\n\n".join(f"{k}:\n{v}" for k, v in tables.items()))
+    result = {
+        "benchmark": "benchmarks/outlook_tables.py",
+        **_commit(),
+        "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "versions": _versions(),
+        "runs": run_all(list(COMMANDS)),
+    }
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print("\n\n".join(f"{k}:\n{v}" for k, v in render(result).items()))
     return 0
 
 

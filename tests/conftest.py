@@ -63,6 +63,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "test_anneal.py": frozenset({"test_cli_check_and_bad_inputs"}),
+    "test_docs_commands.py": frozenset({"test_documented_commands_run"}),
     "test_compile.py": frozenset(
         {"test_compiled_step_equals_eager_compiles_twice_and_checks_nonfinite"}
     ),

@@ -3,8 +3,8 @@ its inputs, fill or freeze its disk, then rerun the same command until it comple
 
 A trial *survives* when the rerun ends with the parameters, logged losses and validation
 records of an uninterrupted run and every refusal was one line with nothing of the run
-changed; it *lost* something otherwise. Each test prints its rows of the table in
-docs/training.md ("Fault battery"); every row must have lost 0.
+changed; it *lost* something otherwise. Each test prints its rows of the battery's table
+(tried, survived, lost; docs/training.md, "Fault battery"); every row must have lost 0.
 
     pytest -q -m slow tests/test_battery.py -s
 """

@@ -1,7 +1,7 @@
 """Fault battery: nothing a user owns is lost, every failure is one line.
 
-Each test names the fault it injects; the summary table in docs/training.md ("Fault battery")
-is produced by these tests. Process kills use real SIGKILL; full and read-only disks are
+Each test names the fault it injects; docs/training.md ("Fault battery") lists the faults
+these tests inject. Process kills use real SIGKILL; full and read-only disks are
 an ``OSError`` raised at the write (the tests run as root, where chmod does not restrict).
 """
 

@@ -1,6 +1,6 @@
 """``rootopt diagnose [RUN_DIR]``: gradient range, update ratio and loss-surface probe.
 
-See docs/training.md, "Diagnostics: `rootopt diagnose`".
+See docs/monitoring.md, "Diagnostics: `rootopt diagnose`".
 """
 
 from __future__ import annotations

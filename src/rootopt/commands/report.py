@@ -1,6 +1,6 @@
 """``rootopt report RUN_DIR``: validation criteria (PASS/FAIL/SKIP with evidence) and fixes.
 
-See docs/training.md, "Validation: `rootopt report`".
+See docs/monitoring.md, "Validation: `rootopt report`".
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class RunConfig:
     peak_tflops: float = _f(
         0.0,
         "peak dense TFLOP/s of one device in the training dtype, for the mfu metric; 0 = a "
-        "table of known GPUs, or measured once at start on a CPU (docs/training.md, Monitoring)",
+        "table of known GPUs, or measured once at start on a CPU (docs/monitoring.md)",
         min=0,
         max=1e7,
     )

@@ -1,4 +1,4 @@
-"""The optimizer-state checks of docs/training.md, "Diagnostics", as functions of a model,
+"""The optimizer-state checks of docs/monitoring.md, "Diagnostics", as functions of a model,
 a loss and a step.
 
 * gradient range: max and min non-zero |g| per tensor; 1e-6..1e3 is the normal range.

@@ -1,4 +1,4 @@
-"""Validation criteria and troubleshooting table (docs/training.md, "Validation: `rootopt report`"),
+"""Validation criteria and troubleshooting table (docs/monitoring.md, "Validation: `rootopt report`"),
 checked on a run directory.
 
 Reads only what a run leaves behind (``metrics.jsonl``, ``events.jsonl``, ``summary.json``),
@@ -17,7 +17,7 @@ from typing import Any
 
 from rootopt.monitor.metrics import read_jsonl, read_jsonl_checked
 
-# The troubleshooting table of docs/training.md: symptom -> (likely cause, fix). Keys are
+# The troubleshooting table of docs/monitoring.md: symptom -> (likely cause, fix). Keys are
 # what the report detects.
 TROUBLESHOOTING: dict[str, tuple[str, str, str]] = {
     "oscillating_loss": (
@@ -62,7 +62,7 @@ TROUBLESHOOTING: dict[str, tuple[str, str, str]] = {
 
 # ||Δθ||/||θ|| per step: below 1e-6 nothing learns, above 0.1 a step rewrites a tenth of a
 # tensor. The narrower "healthy 1e-5..1e-3" is checked by `rootopt diagnose`; orthogonalized
-# updates of small models at lr≈1e-3 sit near 1e-2 by construction (see docs/training.md).
+# updates of small models at lr≈1e-3 sit near 1e-2 by construction (see docs/monitoring.md).
 UPDATE_BAND = (1e-6, 1e-1)
 
 
@@ -151,7 +151,7 @@ def _precision(run_dir: Path, events: list[dict[str, Any]]) -> str:
 _FINAL = ("completed", "interrupted", "max_time", "diverged", "failed")
 
 
-# The deployment guide's utilisation threshold (docs/training.md, "Validation").
+# The deployment guide's utilisation threshold (docs/monitoring.md, "Validation").
 UTILISATION = 0.85
 
 

@@ -1,6 +1,6 @@
 """``rootopt diagnose`` on a run's newest checkpoint (or a fresh model).
 
-The checks are those of docs/training.md, "Diagnostics: `rootopt diagnose`".
+The checks are those of docs/monitoring.md, "Diagnostics: `rootopt diagnose`".
 
 Rebuilds the run's model and optimizer from the config saved in the checkpoint, takes one
 training batch, and prints the gradient range, one step's update ratios and the

@@ -1,6 +1,6 @@
 """Model FLOPs utilisation: the model's training FLOPs per token and the device's peak.
 
-``mfu = flops_per_token × tokens/s ÷ (world size × peak)`` (docs/training.md, "Monitoring").
+``mfu = flops_per_token × tokens/s ÷ (world size × peak)`` (docs/monitoring.md, "Throughput and MFU").
 
 FLOPs per token follow PaLM (Chowdhery et al. 2022, arXiv 2204.02311, Appendix B):
 ``6·N + 12·L·d·T``, where ``N`` counts the weights that take part in a matrix multiply per
