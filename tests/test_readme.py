@@ -165,7 +165,7 @@ def test_results_table_is_the_committed_study() -> None:
         HEADLINE_BEGIN,
         HEADLINE_END,
         headline,
-        headline_arm,
+        headline_view,
     )
 
     text = _text(README)
@@ -177,8 +177,8 @@ def test_results_table_is_the_committed_study() -> None:
     assert block + "\n" == want
     table = [line for line in block.splitlines() if line.startswith("|")]
     assert len(table) >= 2  # header and rule; a row per task whose runs have finished
-    arm = headline_arm(study)
-    assert arm is not None
+    arm, decision, _ = headline_view(study)  # the ROOT column: the setting ROOT() ships
+    assert (arm == decision) == (study["default"]["arm"] == arm)
     options = study["arms"][arm]["options"]
     import inspect
 

@@ -789,3 +789,33 @@ def test_summary_text_is_json_with_one_index_row_per_line() -> None:
     empty = {"a": 1, "index": {"columns": [], "rows": [], "runs": 0}}
     assert json.loads(dump_summary(empty)) == empty
     assert json.loads(dump_summary({"a": 1})) == {"a": 1}
+
+
+def test_headline_shows_the_shipped_setting_until_the_defaults_equal_the_decision() -> None:
+    """A decision the code's defaults do not equal yet is named in the README's text; the ROOT
+    column stays what ``ROOT()`` gives, compared with ``torch.optim.Muon`` as shipped."""
+    import copy
+
+    from rootopt_analysis.bench.study_report import headline
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    s = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    s = copy.deepcopy(s)
+    c = next(c for c in s["cells"].values() if c["arms"].get("muon-bf16"))
+    c["arms"]["decided-arm"] = {"test_loss_ci": {"mean": 9.0, "lo": 8.9, "hi": 9.1}}
+    c["arms"]["shipped-arm"] = {"test_loss_ci": {"mean": 7.0, "lo": 6.9, "hi": 7.1}}
+    s["comparisons"] = [
+        {"label": "default − torch.optim.Muon", "cells": {}, "pooled": None},
+        {"label": "shipped ROOT − torch.optim.Muon", "cells": {}, "pooled": None},
+    ]
+    s["default"] = {"arm": "decided-arm", "decided": True, "shipped": "shipped-arm"}
+    text = headline(s)
+    row = next(ln for ln in text.splitlines() if ln.startswith(f"| `{c['task']}`"))
+    assert "7.000 ± 0.100" in row and "9.000" not in row
+    assert "`decided-arm`, a change of the library's defaults not yet made" in " ".join(
+        text.split()
+    )
+    s["default"]["shipped"] = "decided-arm"  # the defaults changed: the decision is shown
+    row = next(ln for ln in headline(s).splitlines() if ln.startswith(f"| `{c['task']}`"))
+    assert "9.000 ± 0.100" in row
+    assert "not yet made" not in headline(s)
