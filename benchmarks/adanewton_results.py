@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rootopt_analysis.provenance import cpu_name, git_state
+
 REPO = Path(__file__).resolve().parents[1]
 OUT, PLOT, RECORDINGS = "OUT", "PLOT", "RECORDINGS"  # replaced per run
 COMMANDS: dict[str, list[str]] = {
@@ -42,27 +44,6 @@ COMMANDS: dict[str, list[str]] = {
     ],
     "heldout": ["coeffs", "heldout", "--out", RECORDINGS, "--json", OUT],
 }
-
-
-def _commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "src")),
-    }
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def run_all(plot: str) -> dict[str, Any]:
@@ -107,9 +88,9 @@ def main() -> int:
 
     result = {
         "benchmark": "benchmarks/adanewton_results.py",
-        **_commit(),
+        **git_state(REPO, "src"),
         "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": f"{_cpu()}, {os.cpu_count()} CPUs (shared with other jobs)",
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs (shared with other jobs)",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": 1,

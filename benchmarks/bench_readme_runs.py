@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rootopt_analysis.provenance import git_state
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = ["--config", "configs/deployment_example.yaml", "--log_dir", "runs/a"]
 BF16 = [*EXAMPLE, "mixed_precision.enabled=true", "run.max_steps=20"]
@@ -66,17 +68,6 @@ def _rootopt() -> str:
     if not found:
         raise SystemExit("bench_readme_runs: the rootopt command is not installed")
     return found
-
-
-def _commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -202,7 +193,7 @@ def main() -> int:
     rootopt = _rootopt()
     import torch
 
-    provenance = _commit()  # the tree that runs (the page may change while it runs)
+    provenance = git_state(REPO)  # the tree that runs (the page may change while it runs)
     runs = []
     for rep in range(args.repeats):
         for name in arms:

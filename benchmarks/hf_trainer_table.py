@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rootopt_analysis.provenance import git_state
+
 REPO = Path(__file__).resolve().parents[1]
 OPTIMIZERS = {
     "root": "`--optimizer root` (the one-liner)",
@@ -31,17 +33,6 @@ OPTIMIZERS = {
 }
 SEEDS = (0, 1, 2)
 FINAL = re.compile(r"final train loss \(last 5 steps\) ([0-9.]+)\s+eval loss ([0-9.]+)")
-
-
-def _commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }
 
 
 def run_all() -> list[dict[str, Any]]:
@@ -102,7 +93,7 @@ def main() -> int:
         ap.error(f"--json {args.json}: the file exists; name a new one")  # before running
     result = {
         "benchmark": "benchmarks/hf_trainer_table.py",
-        **_commit(),
+        **git_state(REPO),
         "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",
         "python": platform.python_version(),

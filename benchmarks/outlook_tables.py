@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from rootopt_analysis.provenance import git_state
+
 REPO = Path(__file__).resolve().parents[1]
 POLICY = "POLICY"  # replaced by the policy directory of this run
 ANNEAL = ["anneal", "head", "--steps", "100", "--seeds", "0,1,2"]
@@ -86,17 +88,6 @@ PACKAGES = (
     "gymnasium",
     "scikit-learn",
 )
-
-
-def _commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }
 
 
 def _versions() -> dict[str, str]:
@@ -228,7 +219,7 @@ def main() -> int:
 
     result = {
         "benchmark": "benchmarks/outlook_tables.py",
-        **_commit(),
+        **git_state(REPO),
         "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",
         "python": platform.python_version(),

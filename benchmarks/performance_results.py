@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rootopt_analysis.provenance import cpu_name, git_state
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = "OUT"
 COMMANDS: dict[str, list[str]] = {
@@ -42,25 +44,6 @@ COMMANDS: dict[str, list[str]] = {
     "memory": ["benchmarks/bench_memory.py", "--count", "32", "--shape", "512x2048", "--json", OUT],
 }
 TIMED = {"step"}  # runs with the background study paused
-
-
-def _commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "src")),
-    }
-
-
-def _cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 @contextlib.contextmanager
@@ -120,9 +103,9 @@ def main() -> int:
 
     result = {
         "benchmark": "benchmarks/performance_results.py",
-        **_commit(),
+        **git_state(REPO, "src"),
         "date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": f"{_cpu()}, {os.cpu_count()} CPUs (shared with other jobs)",
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs (shared with other jobs)",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "torch": torch.__version__,

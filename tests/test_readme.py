@@ -11,7 +11,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
@@ -19,7 +18,6 @@ README = ROOT_DIR / "README.md"
 CI = ROOT_DIR / ".ci" / "run"
 DEV = ROOT_DIR / "scripts" / "dev.sh"
 # The README and the pages written with it; the older docs link among themselves.
-PAGES = [README, *(ROOT_DIR / "docs" / n for n in ("optimizer.md", "operations.md", "deploy.md"))]
 TORCH = "2.13.0"  # the pin the README promises
 # Run verbatim by the training tests (tests/test_train.py, tests/test_dist_train.py).
 USAGE = [
@@ -188,24 +186,3 @@ def test_results_table_is_the_committed_study() -> None:
     from rootopt.optim._options import AUTO_NS_DTYPE
 
     assert params["ns_dtype"].default == "auto" and AUTO_NS_DTYPE["cpu"] == options["ns_dtype"]
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return s.replace(" ", "-")
-
-
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_relative_links_resolve(page: Path) -> None:
-    links = re.findall(r"\]\(([^)\s]+)\)", _text(page))
-    assert links
-    for link in links:
-        if re.match(r"[a-z]+:", link):
-            continue  # http(s), mailto
-        path, _, anchor = link.partition("#")
-        target = (page.parent / path).resolve() if path else page
-        assert target.exists(), f"{page.name}: {link}"
-        if anchor:
-            headings = re.findall(r"^#+ (.+)$", _text(target), re.M)
-            assert anchor in {_slug(h) for h in headings}, f"{page.name}: {link}"

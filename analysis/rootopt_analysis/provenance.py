@@ -1,0 +1,34 @@
+"""Where a measurement came from: the commit it ran on and the machine, for the JSON every
+results page is generated from (docs/results/)."""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def git_state(repo: Path, *paths: str) -> dict[str, Any]:
+    """``{"commit": HEAD or None, "dirty": bool}``; dirty counts tracked files only, under
+    ``paths`` when given (a results script may be edited while its numbers stay valid)."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    scope = ["--", *paths] if paths else []
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", *scope)),
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the architecture."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
