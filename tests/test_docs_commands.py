@@ -30,7 +30,7 @@ from pathlib import Path
 from _faultkit import env
 
 REPO = Path(__file__).resolve().parents[1]
-FIRST = ("README.md", "docs/training.md", "docs/monitoring.md")
+FIRST = ("README.md", "docs/training.md", "docs/models.md", "docs/data.md", "docs/monitoring.md")
 FENCE = re.compile(
     r"^(?P<indent>[ ]*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.S | re.M
 )

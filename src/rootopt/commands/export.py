@@ -3,7 +3,7 @@ model directory (config.json, model.safetensors, tokenizer files, generation_con
 that ``transformers`` loads offline.
 
 OUT_DIR must be missing or empty: an existing directory with files in it is refused and
-nothing is written. See docs/training.md, "From your text to a Hugging Face model".
+nothing is written. See docs/models.md, "From your text to a Hugging Face model".
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class DataConfig:
     tokenizer: str = _f(
         "bytes",
         "bytes (one id per byte) | bpe:N (a byte-level BPE of N ids trained on the corpus) | "
-        "the path of a tokenizer.json (docs/training.md, Your own data)",
+        "the path of a tokenizer.json (docs/data.md, Your own data)",
     )
     text_field: str = _f("text", "the field of a .jsonl line that holds the document's text")
     max_bytes: int = _f(

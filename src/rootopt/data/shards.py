@@ -205,7 +205,7 @@ def owned_files(out: Path) -> list[str]:
 
     ``out`` must be missing, empty, or hold a manifest written by this module (complete or
     interrupted), or only a staging directory of ours (a prepare killed while staging): a
-    command deletes only files it can prove it created (docs/training.md, Data). Reads only.
+    command deletes only files it can prove it created (docs/data.md). Reads only.
     """
     from rootopt.data.preparing import STAGING, is_staging
 

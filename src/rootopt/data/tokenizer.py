@@ -1,5 +1,5 @@
 """Tokenizers for text corpora: byte tokens, a Hugging Face ``tokenizer.json``, or a
-byte-level BPE trained on the corpus (docs/training.md, "Your own data").
+byte-level BPE trained on the corpus (docs/data.md, "Your own data").
 
 A spec string (``data.tokenizer``, ``rootopt data prepare --tokenizer``) names one:
 

@@ -1,5 +1,5 @@
 """``rootopt export RUN_DIR OUT_DIR``: a run's newest valid checkpoint as a Hugging Face
-model directory (docs/training.md, "From your text to a Hugging Face model").
+model directory (docs/models.md, "From your text to a Hugging Face model").
 
 OUT_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
 tokenizer's files, so that ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and
