@@ -24,13 +24,11 @@ Usage: python benchmarks/bench_prepare.py --json docs/results/prepare.json
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +37,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from rootopt_analysis.provenance import others_paused
 
 MB = 10**6
 RSS_TARGET = 1.2
@@ -146,23 +146,6 @@ def _run_child(args: list[str], timeout: float) -> dict[str, Any]:
     return result
 
 
-@contextlib.contextmanager
-def study_paused() -> Iterator[None]:
-    """Pause a background study's process group (``/tmp/study.pgid``) while timing."""
-    pgid = None
-    with contextlib.suppress(OSError, ValueError):
-        pgid = int(Path("/tmp/study.pgid").read_text().strip())
-    if pgid:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        if pgid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGCONT)
-
-
 # --------------------------------------------------------------------------- measuring
 
 
@@ -187,7 +170,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             )
     small = str(corpora[min(args.sizes)])
     rounds: list[dict[str, Any]] = []
-    with study_paused():
+    with others_paused():
         for i in range(args.rounds):
             out = work / "out-throughput"
             shutil.rmtree(out, ignore_errors=True)

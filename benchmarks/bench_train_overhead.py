@@ -28,11 +28,9 @@ prints the results page (docs/results/train_overhead.md) from a JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +41,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from rootopt_analysis.provenance import others_paused
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 TARGET = 1.05
@@ -90,30 +90,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return f"{platform.machine()} {platform.processor()}".strip()
-
-
-class _Paused:
-    """Pause a background study's process group (if one is announced) while timing."""
-
-    def __init__(self) -> None:
-        self.pgid = 0
-        try:
-            self.pgid = int(Path("/tmp/study.pgid").read_text().strip())
-        except (OSError, ValueError):
-            self.pgid = 0
-
-    def __enter__(self) -> _Paused:
-        if self.pgid:
-            try:
-                os.killpg(self.pgid, signal.SIGSTOP)
-            except OSError:
-                self.pgid = 0
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.pgid:
-            with contextlib.suppress(ProcessLookupError):  # the study ended meanwhile
-                os.killpg(self.pgid, signal.SIGCONT)
 
 
 def _bare_arm(cfg: Any, manifest: dict[str, Any], batches: list[tuple[torch.Tensor, ...]]) -> Any:
@@ -238,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     load_start = os.getloadavg()[0]
     state["since"] = time.perf_counter()
-    with _Paused():
+    with others_paused():
         try:
             summary = train(
                 cfg,

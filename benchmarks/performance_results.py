@@ -1,8 +1,8 @@
 """The measurements behind docs/performance.md, rerun from the commands its results page names.
 
 Runs ``benchmarks/bench_step.py`` (operation counts, step times, per-shape Newton–Schulz
-against the matmul peak; a background study's process group, ``/tmp/study.pgid``, is paused
-while it times), ``benchmarks/bench_gram.py`` (accuracy of the Gram and plain iterations) and
+against the matmul peak; a process group named by ``$ROOTOPT_BENCH_PAUSE_PGID``, such as a
+background study, is paused while it times), ``benchmarks/bench_gram.py`` (accuracy of the Gram and plain iterations) and
 ``benchmarks/bench_memory.py`` (peak memory per path), one after the other, and collects their
 JSON with the commit and the machine into one file. docs/results/performance.md is rendered
 from that file by ``benchmarks/results_pages.py``.
@@ -13,20 +13,17 @@ from that file by ``benchmarks/results_pages.py``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rootopt_analysis.provenance import cpu_name, git_state
+from rootopt_analysis.provenance import cpu_name, git_state, others_paused
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = "OUT"
@@ -46,24 +43,6 @@ COMMANDS: dict[str, list[str]] = {
 TIMED = {"step"}  # runs with the background study paused
 
 
-@contextlib.contextmanager
-def study_paused(active: bool) -> Iterator[None]:
-    """Pause a background study's process group while a timing runs; always resume it."""
-    pgid = None
-    if active:
-        with contextlib.suppress(OSError, ValueError):
-            pgid = int(Path("/tmp/study.pgid").read_text().strip())
-    if pgid:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        if pgid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGCONT)
-
-
 def run_all() -> dict[str, Any]:
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="performance-") as tmp:
@@ -71,7 +50,7 @@ def run_all() -> dict[str, Any]:
             raw = Path(tmp) / f"{name}.json"
             args = [str(raw) if a == OUT else a for a in argv]
             t0 = time.perf_counter()
-            with study_paused(name in TIMED):
+            with others_paused(name in TIMED):
                 load = os.getloadavg()[0]
                 done = subprocess.run(
                     [sys.executable, *args],

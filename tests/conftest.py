@@ -39,6 +39,9 @@ E2E_MODULES = frozenset(
     }
 )
 E2E_TESTS: dict[str, frozenset[str]] = {
+    "test_provenance.py": frozenset(
+        {"test_the_named_process_group_is_stopped_while_timing_and_continued_after"}
+    ),
     "test_analysis_apart.py": frozenset(
         {
             "test_the_wheel_is_the_runtime_package_and_nothing_else",

@@ -36,14 +36,23 @@ SHAPES: dict[str, tuple[int, ...]] = {
 # name -> (ROOT options, parameter dtype). Default coefficients everywhere (the default path
 # is what is compared), and AdaNewton's per-shape schedules once.
 OPTION_SETS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
-    "default": ({}, torch.float32),
-    "float64": ({}, torch.float64),
+    "default": ({}, torch.float32),  # bfloat16 iterations (the default ns_dtype)
     "bf16_params": ({}, torch.bfloat16),
-    "nesterov_off": ({"nesterov": False}, torch.float32),
-    "robust": ({"robust_scaling": True, "robust_window": 10}, torch.float32),
-    "bf16_iteration": ({"ns_dtype": "bfloat16"}, torch.float32),
-    "adanewton": ({"ns_coefficients": "adanewton"}, torch.float32),
+    # float32 iterations from here on, so that the paths are compared to float32 rounding
+    "fp32_iteration": ({"ns_dtype": "float32"}, torch.float32),
+    "float64": ({"ns_dtype": "float32"}, torch.float64),
+    "nesterov_off": ({"nesterov": False, "ns_dtype": "float32"}, torch.float32),
+    "robust": ({"robust_scaling": True, "robust_window": 10, "ns_dtype": "float32"}, torch.float32),
+    "adanewton": ({"ns_coefficients": "adanewton", "ns_dtype": "float32"}, torch.float32),
 }
+
+
+def iteration_dtype(options: dict[str, Any]) -> str:
+    """The Newton–Schulz iteration dtype an option set runs with on the CPU (ROOT's default
+    written out: bfloat16)."""
+    from rootopt.optim._options import ns_dtype_name
+
+    return ns_dtype_name(options.get("ns_dtype", "bfloat16"), torch.device("cpu"))
 
 
 def make_params(dtype: torch.dtype) -> dict[str, nn.Parameter]:

@@ -372,7 +372,11 @@ def test_unstable_table_entry_is_an_error_not_a_silent_use(tmp_path, monkeypatch
     path.write_text(json.dumps(table))
     monkeypatch.setenv(an.TABLE_ENV, str(path))
     with pytest.raises(CoefficientError, match=r"40x90 K=5 float32 fails the certificate"):
-        ROOT([torch.nn.Parameter(torch.randn(90, 40))], ns_coefficients="adanewton")
+        ROOT(
+            [torch.nn.Parameter(torch.randn(90, 40))],
+            ns_coefficients="adanewton",
+            ns_dtype="float32",
+        )
 
 
 # ------------------------------------------------------- one schedule per shape, the alias
@@ -384,12 +388,14 @@ def test_optimizer_hands_every_matrix_of_a_shape_its_table_schedule():
     from rootopt.optim._coefficients import coefficients_for
 
     p = torch.nn.Parameter(torch.randn(37, 101))
-    opt = ROOT([p], ns_coefficients="adanewton")
+    opt = ROOT([p], ns_coefficients="adanewton", ns_dtype="float32")
     coefficients = coefficients_for(opt._coeffs, opt.param_groups[0], p.device)
     schedule = coefficients(37, 101)
     assert schedule == coefficients(101, 37) == an.lookup(37, 101, 5).schedule
     assert len(schedule) == 5 and all(len(t) == 3 for t in schedule)
-    opt2 = ROOT([torch.nn.Parameter(torch.randn(37, 101))], ns_coefficients="muon")
+    opt2 = ROOT(
+        [torch.nn.Parameter(torch.randn(37, 101))], ns_coefficients="muon", ns_dtype="float32"
+    )
     got = coefficients_for(opt2._coeffs, opt2.param_groups[0], p.device)(37, 101)
     assert got == resolve("muon", 37, 101, 5)
 
@@ -473,18 +479,26 @@ def test_ns_fit_opt_in_fits_once_then_reads_cache(stub_fit, caplog):
 
     caplog.set_level(logging.INFO, logger="rootopt.coeffs")
     p = torch.nn.Parameter(torch.randn(37, 101))
-    opt = ROOT([p], ns_fit=True, ns_coefficients="adanewton")
+    opt = ROOT([p], ns_fit=True, ns_coefficients="adanewton", ns_dtype="float32")
     (res,) = opt.coefficient_resolutions()
     assert res.source == "fitted" and stub_fit == [(37, 101)]
     path = fitcache.cache_path(37, 101, 5, "float32")
     assert path.exists()
     an.clear_memory_caches()
     opt2 = ROOT(
-        [torch.nn.Parameter(torch.randn(101, 37))], ns_fit=True, ns_coefficients="adanewton"
+        [torch.nn.Parameter(torch.randn(101, 37))],
+        ns_fit=True,
+        ns_coefficients="adanewton",
+        ns_dtype="float32",
     )
     assert opt2.coefficient_resolutions()[0].source == "cache" and stub_fit == [(37, 101)]
     # a tabled shape is never fitted
-    ROOT([torch.nn.Parameter(torch.randn(768, 3072))], ns_fit=True, ns_coefficients="adanewton")
+    ROOT(
+        [torch.nn.Parameter(torch.randn(768, 3072))],
+        ns_fit=True,
+        ns_coefficients="adanewton",
+        ns_dtype="float32",
+    )
     assert stub_fit == [(37, 101)]
     # no temp files left behind by the atomic write (only the entry and its lock)
     assert sorted(q.name for q in path.parent.iterdir()) == sorted([path.name, path.name + ".lock"])

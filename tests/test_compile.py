@@ -59,7 +59,9 @@ def _compiled_vs_eager(options: dict[str, Any], steps: int = 20) -> tuple[Any, A
 
 
 def test_compiled_step_equals_eager_compiles_twice_and_checks_nonfinite() -> None:
-    (a, oa, b, ob, step), cnt, breaks = _compiled_vs_eager({})
+    # float32 iterations: compiled and eager are compared to float32 rounding (bfloat16
+    # iterations, the default, round at the places the compiled graph fuses differently)
+    (a, oa, b, ob, step), cnt, breaks = _compiled_vs_eager({"ns_dtype": "float32"})
     # one compile with empty state, one with the state it created; then none
     assert cnt.frame_count <= 2, cnt.frame_count
     assert breaks == {}  # the non-finite check no longer calls .tolist() when compiled

@@ -92,10 +92,10 @@ def test_llama_and_classifier_heads() -> None:
 def test_factory_arguments_checked_early_and_old_trainers_refused() -> None:
     with pytest.raises(ValueError, match="Invalid momentum: 1.5"):
         optimizer_cls_and_kwargs(lr=1e-3, momentum=1.5)
-    cls, kwargs = optimizer_cls_and_kwargs(lr=2e-3, ns_steps=4, lora_lr_multiplier=3.0)
-    assert cls is ROOTFactory and kwargs["ns_steps"] == 4
+    cls, kwargs = optimizer_cls_and_kwargs(lr=2e-3, ns_steps=6, lora_lr_multiplier=3.0)
+    assert cls is ROOTFactory and kwargs["ns_steps"] == 6
     opt = cls()(gpt2(), **kwargs)
-    assert isinstance(opt, ROOT) and opt.defaults["ns_steps"] == 4
+    assert isinstance(opt, ROOT) and opt.defaults["ns_steps"] == 6
     # a Trainer without factory support would call cls(its_groups, lr=...)
     with pytest.raises(TypeError, match=r"optimizer factories need transformers>=5\.5"):
         ROOTFactory([{"params": list(gpt2().parameters())}], **kwargs)
@@ -217,7 +217,7 @@ def test_import_rootopt_and_hf_do_not_import_transformers() -> None:
 def test_prebuilt_optimizer_path(tmp_path: Path) -> None:
     """The documented alternative for transformers without factories."""
     model = gpt2()
-    opt = rootopt.hf.create_optimizer(model, lr=1e-3, weight_decay=0.0, ns_steps=3)
+    opt = rootopt.hf.create_optimizer(model, lr=1e-3, weight_decay=0.0, ns_steps=6)
     routed = {n for g in opt.param_groups if g["algorithm"] == "adamw" for n in g["param_names"]}
     assert {"transformer.wte.weight", "transformer.wpe.weight"} <= routed
     assert all(g["weight_decay"] == 0.0 for g in opt.param_groups)

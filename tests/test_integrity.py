@@ -706,6 +706,12 @@ sys.meta_path.insert(0, _Interrupt())
 """
 
 
+def _sigint_default() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     ("command", "at"),
     [("rootopt", "rootopt.cli"), ("rootopt", "typing"), ("-m", "rootopt.train")],
@@ -741,6 +747,10 @@ def test_sigint_while_the_command_starts_is_one_line(tmp_path: Path, command: st
         text=True,
         timeout=120,
         cwd=tmp_path,
+        # as in a terminal: SIGINT at its default action. A test run started in the
+        # background (`&` in a non-interactive shell) would hand it down ignored, and the
+        # command, rightly, would not hear it.
+        preexec_fn=_sigint_default,
     )
     assert done.returncode == -signal.SIGINT, (done.returncode, done.stderr[-2000:])
     assert "Traceback" not in done.stderr

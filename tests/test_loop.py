@@ -73,7 +73,10 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
     optimizer state bit for bit, the same records after step 7 (the first one averages the
     window the checkpoint carried), the same suspect flags on the checkpoints written inside
     the second episode; and today's uninterrupted run logs what that version logged."""
-    cfg = load_config(None, make_loop_run.OVERRIDES)
+    # the optimizer settings of the version that wrote it (the defaults changed since:
+    # CHANGELOG.md)
+    then = ["optimization.ns_coefficients=muon", "optimization.ns_dtype=auto"]
+    cfg = load_config(None, [*make_loop_run.OVERRIDES, *then])
     hooks = Hooks(after_backward=make_loop_run.nan_grads)
     whole = train(cfg, tmp_path / "whole", str(shards), say=quiet, hooks=hooks)
     run = tmp_path / "old"

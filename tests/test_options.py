@@ -30,21 +30,19 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_ns_dtype_auto_is_the_studys_choice_per_device_and_flips_in_one_place(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert ROOT([nn.Parameter(torch.ones(2, 2))]).defaults["ns_dtype"] == "auto"
+def test_ns_dtype_default_is_the_studys_choice_and_auto_keeps_its_earlier_meaning() -> None:
+    assert ROOT([nn.Parameter(torch.ones(2, 2))]).defaults["ns_dtype"] == "bfloat16"
+    # "auto": the earlier default, per device, for configs and checkpoints that name it
     for device, want in (("cpu", "float32"), ("cuda", "bfloat16"), ("meta", "float32")):
         assert _options.ns_dtype_name("auto", torch.device(device)) == want
-    assert _options.ns_dtype_name("bfloat16", torch.device("cuda")) == "bfloat16"
-    auto, fp32, bf16 = _run(), _run(ns_dtype="float32"), _run(ns_dtype="bfloat16")
-    assert _same(auto, fp32) and not _same(auto, bf16)
-    # the evidence study's decision is one entry of the table (here for the CPU)
-    monkeypatch.setitem(_options.AUTO_NS_DTYPE, "cpu", "bfloat16")
-    assert _same(_run(), bf16)
+    assert _options.ns_dtype_name("float32", torch.device("cuda")) == "float32"
+    default, fp32, bf16, auto = (
+        _run(), _run(ns_dtype="float32"), _run(ns_dtype="bfloat16"), _run(ns_dtype="auto")
+    )  # fmt: skip
+    assert _same(default, bf16) and not _same(default, fp32) and _same(auto, fp32)
     p = nn.Parameter(torch.randn(24, 40))
-    opt = ROOT([p])
-    assert {r.key[3] for r in opt.coefficient_resolutions()} == {"bfloat16"}
+    assert {r.key[3] for r in ROOT([p]).coefficient_resolutions()} == {"bfloat16"}
+    assert {r.key[3] for r in ROOT([p], ns_dtype="auto").coefficient_resolutions()} == {"float32"}
 
 
 def test_bucket_bytes_auto_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,3 +89,31 @@ def test_bucket_bytes_auto_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_device_options(key: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ROOT([nn.Parameter(torch.randn(4, 4))], **{key: value})
+
+
+def test_a_cpu_without_bf16_units_is_told_to_iterate_in_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bfloat16 iterations (the default) are emulated on an x86 CPU without AVX-512 BF16 or
+    AMX: ROOT says so once, with the option that fixes it; a CPU with them, or float32
+    iterations, hear nothing."""
+    import warnings
+
+    p = nn.Parameter(torch.randn(24, 40))
+    for emulated, ns_dtype, told in (
+        (False, "bfloat16", False),
+        (True, "float32", False),
+        (True, "auto", False),  # float32 on the CPU
+        (True, "bfloat16", True),
+    ):
+        _options._warn_emulated_bf16.cache_clear()
+        monkeypatch.setattr(_options, "cpu_emulates_bf16", lambda e=emulated: e)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ROOT([p], ns_dtype=ns_dtype)
+            ROOT([p], ns_dtype=ns_dtype)  # once per process
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(said) == int(told), (emulated, ns_dtype, said)
+        if told:
+            assert "ns_dtype='float32'" in said[0] and "optimization.ns_dtype=float32" in said[0]
+    _options._warn_emulated_bf16.cache_clear()

@@ -34,7 +34,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 STEPS = 100
-RTOL = 1e-4
+# The default run iterates Newton–Schulz in bfloat16: an owner stacks a subset of the
+# same-shape matrices one process stacks together, and bfloat16 matmuls round differently with
+# the stack's size, so world sizes agree to bfloat16 rounding carried over 100 steps (measured:
+# at most 6.6e-4 relative). tests/test_dist_train.py checks float32 iterations to 1e-5.
+RTOL = 2e-3
 # TINY's model and data; its optimization.* entries are dropped (the defaults are the
 # point of the test), one checkpoint at the end (each save costs time, DCP at world > 1)
 CFG = [

@@ -29,7 +29,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from path_cases import LR, OPTION_SETS, SHAPES, gradients, groups, make_params
+from path_cases import LR, OPTION_SETS, SHAPES, gradients, groups, iteration_dtype, make_params
 from rootopt import ROOT
 from rootopt.coeffs.cache import CoefficientCache
 from rootopt.distributed import DistributedROOT
@@ -41,7 +41,7 @@ Result = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]
 # ROOT's defaults, written out: the reference does not read them from the class.
 DEFAULTS: dict[str, Any] = dict(
     momentum=0.95, nesterov=True, weight_decay=0.1, outlier_quantile=0.9, ns_steps=5,
-    ns_coefficients="muon", ns_dtype="float32", robust_scaling=False, robust_window=100,
+    ns_coefficients="polar_express", ns_dtype="bfloat16", robust_scaling=False, robust_window=100,
     robust_lambda=0.1,
 )  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -195,7 +195,7 @@ def test_path_matches_the_reference(path: str, name: str, request: pytest.Fixtur
     assert min(float((ref_params[n] - init[n].detach()).abs().max()) for n in SHAPES) > 1e-2
     if path == "reference":
         tol: dict[str, float] = {"atol": 0.0, "rtol": 0.0}  # the same calls in the same order
-    elif options.get("ns_dtype") == "bfloat16":
+    elif iteration_dtype(options) == "bfloat16":
         tol = {"atol": 2e-2, "rtol": 2e-2}  # bf16 iterations round at different places
     elif dtype == torch.bfloat16:
         tol = {"atol": 4e-3, "rtol": 0.0}  # at most one bf16 rounding step apart
@@ -220,8 +220,8 @@ def test_path_matches_the_reference(path: str, name: str, request: pytest.Fixtur
 def test_orthogonalize_is_the_step_direction() -> None:
     """``rootopt.orthogonalize(G)`` with the default coefficients is the direction the
     optimizer applies for a gradient ``G`` with the threshold off: zero momentum and
-    decay, unscaled lr 1, so the step moves a zero parameter by exactly ``-U``, in the
-    iteration dtype's certified AdaNewton schedule."""
+    decay, unscaled lr 1, so the step moves a zero parameter by exactly ``-U``, in either
+    iteration dtype."""
     from rootopt import orthogonalize
 
     g = torch.Generator().manual_seed(3)
@@ -240,6 +240,6 @@ def test_orthogonalize_is_the_step_direction() -> None:
             U3 = orthogonalize(G[None], dtype=DTYPES[dtype])[0]
             assert torch.equal(-p.detach(), U3.float()), shape
             # A 2-D matrix runs mm instead of bmm: equal up to their float32 rounding
-            # (about 20 ulps after K = 5 steps on 7x13).
+            # (about 70 ulps after K = 5 Polar Express steps on 7x13).
             U = orthogonalize(G, dtype=DTYPES[dtype])
-            torch.testing.assert_close(-p.detach(), U.float(), atol=4e-6, rtol=0, msg=str(shape))
+            torch.testing.assert_close(-p.detach(), U.float(), atol=1e-5, rtol=0, msg=str(shape))

@@ -122,10 +122,16 @@ def test_the_default_config_prepares_the_reference_data() -> None:
 def test_a_default_run_keeps_its_run_directory() -> None:
     """The default command still finds the run directory an earlier version named (value
     computed by the code before tokenizers, the identity key and checkpoint.every=100): the
-    new data keys at their defaults and the changed checkpoint interval do not move it."""
+    new data keys at their defaults and the changed checkpoint interval do not move it. The
+    change of the default Newton–Schulz coefficients and CPU iteration dtype (CHANGELOG.md)
+    does: a run trained with the earlier ones is found again when the config names them, never
+    resumed with others."""
     from rootopt.train.rundir import identity_key, legacy_identity_key
 
-    assert legacy_identity_key(load_config(None), None) == "70ef8a9a"
+    then = ["optimization.ns_coefficients=muon", "optimization.ns_dtype=auto"]
+    assert legacy_identity_key(load_config(None, then), None) == "70ef8a9a"
+    assert legacy_identity_key(load_config(None, then[:1]), None) != "70ef8a9a"
+    assert legacy_identity_key(load_config(None), None) != "70ef8a9a"
     assert legacy_identity_key(load_config(None, ["data.tokenizer=bpe:300"]), None) != "70ef8a9a"
     assert identity_key(load_config(None), None) != identity_key(
         load_config(None, ["data.tokenizer=bpe:300"]), None

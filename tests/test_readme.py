@@ -181,8 +181,5 @@ def test_results_table_is_the_committed_study() -> None:
     import inspect
 
     params = inspect.signature(ROOT.__init__).parameters
-    for key in ("ns_coefficients", "outlier_quantile"):
+    for key in ("ns_coefficients", "outlier_quantile", "ns_dtype", "ortho_method"):
         assert params[key].default == options[key], key
-    from rootopt.optim._options import AUTO_NS_DTYPE
-
-    assert params["ns_dtype"].default == "auto" and AUTO_NS_DTYPE["cpu"] == options["ns_dtype"]

@@ -31,6 +31,9 @@ SHAPES: list[tuple[int, ...]] = [
 ]
 
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# ROOT's default iteration dtype, written out: the reference does not
+# read it from the class.
+DEFAULT_NS_DTYPE = "bfloat16"
 
 
 def _params(param_dtype: torch.dtype, seed: int = 0) -> list[nn.Parameter]:
@@ -64,7 +67,7 @@ def _by_reference(
         lr=0.02,
         nesterov=options.get("nesterov", True),
         quantile=options.get("outlier_quantile", 0.9),
-        ns_dtype=_DT[options.get("ns_dtype", "float32")],
+        ns_dtype=_DT[options.get("ns_dtype", DEFAULT_NS_DTYPE)],
         gram={"auto": None, "on": True, "off": False}[options.get("ns_gram", "auto")],
     )
     for gs in grads:
@@ -89,8 +92,12 @@ def _by_class(params: list[nn.Parameter], grads: list[list[torch.Tensor]], **opt
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"nesterov": False, "ns_coefficients": "muon"}, {"ns_dtype": "bfloat16"}],
-    ids=["default", "plain-momentum-muon", "bf16-ns"],
+    [
+        {},
+        {"nesterov": False, "ns_coefficients": "muon", "ns_dtype": "float32"},
+        {"ns_dtype": "float32"},
+    ],
+    ids=["default", "plain-momentum-muon", "fp32-ns"],
 )
 def test_class_reference_path_is_the_function(options: dict[str, Any]) -> None:
     ref_params, cls_params = _params(torch.float32), _params(torch.float32)
@@ -108,11 +115,15 @@ def test_class_reference_path_is_the_function(options: dict[str, Any]) -> None:
     ("param_dtype", "options"),
     [
         (torch.float32, {}),
-        (torch.float32, {"bucket_bytes": 24 * 40 * 4 * 2}),  # 2 matrices: splits and chunks
-        (torch.float32, {"ns_gram": "off"}),
-        (torch.float32, {"ns_gram": "on", "nesterov": False}),
-        (torch.float32, {"ns_dtype": "bfloat16"}),
-        (torch.float32, {"outlier_quantile": None, "ns_coefficients": "muon"}),
+        # 2 matrices: splits and chunks
+        (torch.float32, {"bucket_bytes": 24 * 40 * 4 * 2, "ns_dtype": "float32"}),
+        (torch.float32, {"ns_gram": "off", "ns_dtype": "float32"}),
+        (torch.float32, {"ns_gram": "on", "nesterov": False, "ns_dtype": "float32"}),
+        (torch.float32, {"ns_dtype": "float32"}),
+        (
+            torch.float32,
+            {"outlier_quantile": None, "ns_coefficients": "muon", "ns_dtype": "float32"},
+        ),
         (torch.bfloat16, {}),
         (torch.bfloat16, {"ns_dtype": "bfloat16", "bucket_bytes": 24 * 40 * 4 * 2}),
     ],
@@ -121,7 +132,7 @@ def test_class_reference_path_is_the_function(options: dict[str, Any]) -> None:
         "tiny-budget",
         "no-gram",
         "gram-all",
-        "bf16-ns",
+        "fp32-ns",
         "muon-mode",
         "pbf16",
         "pbf16-all",
@@ -134,7 +145,7 @@ def test_batched_path_matches_reference_function(
     grads = _grads(ref_params, 3)
     states = _by_reference(ref_params, grads, options)
     opt = _by_class(cls_params, grads, batched=True, **options)
-    bf16 = options.get("ns_dtype") == "bfloat16" or param_dtype == torch.bfloat16
+    bf16 = options.get("ns_dtype", DEFAULT_NS_DTYPE) == "bfloat16" or param_dtype == torch.bfloat16
     tol = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 2e-5, "rtol": 1e-4}
     assert len(states) == len(cls_params)
     for i, (p_ref, p_cls, st) in enumerate(zip(ref_params, cls_params, states, strict=True)):

@@ -4,8 +4,11 @@ results page is generated from (docs/results/)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +35,27 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.machine()
+
+
+PAUSE_ENV = "ROOTOPT_BENCH_PAUSE_PGID"
+
+
+@contextlib.contextmanager
+def others_paused(active: bool = True) -> Iterator[None]:
+    """While a benchmark times: stop the process group named by ``$ROOTOPT_BENCH_PAUSE_PGID``
+    (e.g. a long study sharing the machine) with SIGSTOP, and always continue it after."""
+    pgid = 0
+    if active:
+        with contextlib.suppress(ValueError):
+            pgid = int(os.environ.get(PAUSE_ENV, "0") or 0)
+    if pgid > 0:
+        try:
+            os.killpg(pgid, signal.SIGSTOP)
+        except OSError:
+            pgid = 0  # gone, or not ours: time as it is
+    try:
+        yield
+    finally:
+        if pgid > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGCONT)

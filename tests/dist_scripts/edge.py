@@ -27,7 +27,11 @@ from rootopt_analysis.counters import CollectiveCounter, bytes_written
 
 STEPS = 3
 BATCH = 24  # divisible by 2, 3, 4 and 8: every rank's mean loss has the same weight
-HYPER: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9)
+# float32 iterations (not the default bfloat16): the ranks are compared with one process to
+# float32 rounding, and the counted bytes assume float32 updates
+HYPER: dict[str, Any] = dict(
+    lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9, ns_dtype="float32"
+)
 
 
 class Stack(nn.Module):
@@ -70,7 +74,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def reference(rows: list[int], **kw: Any) -> dict[str, torch.Tensor]:
     model = make(rows)
-    opt = rootopt.ROOT(groups(model), **HYPER, **kw)
+    opt = rootopt.ROOT(groups(model), **{**HYPER, **kw})
     for step in range(STEPS):
         opt.zero_grad()
         model(batch(step)).backward()
@@ -89,7 +93,7 @@ def run(rows: list[int], layout: str, design: str, drop: bool) -> dict[str, Any]
         kw = {"ns_dtype": "bfloat16"} if layout == "fsdp16" else {}
     else:  # the owner design synchronising the gradients
         kw = {"average_grads": True}
-    opt = DistributedROOT(groups(model), **HYPER, **kw)
+    opt = DistributedROOT(groups(model), **{**HYPER, **kw})
     res: dict[str, Any] = {"layout": layout, "design": design}
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]
     for step in range(STEPS):

@@ -1,6 +1,6 @@
 """The CUDA path of DistributedROOT's collectives on one GPU with NCCL (world size 1): FSDP2
 parameters go through the sharded path (the flag all-reduce and both all-to-alls run on
-NCCL, the updates return in bfloat16 under ``ns_dtype="auto"``), compared with
+NCCL, the updates return in bfloat16 under ``ns_dtype="bfloat16"``), compared with
 single-process ROOT on the same GPU; the step's collectives are counted. Run under
 ``torchrun --nproc_per_node 1``.
 
@@ -30,9 +30,10 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     res: dict[str, Any] = {"world": dist.get_world_size(), "backend": dist.get_backend()}
     ref = make_model().to(dev)
-    ref_opt = rootopt.ROOT(groups(ref), **HYPER)
+    bf16 = {**HYPER, "ns_dtype": "bfloat16"}  # ROOT's default
+    ref_opt = rootopt.ROOT(groups(ref), **bf16)
     model = wrap_model(make_model().to(dev), "fsdp")
-    opt = DistributedROOT(groups(model), **HYPER)
+    opt = DistributedROOT(groups(model), **bf16)
     res["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
     for step in range(STEPS):
         ids, x, y = (t.to(dev) for t in global_batch(step))

@@ -25,7 +25,11 @@ import rootopt.optim.functional as F
 from rootopt.distributed import DistributedROOT, finish, init_distributed
 from rootopt_analysis.counters import CollectiveCounter, TrafficCounter, bytes_written
 
-HYPER: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9)
+# float32 iterations (not the default bfloat16): the ranks are compared with one process to
+# float32 rounding, and the counted bytes assume float32 updates
+HYPER: dict[str, Any] = dict(
+    lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9, ns_dtype="float32"
+)
 BATCH = 12  # divisible by 2, 3 and 4
 
 

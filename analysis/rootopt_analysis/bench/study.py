@@ -25,7 +25,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -1298,6 +1298,20 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def library_arm(arms: Iterable[Arm]) -> str | None:
+    """The name of the ROOT arm whose options are the library's defaults (``ROOT``'s
+    signature), or None when the study has no such arm."""
+    import inspect
+
+    from rootopt import ROOT
+
+    signature = inspect.signature(ROOT).parameters
+    defaults = {k: signature[k].default for k in ROOT_BASE}
+    return next(
+        (a.name for a in arms if a.optimizer == "root" and dict(a.options) == defaults), None
+    )
+
+
 def default_arm(w: Walk) -> tuple[str, bool]:
     """The arm of the library's default and whether it is decided: the final decision when
     every decision is in, else the shipped setting (provisional)."""
@@ -1722,9 +1736,10 @@ def summarize(w: Walk, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
         "complete": w.complete,
         "jobs_left": len(w.jobs),
         "pending": pending,
-        # `shipped`: the setting the library ships today; a decision that differs is a change
-        # of defaults still to be made (docs/benchmarks.md), and the README shows the shipped one
-        "default": {"arm": default, "decided": decided, "shipped": SHIPPED},
+        # `shipped`: the arm of the setting ROOT() ships today; a decision that differs is a
+        # change of defaults still to be made (docs/benchmarks.md), and the README shows the
+        # shipped one
+        "default": {"arm": default, "decided": decided, "shipped": library_arm(w.arms.values())},
         "arms": arms,
         "cells": cells,
         "decisions": w.decisions,

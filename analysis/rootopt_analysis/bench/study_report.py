@@ -365,7 +365,7 @@ def headline_view(s: dict[str, Any]) -> tuple[str, str, str]:
     arm = headline_arm(s)
     if arm is None:
         raise ValueError("the study names no default arm")
-    shipped = s["default"].get("shipped", arm)
+    shipped = s["default"].get("shipped") or arm
     if s["default"]["decided"] and arm != shipped:
         return shipped, arm, SHIPPED_COMPARISON
     return arm, arm, HEADLINE_COMPARISON

@@ -11,7 +11,7 @@ schedules on data none of that saw:
    ``stdlib-large`` (the model of ``rootopt train``'s default config: d=128, 4 layers,
    GQA), the ``digits`` CNN (conv kernels flattened to ``(out, in·9)``) and the ``bbc`` MLP
    (a 128×2000 input layer). Models and data come from :mod:`rootopt.tasks`; the
-   optimizer is the registry's ``root`` (ROOT at its defaults with ``ns_coefficients="adanewton"``) with the bench runner's lr
+   optimizer is the registry's ``root`` (ROOT at its defaults with ``ns_coefficients="adanewton"`` and float32 iterations) with the bench runner's lr
    protocol. At the capture steps, every matrix that enters Newton–Schulz is captured as
    the optimizer passes it — the clipped Nesterov momentum ``B``, full matrices, together
    with the direction the optimizer computed from it — by wrapping the one
@@ -276,7 +276,7 @@ def record_run(
 
 
 def record_task(name: str, *, seed: int, capture: Sequence[int]) -> dict[str, Any]:
-    """One held-out run of task ``name``: ROOT (registry defaults, AdaNewton's schedules), the bench runner's lr
+    """One held-out run of task ``name``: ROOT (registry defaults, AdaNewton's float32 schedules), the bench runner's lr
     protocol (registry lr, 10 % warmup, cosine to 0.1× over the run), ``max(capture)``
     steps, seed ``seed`` for the initialisation and the batches."""
     from rootopt.optim.registry import REGISTRY, make_optimizer
@@ -291,9 +291,9 @@ def record_task(name: str, *, seed: int, capture: Sequence[int]) -> dict[str, An
     torch.manual_seed(seed)
     model = task.model()
     lr = REGISTRY["root"].lr
-    # AdaNewton explicitly (no longer the default): the directions recorded are then the ones
-    # the evaluation's "adanewton" path must reproduce bit for bit
-    opt, _ = make_optimizer("root", model, lr=lr, ns_coefficients="adanewton")
+    # AdaNewton in float32 explicitly (neither is the default): the directions recorded are
+    # then the ones the evaluation's float32 "adanewton" path must reproduce bit for bit
+    opt, _ = make_optimizer("root", model, lr=lr, ns_coefficients="adanewton", ns_dtype="float32")
     warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, LRMultiplier("cosine", warmup=warmup, total=steps, min_ratio=0.1)

@@ -154,9 +154,35 @@ def resolve_record(
 
             log_once(res)
         return res
-    rep = certify_user_schedule(sched, rows, cols, dtype, what)
+    try:
+        rep = certify_user_schedule(sched, rows, cols, dtype, what)
+    except CoefficientError as exc:
+        if not isinstance(spec, str):
+            raise
+        raise CoefficientError(
+            f"{exc}{_fewer_steps_hint(spec, rows, cols, steps, dtype)}"
+        ) from None
     source = spec if isinstance(spec, str) else "user"
     return Resolution(key, sched, source, "" if isinstance(spec, str) else what, rep.peak)
+
+
+def _fewer_steps_hint(spec: str, rows: int, cols: int, steps: int, dtype: str) -> str:
+    """What to choose instead of a named preset that fails the certificate at ``steps``:
+    Polar Express, the default, is a schedule for five or more steps (its first, steepest
+    tuples overshoot until the later ones settle them), while Muon's repeated tuple is
+    certified for any number of steps."""
+    from rootopt.coeffs.stability import certify
+
+    more = next(
+        (
+            k
+            for k in range(steps + 1, 9)
+            if certify(resolve(spec, rows, cols, k), dtype=dtype).stable
+        ),
+        None,
+    )
+    hint = f"; {spec!r} is certified from ns_steps={more} on" if more else ""
+    return hint + "; ns_coefficients='muon' is certified for any ns_steps"
 
 
 def resolve(spec: CoefficientSpec, rows: int, cols: int, steps: int) -> Schedule:

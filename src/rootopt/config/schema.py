@@ -210,7 +210,14 @@ class OptimizationConfig:
     nesterov: bool = _f(True, "Nesterov momentum (ROOT)")
     ns_steps: int = _f(5, "Newton–Schulz iterations (ROOT)", min=1, max=20)
     ns_coefficients: str = _f(
-        "muon", "Newton–Schulz coefficient preset (ROOT; default chosen in docs/benchmarks.md)"
+        "polar_express",
+        "Newton–Schulz coefficient preset (ROOT; default chosen in docs/benchmarks.md)",
+    )
+    ns_dtype: Literal["bfloat16", "float32", "auto"] = _f(
+        "bfloat16",
+        "Newton–Schulz iteration dtype (ROOT; default chosen in docs/benchmarks.md): float32 "
+        "is faster on a CPU without bf16 matrix units; auto = the earlier default (float32 "
+        "on the CPU, bfloat16 on CUDA)",
     )
     outlier_quantile: float = _f(
         0.9,

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from rootopt.coeffs import CoefficientError
 from rootopt.coeffs.cache import CoefficientCache, Fitter
-from rootopt.optim._options import ns_dtype_name
+from rootopt.optim._options import check_iteration_speed, ns_dtype_name
 from rootopt.optim.functional import CoefficientsFor, Matrix, RootOptions, matrices, matrix_view
 
 
@@ -59,6 +59,7 @@ def resolve_group(cache: CoefficientCache, group: dict[str, Any], is_root: Any) 
         if p.numel() == 0 or not is_root(p):
             continue
         dtype = ns_dtype_name(group["ns_dtype"], p.device)
+        check_iteration_speed(dtype, p.device)
         try:
             for m in group_matrices(group, pi, p):
                 cache.get(

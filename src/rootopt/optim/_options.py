@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+import platform
+import warnings
 from typing import Any, Literal, cast
 
 import torch
@@ -19,10 +21,13 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-# ``ns_dtype="auto"`` (the default) per device type; any other device: float32. The defaults
-# study (docs/benchmarks.md) found bfloat16 iterations no worse in test loss on any task and
-# slower on CPUs without bf16 matrix units: float32 on the CPU, bfloat16 on CUDA (its rule:
-# bf16 there unless it costs loss, since its speed there is not measured by the study).
+# ``ns_dtype``: the default, "bfloat16", is the defaults study's decision (docs/benchmarks.md,
+# v2: on validation loss, bfloat16 iterations were worse than float32 on none of the seven
+# cells). "auto" is the earlier default, kept so that a config or checkpoint naming it trains
+# on as before: float32 on the CPU, bfloat16 on CUDA, float32 on any other device. On a CPU
+# with bf16 matrix units (AVX-512 BF16, AMX) bfloat16 iterations are also the faster
+# (docs/performance.md, "Iteration dtype"); one without them emulates bf16 matmuls, and
+# ns_dtype="float32" is then the faster choice (ROOT warns once: check_iteration_speed).
 # TF32: ROOT never changes torch's float32 matmul precision; a float32 iteration on CUDA uses
 # whatever the process set (torch's default "highest": no TF32).
 AUTO_NS_DTYPE: dict[str, str] = {"cpu": "float32", "cuda": "bfloat16"}
@@ -42,6 +47,34 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 def ns_dtype_name(value: str, device: torch.device) -> str:
     """The iteration dtype's name for parameters on ``device`` (``"auto"`` resolved)."""
     return AUTO_NS_DTYPE.get(device.type, "float32") if value == "auto" else value
+
+
+@functools.cache
+def cpu_emulates_bf16() -> bool:
+    """Whether this x86 CPU lacks bf16 matrix units (AVX-512 BF16, AMX), so that torch
+    emulates bfloat16 matmuls (docs/performance.md, "Iteration dtype")."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False  # other CPUs: not measured, nothing said
+    cpu = torch.cpu
+    units = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return not any(bool(getattr(cpu, name, lambda: True)()) for name in units)
+
+
+@functools.cache
+def _warn_emulated_bf16() -> None:
+    warnings.warn(
+        "ROOT: this CPU has no bfloat16 matrix units, so the default bfloat16 Newton-Schulz "
+        "iterations are emulated and slow; pass ns_dtype='float32' "
+        "(rootopt train: optimization.ns_dtype=float32)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def check_iteration_speed(dtype: str, device: torch.device) -> None:
+    """Warn once per process where the iteration dtype is emulated on this device."""
+    if dtype == "bfloat16" and device.type == "cpu" and cpu_emulates_bf16():
+        _warn_emulated_bf16()
 
 
 def bucket_budget(value: int | str, device: torch.device) -> int:

@@ -375,6 +375,7 @@ _ROOT_OPTIONS = (
     "nesterov",
     "ns_steps",
     "ns_coefficients",
+    "ns_dtype",
     "outlier_quantile",
     "lr_scale",
     "ortho_method",

@@ -63,13 +63,15 @@ class ROOT(Optimizer):
             ``"algorithm"`` routes per parameter: ``ndim >= 2`` ROOT, the rest AdamW
             (:func:`rootopt.param_groups` builds safe groups from a model).
         lr, momentum, nesterov, weight_decay: as in the update above.
-        ns_steps, ns_coefficients: K iterations; ``"muon"`` (Muon's tuple: the default,
-            chosen by the defaults study, docs/benchmarks.md), ``"adanewton"``
+        ns_steps, ns_coefficients: K iterations; ``"polar_express"`` (the default,
+            chosen by the defaults study, docs/benchmarks.md), ``"muon"`` (Muon's tuple), ``"adanewton"``
             (shape-specific, certified stable; ``"adanewton-static"`` is an alias of it),
-            ``"official"`` (the paper's table + Muon fallback), ``"polar_express"``, ``"you"``, ``"cans"``,
+            ``"official"`` (the paper's table + Muon fallback), ``"you"``, ``"cans"``,
             ``"cubic"``, ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
-        ns_dtype: iteration dtype; ``"auto"`` per device (``_options.AUTO_NS_DTYPE``:
-            float32 on the CPU, bfloat16 on CUDA; TF32 is torch's own setting), or a dtype name.
+        ns_dtype: iteration dtype: ``"bfloat16"`` (the default, chosen by the defaults
+            study), ``"float32"`` (faster on a CPU without bf16 matrix units), or ``"auto"``
+            (the earlier default, per device: float32 on the CPU, bfloat16 on CUDA); TF32 is
+            torch's own setting.
         ortho_method: ``"newton_schulz"``, ``"svd"`` (exact UVᵀ) or ``"qr"``.
         outlier_quantile: quantile q of the soft threshold; ``None`` disables it.
         lr_scale: ``"moonlight"``, ``"muon"`` or ``"none"``.
@@ -107,8 +109,8 @@ class ROOT(Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.1,
         ns_steps: int = 5,
-        ns_coefficients: CoefficientSpec = "muon",
-        ns_dtype: str | torch.dtype = "auto",
+        ns_coefficients: CoefficientSpec = "polar_express",
+        ns_dtype: str | torch.dtype = "bfloat16",
         ortho_method: OrthoMethod = "newton_schulz",
         outlier_quantile: float | None = 0.9,
         lr_scale: LrScale = "moonlight",

@@ -190,6 +190,8 @@ _LEGACY_LATER_KEYS: dict[tuple[str, str], object] = {
     ("data", "tokenizer"): "bytes",
     ("data", "text_field"): "text",
     ("run", "peak_tflops"): 0.0,
+    # ROOT's ns_dtype default before the defaults study v2 (CHANGELOG.md)
+    ("optimization", "ns_dtype"): "auto",
 }
 
 
