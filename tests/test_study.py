@@ -806,7 +806,7 @@ def test_headline_shows_the_shipped_setting_until_the_defaults_equal_the_decisio
     c["arms"]["shipped-arm"] = {"test_loss_ci": {"mean": 7.0, "lo": 6.9, "hi": 7.1}}
     s["comparisons"] = [
         {"label": "default − torch.optim.Muon", "cells": {}, "pooled": None},
-        {"label": "shipped ROOT − torch.optim.Muon", "cells": {}, "pooled": None},
+        {"label": "ROOT, Muon's coefficients − torch.optim.Muon", "cells": {}, "pooled": None},
     ]
     s["default"] = {"arm": "decided-arm", "decided": True, "shipped": "shipped-arm"}
     text = headline(s)
@@ -819,3 +819,27 @@ def test_headline_shows_the_shipped_setting_until_the_defaults_equal_the_decisio
     row = next(ln for ln in headline(s).splitlines() if ln.startswith(f"| `{c['task']}`"))
     assert "9.000 ± 0.100" in row
     assert "not yet made" not in headline(s)
+
+
+def test_headline_of_a_finished_study_reports_the_cells_without_the_default_arm() -> None:
+    """Once the study is complete, a cell that ran only the earlier ROOT setting (the long
+    horizon, the autocast cell) is not called "still running": the headline gives that
+    setting's paired difference with ``torch.optim.Muon`` and its interval, from the JSON."""
+    import copy
+
+    from rootopt_analysis.bench.study_report import SHIPPED_COMPARISON, _ci, headline
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    s = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    arm = s["default"]["arm"]
+    without = [n for n, c in s["cells"].items() if arm not in c["arms"]]
+    comp = next(c for c in s["comparisons"] if c["label"] == SHIPPED_COMPARISON)
+    diffs = [comp["cells"][n]["equal steps"] for n in without if n in comp["cells"]]
+    assert s["complete"] and len(diffs) == len(without) >= 1
+    text = " ".join(headline(s).split())
+    assert "Still running" not in text
+    for d in diffs:
+        assert _ci(d) in text
+    unfinished = copy.deepcopy(s)
+    unfinished["complete"] = False
+    assert "Still running" in " ".join(headline(unfinished).split())

@@ -972,7 +972,8 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
                 pr = (P_REPORT, idx(cell), 30)
                 _study_arm_cell(w, final, cell, lookup, pr, report_prio=pr)
             w.decisions["final"] = final.name
-    # The robustness family, the long horizon and the autocast cell use the shipped ROOT.
+    # The robustness family, the long horizon and the autocast cell use ROOT as shipped when
+    # protocol v2 was written (SHIPPED: Muon's coefficients, float32).
     for ci, cname in enumerate(p.robust_cells):
         for clip in (1.0, None):
             prio = P_ROBUST if clip is not None else P_ROBUST_NOCLIP
@@ -1291,10 +1292,10 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
     ("threshold on − off", "@chosen", "@chosen-noq"),
     ("bf16 − fp32 iterations", "@chosen-bf16", "@chosen"),
     ("Muon bf16 − AdamW", "muon-bf16", "adamw"),
-    ("shipped ROOT − torch.optim.Muon", SHIPPED, "muon-bf16"),
-    ("shipped ROOT − Muon fp32 (precision-matched)", SHIPPED, "muon-fp32"),
-    ("shipped ROOT q = 0.8 − q = 0.9", f"{SHIPPED}-q0.8", SHIPPED),
-    ("shipped ROOT q = 0.95 − q = 0.9", f"{SHIPPED}-q0.95", SHIPPED),
+    ("ROOT, Muon's coefficients − torch.optim.Muon", SHIPPED, "muon-bf16"),
+    ("ROOT, Muon's coefficients − Muon fp32 (precision-matched)", SHIPPED, "muon-fp32"),
+    ("ROOT, Muon's coefficients, q = 0.8 − q = 0.9", f"{SHIPPED}-q0.8", SHIPPED),
+    ("ROOT, Muon's coefficients, q = 0.95 − q = 0.9", f"{SHIPPED}-q0.95", SHIPPED),
 )
 
 

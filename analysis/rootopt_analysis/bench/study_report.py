@@ -229,6 +229,8 @@ def markdown(s: dict[str, Any]) -> str:
     else:
         lines.append("(no report runs finished yet)")
     lines.append("")
+    if _long_curves(s):
+        lines += ["The long horizon's test loss over the run: [plot](img/study_long.png).", ""]
     lines += [
         "#### Paired differences a − b in test loss (negative: a is better; report seeds)",
         "",
@@ -354,7 +356,7 @@ def _comparison(s: dict[str, Any], label: str) -> dict[str, Any] | None:
 
 
 HEADLINE_COMPARISON = "default − torch.optim.Muon"
-SHIPPED_COMPARISON = "shipped ROOT − torch.optim.Muon"
+SHIPPED_COMPARISON = "ROOT, Muon's coefficients − torch.optim.Muon"
 MATCHED = "ROOT fp32 − Muon fp32 (precision-matched)"
 
 
@@ -371,6 +373,19 @@ def headline_view(s: dict[str, Any]) -> tuple[str, str, str]:
     return arm, arm, HEADLINE_COMPARISON
 
 
+def _beyond_decision(s: dict[str, Any], cells: Sequence[str]) -> list[tuple[str, Any]]:
+    """For cells without the default arm (the long horizon, the autocast cell: they ran the
+    setting shipped when the protocol was written), that setting's paired difference with
+    ``torch.optim.Muon`` at equal steps."""
+    comp = _comparison(s, SHIPPED_COMPARISON) or {"cells": {}}
+    out = []
+    for c in cells:
+        d = comp["cells"].get(c, {}).get("equal steps")
+        if d:
+            out.append((c, d))
+    return out
+
+
 def _claims(s: dict[str, Any]) -> list[str]:
     """Each claim the README's headline makes, with its interval."""
     out = []
@@ -384,6 +399,11 @@ def _claims(s: dict[str, Any]) -> list[str]:
             out.append(
                 f"ROOT − `torch.optim.Muon` pooled over the decision cells: {_ci(comp['pooled'])}"
             )
+    if s.get("complete"):
+        shown = {c for c, kinds in (comp or {"cells": {}})["cells"].items() if kinds}
+        rest = [c for c in s["cells"] if c not in shown]
+        for c, d in _beyond_decision(s, rest):
+            out.append(f"ROOT (Muon's coefficients, fp32) − `torch.optim.Muon` on {c}: {_ci(d)}")
     m = _comparison(s, MATCHED)
     if m and m["pooled_equal_compute"]:
         out.append(
@@ -482,18 +502,31 @@ def headline(s: dict[str, Any]) -> str:
     notes: list[str] = []
     if "digits" in sizes:
         notes.append(
-            "On `digits` the Muon column is ROOT's float32 Muon mode: `torch.optim.Muon` takes "
-            "only 2-D matrices, and the CNN's only matrices for Muon are its conv kernels."
+            "On `digits` the Muon column is ROOT's float32 Muon mode (`torch.optim.Muon` takes "
+            "only 2-D matrices; the CNN's are conv kernels)."
         )
     m = _comparison(s, MATCHED)
     pc = m["pooled_equal_compute"] if m else None
     if pc:
         notes.append(
-            "At equal compute (each optimizer given the FLOPs of AdamW's schedule) and the same "
-            "float32 Newton–Schulz precision, ROOT − Muon pooled over the base cells is "
-            f"{_ci(pc)}."
+            "At equal FLOPs and float32 Newton–Schulz for both, ROOT − Muon pooled over the "
+            f"base cells is {_ci(pc)}."
         )
-    if pending:
+    beyond = _beyond_decision(s, pending) if s.get("complete") else []
+    if beyond:
+
+        def _cell(name: str, d: dict[str, Any]) -> str:
+            c = s["cells"][name]
+            amp = ", bf16 autocast" if c["precision"] != "fp32" else ""
+            return f"{_ci(d)} on `{c['task']}`, {c['steps']} steps{amp}"
+
+        notes.append(
+            "With Muon's coefficients and float32 Newton–Schulz (the setting before the "
+            "decision), ROOT − `torch.optim.Muon` is "
+            + " and ".join(_cell(c, d) for c, d in beyond)
+            + "."
+        )
+    elif pending:
         notes.append(f"Still running: {', '.join(pending)}.")
     if notes:
         lines += [*_wrap(" ".join(notes)), ""]
@@ -502,6 +535,12 @@ def headline(s: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- plots
+
+
+def _long_curves(s: dict[str, Any]) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """(cell, arm, result) of each long-horizon arm with recorded test-loss curves."""
+    long_cells = [c for c in s["cells"].values() if not c["decision"] and c["precision"] == "fp32"]
+    return [(c, n, r) for c in long_cells for n, r in c["arms"].items() if r.get("curves")]
 
 
 def write_plots(s: dict[str, Any], out: Path) -> list[str]:
@@ -533,13 +572,12 @@ def write_plots(s: dict[str, Any], out: Path) -> list[str]:
             ax.set_ylabel("final test loss (diverged: initial loss)")
             ax.set_title(cname)
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
+        axes[0][0].legend(fontsize=7, handlelength=4)  # long enough to show the dashes
         fig.tight_layout()
         fig.savefig(out / "study_lr.png", dpi=110)
         plt.close(fig)
         made.append("study_lr.png")
-    long_cells = [c for c in s["cells"].values() if not c["decision"] and c["precision"] == "fp32"]
-    curves = [(c, n, r) for c in long_cells for n, r in c["arms"].items() if r.get("curves")]
+    curves = _long_curves(s)
     if curves:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for i, (c, n, r) in enumerate(curves):
