@@ -759,6 +759,20 @@ def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
     assert "Still running: stdlib@150" in readme
 
 
+def test_rendering_the_record_adds_no_session_to_its_log(tmp_path: Path) -> None:
+    """Publishing renders from the finished runs and trains nothing: the committed session log
+    (what provenance reads) stays as it was, however often the pages are regenerated."""
+    mod = _publish_module()
+    _mini_repo(tmp_path)
+    log = tmp_path / "docs" / "study" / "study-log.jsonl"
+    entry = {"command": "c", "commit": "aaa", "session": "s", "start": 1.0, "end": 2.0}
+    log.write_text(json.dumps({**entry, "compute": True}) + "\n")
+    before = log.read_bytes()
+    mod.publish(tmp_path)
+    mod.publish(tmp_path)
+    assert log.read_bytes() == before
+
+
 def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path: Path) -> None:
     mod = _publish_module()
     _mini_repo(tmp_path, readme_markers=False)

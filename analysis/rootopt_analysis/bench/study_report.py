@@ -22,6 +22,8 @@ def read_sessions(log_path: Path) -> list[dict[str, Any]]:
     """The study's sessions from its log, one per session: an entry written at the start and
     one at the end; a session with no end entry was stopped (its ``end`` is None). Torn or
     foreign lines are skipped."""
+    if not log_path.is_file():  # no session has run jobs here (only renders)
+        return []
     sessions: dict[str, dict[str, Any]] = {}
     for line in log_path.read_text(encoding="utf-8").splitlines():
         try:
@@ -37,7 +39,8 @@ def read_sessions(log_path: Path) -> list[dict[str, Any]]:
 
 
 def merge_log(src: Path, dst: Path) -> int:
-    """Append the session entries of ``src`` that ``dst`` lacks (an import); returns how many."""
+    """Append the entries of sessions that ran jobs in ``src`` that ``dst`` lacks (an
+    import); returns how many."""
     if not src.is_file():
         return 0
     have = set(dst.read_text(encoding="utf-8").splitlines()) if dst.is_file() else set()
@@ -57,7 +60,8 @@ def _is_entry(line: str) -> bool:
         e = json.loads(line)
     except ValueError:
         return False
-    return isinstance(e, dict) and "start" in e
+    # a session that ran jobs: the only kind provenance reads
+    return isinstance(e, dict) and "start" in e and bool(e.get("compute"))
 
 
 def provenance(sessions: Sequence[dict[str, Any]], store: Any) -> dict[str, Any]:
@@ -373,16 +377,19 @@ def headline_view(s: dict[str, Any]) -> tuple[str, str, str]:
     return arm, arm, HEADLINE_COMPARISON
 
 
-def _beyond_decision(s: dict[str, Any], cells: Sequence[str]) -> list[tuple[str, Any]]:
-    """For cells without the default arm (the long horizon, the autocast cell: they ran the
-    setting shipped when the protocol was written), that setting's paired difference with
-    ``torch.optim.Muon`` at equal steps."""
+def _beyond_decision(s: dict[str, Any]) -> list[tuple[str, Any]]:
+    """For a finished study, the cells without the README's ROOT arm (the long horizon, the
+    autocast cell: they ran the setting shipped when the protocol was written), each with that
+    setting's paired difference with ``torch.optim.Muon`` at equal steps."""
+    if not s.get("complete"):
+        return []
+    arm = headline_view(s)[0]
     comp = _comparison(s, SHIPPED_COMPARISON) or {"cells": {}}
     out = []
-    for c in cells:
-        d = comp["cells"].get(c, {}).get("equal steps")
-        if d:
-            out.append((c, d))
+    for name, c in s["cells"].items():
+        d = comp["cells"].get(name, {}).get("equal steps")
+        if d and not (c["arms"].get(arm) or {}).get("test_loss_ci"):
+            out.append((name, d))
     return out
 
 
@@ -399,11 +406,8 @@ def _claims(s: dict[str, Any]) -> list[str]:
             out.append(
                 f"ROOT − `torch.optim.Muon` pooled over the decision cells: {_ci(comp['pooled'])}"
             )
-    if s.get("complete"):
-        shown = {c for c, kinds in (comp or {"cells": {}})["cells"].items() if kinds}
-        rest = [c for c in s["cells"] if c not in shown]
-        for c, d in _beyond_decision(s, rest):
-            out.append(f"ROOT (Muon's coefficients, fp32) − `torch.optim.Muon` on {c}: {_ci(d)}")
+    for c, d in _beyond_decision(s):
+        out.append(f"ROOT (Muon's coefficients, fp32) − `torch.optim.Muon` on {c}: {_ci(d)}")
     m = _comparison(s, MATCHED)
     if m and m["pooled_equal_compute"]:
         out.append(
@@ -512,7 +516,7 @@ def headline(s: dict[str, Any]) -> str:
             "At equal FLOPs and float32 Newton–Schulz for both, ROOT − Muon pooled over the "
             f"base cells is {_ci(pc)}."
         )
-    beyond = _beyond_decision(s, pending) if s.get("complete") else []
+    beyond = _beyond_decision(s)
     if beyond:
 
         def _cell(name: str, d: dict[str, Any]) -> str:

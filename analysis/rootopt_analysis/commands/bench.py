@@ -265,6 +265,10 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
     }
 
     def log(e: dict[str, Any]) -> None:
+        # The log records sessions that run jobs (provenance reads only those); rendering
+        # from the finished runs (--finished-only) leaves it as it is.
+        if args.finished_only:
+            return
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(e) + "\n")
 
