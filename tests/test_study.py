@@ -783,6 +783,33 @@ def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path:
     assert after == before
 
 
+@pytest.mark.parametrize("name", ["runs.jsonl", "timing.jsonl", "study-log.jsonl"])
+def test_a_link_planted_where_the_study_appends_is_refused_and_its_target_kept(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Importing into (or running in) a study directory with a symbolic link at a file it
+    appends to: one line, status 2, nothing written through the link."""
+    from rootopt_analysis.commands.bench import main
+
+    record = Path(__file__).resolve().parents[1] / "docs" / "study"
+    out, src = tmp_path / "o", tmp_path / "src"
+    src.mkdir()
+    lines = (record / "runs.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (src / "runs.jsonl").write_text("".join(lines[:3]))
+    (src / "study-log.jsonl").write_text((record / "study-log.jsonl").read_text())
+    out.mkdir()
+    (out / "bench-manifest.json").write_text('{"tool": "rootopt bench", "format": 1}')
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's\n")
+    (out / name).symlink_to(mine)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv = ["study", "--out", str(out), "--import", str(src), "--finished-only"]
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "symbolic link" in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 def test_study_refuses_an_import_that_is_not_a_study_directory(tmp_path: Path) -> None:
     from rootopt_analysis.commands.bench import main
 

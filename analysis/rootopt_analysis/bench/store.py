@@ -81,11 +81,14 @@ def _append(path: Path, records: Iterable[Result]) -> None:
     lines = [json.dumps(r, separators=(",", ":")) + "\n" for r in records]
     if not lines:
         return
-    with open(path, "a+b") as f:
-        f.seek(0, os.SEEK_END)
+    from rootopt._atomic import open_append
+
+    with open_append(path, binary=True) as f:  # never through a planted link
         if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":  # close a torn last line
+            with open(path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                torn = r.read(1) != b"\n"
+            if torn:  # close a torn last line
                 f.write(b"\n")
         f.write("".join(lines).encode())
         f.flush()

@@ -50,7 +50,9 @@ def merge_log(src: Path, dst: Path) -> int:
         if line.strip() and line not in have and _is_entry(line)
     ]
     if new:
-        with open(dst, "a", encoding="utf-8") as f:
+        from rootopt._atomic import open_append
+
+        with open_append(dst) as f:
             f.write("".join(line + "\n" for line in new))
     return len(new)
 

@@ -22,6 +22,8 @@ from typing import Any
 
 SUITES = ("convergence", "lr-robustness", "robustness", "overhead", "all", "study")
 MANIFEST = "bench-manifest.json"
+# the files of a study directory that runs append to (bench/store.py, the session log)
+APPENDED = ("runs.jsonl", "timing.jsonl", "study-log.jsonl")
 
 
 class UserError(Exception):
@@ -92,6 +94,13 @@ def _check_out(out: Path) -> None:
             f"--out {str(out)!r} is a non-empty directory not written by rootopt bench; "
             "choose a new or empty directory"
         )
+    from rootopt._atomic import LinkError
+
+    # the files a run appends to: refused before anything is written (open_append is the
+    # last guard, not the check)
+    for name in APPENDED:
+        if (out / name).is_symlink():
+            raise UserError(str(LinkError(out / name)))
 
 
 def _check_finished(out: Path) -> None:
@@ -225,7 +234,7 @@ def _git_commit() -> dict[str, Any]:
 
 
 def _study(args: argparse.Namespace, argv: list[str]) -> int:
-    from rootopt._atomic import atomic_write
+    from rootopt._atomic import atomic_write, open_append
     from rootopt_analysis.bench import study, study_report
 
     if args.tasks or args.optimizers or args.seeds:
@@ -269,7 +278,7 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
         # from the finished runs (--finished-only) leaves it as it is.
         if args.finished_only:
             return
-        with open(log_path, "a", encoding="utf-8") as f:
+        with open_append(log_path) as f:
             f.write(json.dumps(e) + "\n")
 
     # Logged at the start too, so that a session killed before its end (a reboot, a kill) is
@@ -301,9 +310,11 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from rootopt._atomic import LinkError
+
     try:
         return run(argv)
-    except UserError as exc:
+    except (UserError, LinkError) as exc:
         print(f"rootopt bench: {exc}", file=sys.stderr)
         return 2
     except NothingFinished as exc:
