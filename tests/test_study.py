@@ -810,6 +810,39 @@ def test_a_link_planted_where_the_study_appends_is_refused_and_its_target_kept(
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+def test_a_second_session_that_appends_is_refused_while_the_first_is_live(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live session holds the study directory: a second run or import is refused with one
+    line and writes nothing; a render of what has finished may run beside it."""
+    from rootopt.checkpoint import DirLock
+    from rootopt_analysis.commands.bench import main
+
+    record = Path(__file__).resolve().parents[1] / "docs" / "study"
+    out, src = tmp_path / "o", tmp_path / "src"
+    src.mkdir()
+    lines = (record / "runs.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (src / "runs.jsonl").write_text("".join(lines[:3]))
+    assert main(["study", "--out", str(out), "--import", str(src), "--finished-only"]) == 0
+    capsys.readouterr()
+    (src / "runs.jsonl").write_text("".join(lines[:6]))
+    live = DirLock(out)
+    live.acquire()  # the first session
+    try:
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        for extra in (["--import", str(src), "--finished-only"], ["--quick"]):
+            assert main(["study", "--out", str(out), "--no-progress", *extra]) == 2
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and "in use by another" in err, err
+            assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        assert main(["study", "--out", str(out), "--finished-only", "--no-progress"]) == 0
+        assert (out / "runs.jsonl").read_bytes() == before[out / "runs.jsonl"]
+    finally:
+        live.release()
+    assert main(["study", "--out", str(out), "--import", str(src), "--finished-only"]) == 0
+    assert "imported 3 runs" in capsys.readouterr().out
+
+
 def test_study_refuses_an_import_that_is_not_a_study_directory(tmp_path: Path) -> None:
     from rootopt_analysis.commands.bench import main
 

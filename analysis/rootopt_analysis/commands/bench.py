@@ -234,8 +234,7 @@ def _git_commit() -> dict[str, Any]:
 
 
 def _study(args: argparse.Namespace, argv: list[str]) -> int:
-    from rootopt._atomic import atomic_write, open_append
-    from rootopt_analysis.bench import study, study_report
+    from rootopt.checkpoint import DirLock, LockHeld
 
     if args.tasks or args.optimizers or args.seeds:
         raise UserError(
@@ -248,6 +247,28 @@ def _study(args: argparse.Namespace, argv: list[str]) -> int:
     if src is not None and not (src / "runs.jsonl").is_file() and not (src / "runs").is_dir():
         raise UserError(f"--import {str(src)!r} is not a study directory (no runs.jsonl)")
     _claim_out(out)
+    # One session that appends (runs or an import) per study directory; a render of what has
+    # finished (--finished-only alone) may run beside it. The kernel drops the lock at exit.
+    lock = DirLock(out)
+    if not args.finished_only or src is not None:
+        try:
+            lock.acquire()
+        except LockHeld as exc:
+            raise UserError(
+                f"--out {str(out)!r} is in use by another rootopt bench study ({exc.holder}); "
+                "wait for it to end or choose another directory"
+            ) from None
+    try:
+        return _study_session(args, argv, out, src)
+    finally:
+        lock.release()
+
+
+def _study_session(args: argparse.Namespace, argv: list[str], out: Path, src: Path | None) -> int:
+    """The study's work in ``out`` (the caller validated it and holds its lock if needed)."""
+    from rootopt._atomic import atomic_write, open_append
+    from rootopt_analysis.bench import study, study_report
+
     proto = study.Protocol.quick() if args.quick else study.Protocol.full()
     log_path = out / "study-log.jsonl"
     if src is not None:
