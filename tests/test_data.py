@@ -65,6 +65,29 @@ def test_corrupt_shard_is_named(shards: Path, tmp_path: Path) -> None:
             pass
 
 
+def test_a_truncated_shard_fails_the_checksum_or_without_it_the_sample_count(
+    shards: Path, tmp_path: Path
+) -> None:
+    from rootopt.data import validate_data
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in shards.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    entry = load_manifest(copy)["splits"]["train"][2]
+    victim = copy / entry["name"]
+    victim.write_bytes(victim.read_bytes()[: 1024 * 3])  # three whole samples, no end record
+    with pytest.raises(ShardError, match=f"shard {entry['name']} failed its checksum"):
+        validate_data(copy, checksum=True)
+    with pytest.raises(
+        ShardError,
+        match=rf"shard {entry['name']} holds \d+ samples, manifest says {entry['samples']}",
+    ):
+        validate_data(copy, checksum=False)
+    victim.write_bytes((shards / victim.name).read_bytes())
+    assert validate_data(copy, checksum=True) == validate_data(copy, checksum=False) > 4
+
+
 def test_ranks_get_disjoint_shards(shards: Path) -> None:
     names = [
         {e["name"] for e in ShardStream(shards, batch_size=4, rank=r, world_size=3).shards}
