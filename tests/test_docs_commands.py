@@ -9,10 +9,11 @@ Docker, the network, a long run, the test suite itself). A command in neither ta
 :func:`test_every_documented_command_is_classified`, so a new command in the docs must be
 classified; a classified command the docs no longer show fails it too.
 
-Commands run in page order (README, training, monitoring, then the rest by name), so a
-command finds what the commands before it made (shards, runs, a policy). Where a command
-would train or measure for minutes, :data:`RUN` appends small overrides (the last value of a
-key or option wins) and says why. A command that exits with a status other than its expected
+Commands run in page order (README, training, models, data, monitoring, then the rest by
+name), so a command finds what the commands before it made (shards, runs, a policy); the
+first five pages and the rest are two lanes that run side by side (:func:`lanes`). Where a
+command would train or measure for minutes, :data:`RUN` appends small overrides (the last
+value of a key or option wins) and says why. A command that exits with a status other than its expected
 one fails the test, with its output; a ``console`` block's output lines must appear in the
 command's output (``...`` matches anything).
 """
@@ -24,6 +25,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -343,29 +345,33 @@ def _expected(line: str) -> re.Pattern[str]:
 
 def _scratch(tmp: Path) -> Path:
     work = tmp / "repo"
-    work.mkdir()
+    work.mkdir(parents=True)
     for name in ("configs", "docs", "benchmarks"):
         (work / name).symlink_to(REPO / name, target_is_directory=True)
     return work
 
 
-def test_documented_commands_run(tmp_path: Path) -> None:
-    """Every command of RUN, in page order, in one scratch directory (e2e)."""
-    work = _scratch(tmp_path)
-    bin_dir = str(Path(sys.executable).parent)
-    environment = env(
-        PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
-        ROOTOPT_CACHE_DIR=str(tmp_path / "cache"),
-        TORCH_HOME=str(tmp_path / "torch-home"),
-        MPLBACKEND="Agg",
-    )
+def lanes() -> list[list[Command]]:
+    """The commands :func:`test_documented_commands_run` runs, in two lanes: the pages of
+    :data:`FIRST` (each builds on the ones before: shards, runs, a tokenizer) and every other
+    page (whose commands make what they use). A command an earlier page ran is not run again."""
     done: set[str] = set()
-    failures: list[str] = []
-    times: list[tuple[float, str]] = []
+    out: list[list[Command]] = [[], []]
     for cmd in documented_commands():
         if cmd.text in NOT_HERE or cmd.text in done:
             continue  # not here, or an earlier page ran the same line
         done.add(cmd.text)
+        out[cmd.page not in FIRST].append(cmd)
+    return out
+
+
+def _run_lane(
+    commands: list[Command], work: Path, environment: dict[str, str]
+) -> tuple[list[str], list[tuple[float, str]]]:
+    """Run ``commands`` in order in ``work``: the failures and the time of each."""
+    failures: list[str] = []
+    times: list[tuple[float, str]] = []
+    for cmd in commands:
         run = RUN[cmd.text]
         if run.setup:
             subprocess.run(
@@ -399,8 +405,39 @@ def test_documented_commands_run(tmp_path: Path) -> None:
                 failures.append(
                     f"{cmd.page}: {line}: no output line like {expected!r}\n{said[-1500:]}"
                 )
+    return failures, times
+
+
+def test_the_lanes_hold_every_command_once_in_page_order() -> None:
+    first, rest = lanes()
+    assert first and rest and all(c.page in FIRST for c in first)
+    assert not {c.page for c in rest} & set(FIRST)
+    texts = [c.text for c in first + rest]
+    assert len(texts) == len(set(texts)) == len(RUN)
+    seen = [c.text for c in documented_commands()]
+    for lane in (first, rest):
+        at = [seen.index(c.text) for c in lane]
+        assert at == sorted(at)
+
+
+def test_documented_commands_run(tmp_path: Path) -> None:
+    """Every command of RUN, in page order (e2e). The two :func:`lanes` run side by side,
+    each in a scratch directory of its own: most commands are a process start and a
+    single-threaded prepare or a few steps, so two at a time use both cores."""
+    bin_dir = str(Path(sys.executable).parent)
+    environment = env(
+        PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+        ROOTOPT_CACHE_DIR=str(tmp_path / "cache"),
+        TORCH_HOME=str(tmp_path / "torch-home"),
+        MPLBACKEND="Agg",
+    )
+    work = [_scratch(tmp_path / f"lane{i}") for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(_run_lane, lanes(), work, [environment] * 2))
+    failures = [f for fails, _ in results for f in fails]
+    times = [t for _, ts in results for t in ts]
     for seconds, line in sorted(times, reverse=True):
         print(f"{seconds:6.1f} s  {line}")
     print(f"{sum(s for s, _ in times):6.1f} s  in all ({len(times)} commands)")
     assert not failures, "\n\n".join(failures)
-    assert len(done) == len(RUN)
+    assert len(times) == len(RUN)
