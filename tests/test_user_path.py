@@ -84,10 +84,11 @@ def _ctrl_c_and_rerun(tmp_path: Path, extra: list[str]) -> None:
     rootopt = console_script("rootopt")
     whole = tmp_path / "whole"
     whole.mkdir()
-    done = _run([rootopt, "train", *extra], whole)
-    assert done.returncode == 0, done.stderr[-3000:]
     user = tmp_path / "user"
     user.mkdir()
+    # the uninterrupted run and the one Ctrl-C stops are independent: they run side by side
+    # (each one thread, OMP_NUM_THREADS=1)
+    uninterrupted = start_session([rootopt, "train", *extra], env=env(), cwd=whole)
     proc = start_session([rootopt, "train", *extra], env=env(), cwd=user)
     try:
         # Ctrl-C once the first record is logged: the loop checkpoints after the current
@@ -103,8 +104,11 @@ def _ctrl_c_and_rerun(tmp_path: Path, extra: list[str]) -> None:
         )
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         out, err = proc.communicate(timeout=300)
+        _, whole_err = uninterrupted.communicate(timeout=420)
     finally:
         kill_session(proc)
+        kill_session(uninterrupted)
+    assert uninterrupted.returncode == 0, whole_err[-3000:]
     assert proc.returncode == 130, err[-3000:]
     assert "stopped by signal after a checkpoint; run the same command to resume" in out
     assert "Traceback" not in err
