@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -70,10 +71,7 @@ def test_a_truncated_shard_fails_the_checksum_or_without_it_the_sample_count(
 ) -> None:
     from rootopt.data import validate_data
 
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for f in shards.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    copy = Path(shutil.copytree(shards, tmp_path / "copy"))
     entry = load_manifest(copy)["splits"]["train"][2]
     victim = copy / entry["name"]
     victim.write_bytes(victim.read_bytes()[: 1024 * 3])  # three whole samples, no end record

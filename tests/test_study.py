@@ -783,6 +783,12 @@ def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path:
     assert after == before
 
 
+def _committed_runs(n: int) -> str:
+    """The first ``n`` lines of the committed record's runs.jsonl (finished runs to import)."""
+    record = Path(__file__).resolve().parents[1] / "docs" / "study" / "runs.jsonl"
+    return "".join(record.read_text(encoding="utf-8").splitlines(keepends=True)[:n])
+
+
 @pytest.mark.parametrize("name", ["runs.jsonl", "timing.jsonl", "study-log.jsonl"])
 def test_a_link_planted_where_the_study_appends_is_refused_and_its_target_kept(
     tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
@@ -791,11 +797,10 @@ def test_a_link_planted_where_the_study_appends_is_refused_and_its_target_kept(
     appends to: one line, status 2, nothing written through the link."""
     from rootopt_analysis.commands.bench import main
 
-    record = Path(__file__).resolve().parents[1] / "docs" / "study"
     out, src = tmp_path / "o", tmp_path / "src"
     src.mkdir()
-    lines = (record / "runs.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
-    (src / "runs.jsonl").write_text("".join(lines[:3]))
+    (src / "runs.jsonl").write_text(_committed_runs(3))
+    record = Path(__file__).resolve().parents[1] / "docs" / "study"
     (src / "study-log.jsonl").write_text((record / "study-log.jsonl").read_text())
     out.mkdir()
     (out / "bench-manifest.json").write_text('{"tool": "rootopt bench", "format": 1}')
@@ -818,14 +823,12 @@ def test_a_second_session_that_appends_is_refused_while_the_first_is_live(
     from rootopt.checkpoint import DirLock
     from rootopt_analysis.commands.bench import main
 
-    record = Path(__file__).resolve().parents[1] / "docs" / "study"
     out, src = tmp_path / "o", tmp_path / "src"
     src.mkdir()
-    lines = (record / "runs.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
-    (src / "runs.jsonl").write_text("".join(lines[:3]))
+    (src / "runs.jsonl").write_text(_committed_runs(3))
     assert main(["study", "--out", str(out), "--import", str(src), "--finished-only"]) == 0
     capsys.readouterr()
-    (src / "runs.jsonl").write_text("".join(lines[:6]))
+    (src / "runs.jsonl").write_text(_committed_runs(6))
     live = DirLock(out)
     live.acquire()  # the first session
     try:

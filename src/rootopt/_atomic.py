@@ -118,13 +118,15 @@ def _nofollow(path: str, flags: int) -> int:
     return os.open(path, flags | O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), file_mode())
 
 
-def open_append(path: Path, *, binary: bool = False) -> IO[Any]:
-    """``path`` opened for appending (created when missing) without following a symbolic
-    link at it: a link raises :class:`LinkError`, nothing is written."""
+def open_append(path: Path, *, binary: bool = False, readable: bool = False) -> IO[Any]:
+    """``path`` opened for appending (created when missing; ``readable``: for reading as
+    well) without following a symbolic link at it: a link raises :class:`LinkError`,
+    nothing is written."""
+    mode = "a+" if readable else "a"
     try:
         if binary:
-            return open(path, "ab", opener=_nofollow)
-        return open(path, "a", encoding="utf-8", opener=_nofollow)
+            return open(path, mode + "b", opener=_nofollow)
+        return open(path, mode, encoding="utf-8", opener=_nofollow)
     except OSError as exc:
         if exc.errno == errno.ELOOP and is_link(path):
             raise LinkError(path) from None

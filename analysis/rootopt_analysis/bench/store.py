@@ -83,12 +83,10 @@ def _append(path: Path, records: Iterable[Result]) -> None:
         return
     from rootopt._atomic import open_append
 
-    with open_append(path, binary=True) as f:  # never through a planted link
-        if f.tell() > 0:
-            with open(path, "rb") as r:
-                r.seek(-1, os.SEEK_END)
-                torn = r.read(1) != b"\n"
-            if torn:  # close a torn last line
+    with open_append(path, binary=True, readable=True) as f:  # never through a planted link
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":  # close a torn last line
                 f.write(b"\n")
         f.write("".join(lines).encode())
         f.flush()

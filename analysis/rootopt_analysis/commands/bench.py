@@ -94,13 +94,12 @@ def _check_out(out: Path) -> None:
             f"--out {str(out)!r} is a non-empty directory not written by rootopt bench; "
             "choose a new or empty directory"
         )
-    from rootopt._atomic import LinkError
+    from rootopt._atomic import refuse_link
 
     # the files a run appends to: refused before anything is written (open_append is the
-    # last guard, not the check)
+    # last guard, not the check); main() reports the LinkError in one line
     for name in APPENDED:
-        if (out / name).is_symlink():
-            raise UserError(str(LinkError(out / name)))
+        refuse_link(out / name)
 
 
 def _check_finished(out: Path) -> None:

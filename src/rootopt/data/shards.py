@@ -382,8 +382,8 @@ def verify_shard(root: Path, entry: dict[str, Any], *, checksum: bool = True) ->
     the tar headers.
 
     A file whose sha256 equals the manifest's holds the bytes the prepare wrote, and so the
-    samples it counted: reading every tar header as well would only repeat that (0.7 s for
-    the embedded default's 31,000 samples, at every launch)."""
+    samples it counted: reading every tar header as well, at every launch, would only repeat
+    that."""
     path = root / entry["name"]
     if not path.is_file():
         raise ShardError(f"shard {entry['name']} is missing from {str(root)!r}")
