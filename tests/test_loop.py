@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _train_fixtures import FAST, final_params, prepare_tiny, quiet
+from rootopt.checkpoint import load
 from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
 from rootopt.train import Hooks, train
@@ -38,22 +39,35 @@ def _records(run: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _tensors_equal(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, rtol: float = 0.0) -> bool:
+    """``a`` and ``b`` hold the same structure and values: bit for bit with ``rtol=0``, floats
+    and float tensors within ``rtol`` (relative, with an absolute floor of ``rtol`` times the
+    tensor's largest magnitude) otherwise; everything else exactly."""
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        if rtol == 0.0 or not a.is_floating_point():
+            return torch.equal(a, b)
+        floor = rtol * float(a.abs().max()) if a.numel() else 0.0
+        return torch.allclose(a, b, rtol=rtol, atol=floor)
     if isinstance(a, dict):
         return (
-            isinstance(b, dict)
-            and a.keys() == b.keys()
-            and all(_tensors_equal(a[k], b[k]) for k in a)
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k], rtol) for k in a)
         )
     if isinstance(a, (list, tuple)):
         return (
             isinstance(b, (list, tuple))
             and len(a) == len(b)
-            and all(_tensors_equal(x, y) for x, y in zip(a, b))
+            and all(_same(x, y, rtol) for x, y in zip(a, b))
         )
+    if isinstance(a, float) and isinstance(b, float) and rtol:
+        return abs(a - b) <= rtol * max(abs(a), 1.0)
     return bool(a == b)
+
+
+# How far this machine's float kernels may round differently from the machine that wrote
+# OLD_RUN (different SIMD kernels for the same ops), over the 9 steps after the checkpoint.
+ROUNDING = 1e-5
 
 
 def _suspect(run: Path) -> dict[str, bool]:
@@ -81,6 +95,14 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
     whole = train(cfg, tmp_path / "whole", str(shards), say=quiet, hooks=hooks)
     run = tmp_path / "old"
     shutil.copytree(OLD_RUN, run)
+    # Bit for bit where this machine computes the checkpoint's first 7 steps bit for bit
+    # (the same kernels as the machine that wrote it); on other CPUs they round differently
+    # in the last bits, and the continuation is compared within ROUNDING (counters, steps and
+    # flags stay exact either way).
+    step7 = "checkpoints/ckpt-00000007.pt"
+    mine, theirs = load(tmp_path / "whole" / step7), load(OLD_RUN / step7)
+    rtol = 0.0 if _same(mine["model"], theirs["model"]) else ROUNDING
+    assert _same(mine["model"], theirs["model"], ROUNDING)
     said: list[str] = []
     rest = train(cfg, run, str(shards), say=said.append, hooks=hooks)
     assert "resumed from ckpt-00000007.pt at step 7" in said
@@ -90,7 +112,7 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
     assert rest.nonfinite_steps == whole.nonfinite_steps == 2  # one from the checkpoint
     a, b = final_params(tmp_path / "whole"), final_params(run)
     for key in ("model", "optimizer", "scheduler", "clipper", "scaler"):
-        assert _tensors_equal(a[key], b[key]), key
+        assert _same(a[key], b[key], rtol), (key, rtol)
     assert a["state"]["step"] == b["state"]["step"] == 16
     assert a["state"]["batches"] == b["state"]["batches"] == 16
     assert a["state"]["tokens"] == b["state"]["tokens"]
@@ -98,7 +120,7 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
     got, want = _records(run), _records(tmp_path / "whole")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [4, 5, 8, 10, 12, 15, 16, 16]
     assert got[2]["steps"] == 4 and got[2]["finite_steps"] == 4
-    assert got == want
+    assert _same(got, want, rtol), (got, want)
     # episodes: ckpt-7 inside the first (it closes at step 8), ckpt-14 inside the second
     assert (
         _suspect(run)
