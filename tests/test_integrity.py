@@ -488,29 +488,54 @@ def test_a_peer_killed_during_a_collective_save_leaves_one_line(
     """Rank 1 is SIGKILLed inside the collective save of dcp-00000008. The surviving
     rank 0 says one line naming the save and the intact checkpoint, with no traceback (it
     used to print torch's traceback of the broken gather); the same command then resumes
-    from dcp-00000004 and cleans the partial save."""
+    from dcp-00000004 and cleans the partial save.
+
+    The two ranks are started as torchrun starts them (its environment, one process per
+    rank), without its agent: the agent, finding rank 1 dead, would stop rank 0 with
+    SIGTERM on its own schedule (itself one line, but another path); holding it off with a
+    long ``--monitor-interval`` cost 12 s a run."""
     import json
+    import socket
+    import subprocess
     import sys
 
-    from _faultkit import run_session
     from _train_fixtures import torchrun, torchrun_env
 
     run = tmp_path / "run"
     script = Path(__file__).resolve().parent / "dist_scripts" / "train_hooked.py"
     argv = ["--data_path", str(shards), "--log_dir", str(run), *DCP, "run.max_steps=12"]
     spec = {"argv": argv, "die_rank": 1, "die_in_save_at": 8}
-    logs = tmp_path / "logs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    # torchrun looks at its workers every 20 s here: rank 0 meets the broken save before
-    # the launcher would stop it with SIGTERM (itself one line, but another path)
-    cmd += ["--monitor-interval", "20", "--log-dir", str(logs), "--redirects", "3"]
-    cmd += [str(script), json.dumps(spec)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
     env = torchrun_env()
     env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parent)
-    done = run_session(cmd, env=env, timeout=240)
-    assert done.returncode != 0
-    (err0,) = list(logs.rglob("attempt_0/0/stderr.log"))
-    text = err0.read_text()
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    ranks = []
+    for rank in (0, 1):
+        out = open(tmp_path / f"rank{rank}.out", "w")  # noqa: SIM115 (closed below)
+        ranks.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(script), json.dumps(spec)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                out,
+            )
+        )
+    try:
+        codes = [proc.wait(timeout=240) for proc, _ in ranks]
+    finally:
+        for proc, out in ranks:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            out.close()
+    assert codes[1] == -9 and codes[0] not in (0, -9), codes
+    text = (tmp_path / "rank0.out").read_text()
     assert "Traceback" not in text, text[-3000:]
     lines = [ln for ln in text.splitlines() if ln.startswith("rootopt train")]
     assert len(lines) == 1, text[-3000:]
