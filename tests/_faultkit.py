@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,6 +69,13 @@ def console_script(name: str) -> str:
     found = shutil.which(name)
     assert found, f"the {name!r} command is not installed next to {sys.executable}"
     return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous or a store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def kill_session(proc: subprocess.Popen[Any]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 import rootopt
+from _faultkit import free_port
 from rootopt.distributed import DistributedROOT, assign_owners, chunk_rows, ns_cost
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
@@ -36,12 +36,6 @@ LAUNCH_TIMEOUT_S = 240
 # smallest singular direction (measured: 1.2e-6 / 1.4e-5 at world 3; docs/adanewton.md).
 TOL = 1e-5
 STATE_TOL = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:

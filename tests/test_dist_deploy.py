@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch.distributed.run import get_args_parser
 
-from _faultkit import run_session
+from _faultkit import free_port, run_session
 from _train_fixtures import TINY, prepare_tiny
 from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
@@ -394,12 +393,6 @@ def test_multinode_recipe_dry_run_prints_the_command_and_runs_nothing(tmp_path: 
     assert Path(args.training_script_args[1]) == ROOT_DIR / "configs" / "default.yaml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_launch_sh_trains_from_another_directory(tmp_path: Path) -> None:
     """The recipe for real: one node, one process, torchrun's c10d rendezvous on loopback,
     started from a directory that is not the repository; the run directory is relative to
@@ -417,7 +410,7 @@ def test_launch_sh_trains_from_another_directory(tmp_path: Path) -> None:
         "NODE_RANK": "0",
         "NPROC": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RUN_DIR": "run",
     }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HOSTFILE", "CONFIG", "DRY_RUN"):

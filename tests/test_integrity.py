@@ -495,45 +495,37 @@ def test_a_peer_killed_during_a_collective_save_leaves_one_line(
     SIGTERM on its own schedule (itself one line, but another path); holding it off with a
     long ``--monitor-interval`` cost 12 s a run."""
     import json
-    import socket
     import subprocess
     import sys
 
+    from _faultkit import free_port, kill_session
     from _train_fixtures import torchrun, torchrun_env
 
     run = tmp_path / "run"
     script = Path(__file__).resolve().parent / "dist_scripts" / "train_hooked.py"
     argv = ["--data_path", str(shards), "--log_dir", str(run), *DCP, "run.max_steps=12"]
     spec = {"argv": argv, "die_rank": 1, "die_in_save_at": 8}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     env = torchrun_env()
     env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parent)
-    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
     ranks = []
     for rank in (0, 1):
-        out = open(tmp_path / f"rank{rank}.out", "w")  # noqa: SIM115 (closed below)
-        ranks.append(
-            (
+        with open(tmp_path / f"rank{rank}.out", "w") as out:  # the rank holds its own copy
+            ranks.append(
                 subprocess.Popen(
                     [sys.executable, str(script), json.dumps(spec)],
                     env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                ),
-                out,
+                )
             )
-        )
     try:
-        codes = [proc.wait(timeout=240) for proc, _ in ranks]
+        codes = [proc.wait(timeout=240) for proc in ranks]
     finally:
-        for proc, out in ranks:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-            out.close()
+        for proc in ranks:
+            kill_session(proc)  # a rank still running after a failure above
     assert codes[1] == -9 and codes[0] not in (0, -9), codes
     text = (tmp_path / "rank0.out").read_text()
     assert "Traceback" not in text, text[-3000:]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from _faultkit import free_port
 from path_cases import LR, OPTION_SETS, SHAPES, gradients, groups, iteration_dtype, make_params
 from rootopt import ROOT
 from rootopt.coeffs.cache import CoefficientCache
@@ -116,12 +116,6 @@ def by_class(name: str, cls: type[ROOT] = ROOT, **path_options: Any) -> Result:
     return {n: p.detach().clone() for n, p in params.items()}, state
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One torchrun launch (2 ranks, gloo) runs every option set, replicated and sharded."""
@@ -130,7 +124,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT_DIR / "src"), env.get("PYTHONPATH", "")])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-        "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         str(ROOT_DIR / "tests" / "dist_scripts" / "paths.py"), str(out),
     ]  # fmt: skip
     try:

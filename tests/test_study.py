@@ -783,10 +783,13 @@ def test_publish_refuses_a_page_without_its_markers_and_writes_nothing(tmp_path:
     assert after == before
 
 
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "study"  # the committed record
+
+
 def _committed_runs(n: int) -> str:
     """The first ``n`` lines of the committed record's runs.jsonl (finished runs to import)."""
-    record = Path(__file__).resolve().parents[1] / "docs" / "study" / "runs.jsonl"
-    return "".join(record.read_text(encoding="utf-8").splitlines(keepends=True)[:n])
+    runs = (COMMITTED / "runs.jsonl").read_text(encoding="utf-8")
+    return "".join(runs.splitlines(keepends=True)[:n])
 
 
 @pytest.mark.parametrize("name", ["runs.jsonl", "timing.jsonl", "study-log.jsonl"])
@@ -800,8 +803,7 @@ def test_a_link_planted_where_the_study_appends_is_refused_and_its_target_kept(
     out, src = tmp_path / "o", tmp_path / "src"
     src.mkdir()
     (src / "runs.jsonl").write_text(_committed_runs(3))
-    record = Path(__file__).resolve().parents[1] / "docs" / "study"
-    (src / "study-log.jsonl").write_text((record / "study-log.jsonl").read_text())
+    (src / "study-log.jsonl").write_text((COMMITTED / "study-log.jsonl").read_text())
     out.mkdir()
     (out / "bench-manifest.json").write_text('{"tool": "rootopt bench", "format": 1}')
     mine = tmp_path / "mine.txt"
