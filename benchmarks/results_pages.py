@@ -706,6 +706,10 @@ def page_prepare() -> str:
     return str(_benchmark("bench_prepare").render(_json("docs/results/prepare.json")))
 
 
+def page_ns_dtype() -> str:
+    return str(_benchmark("bench_ns_dtype").render(_json("docs/results/ns_dtype.json")))
+
+
 def page_train_overhead() -> str:
     return str(_benchmark("bench_train_overhead").render(_json("docs/results/train_overhead.json")))
 
@@ -737,6 +741,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "benchmarks-family.md": page_benchmarks_family,
     "distributed.md": page_distributed,
     "integrations.md": page_integrations,
+    "ns_dtype.md": page_ns_dtype,
     "outlook.md": page_outlook,
     "performance.md": page_performance,
     "prepare.md": page_prepare,

@@ -85,11 +85,20 @@ def torchrun_cmd(n: int, run: Path, data: Path, over: list[str], *launcher: str)
 
 
 def torchrun(
-    n: int, run: Path, data: Path, over: list[str], *launcher: str, timeout: float = 180
+    n: int,
+    run: Path,
+    data: Path,
+    over: list[str],
+    *launcher: str,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """One torchrun launch; on timeout its whole session is killed (no orphan workers)."""
+    """One torchrun launch (``env``: added to :func:`torchrun_env`); on timeout its whole
+    session is killed (no orphan workers)."""
     done = run_session(
-        torchrun_cmd(n, run, data, over, *launcher), env=torchrun_env(), timeout=timeout
+        torchrun_cmd(n, run, data, over, *launcher),
+        env={**torchrun_env(), **(env or {})},
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done

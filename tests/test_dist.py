@@ -135,17 +135,24 @@ def test_sharded_updates_travel_in_the_dtype_they_are_exact_in() -> None:
     from types import SimpleNamespace
 
     from rootopt.distributed.sharded import update_dtype as _update_dtype
+    from rootopt.optim._options import ns_dtype_name
 
     cpu = torch.device("cpu")
 
     def task(ns_dtype: str, method: str = "newton_schulz", split: Any = None) -> Any:
         group = {"ns_dtype": ns_dtype, "ortho_method": method, "ns_split": [split]}
-        return SimpleNamespace(group=group, pi=0)
+        return SimpleNamespace(group={**group, "ns_auto": "native"}, pi=0)
 
     assert _update_dtype([task("bfloat16"), task("bfloat16")], cpu) == torch.bfloat16
     assert _update_dtype([task("float16")], cpu) == torch.float16
     assert _update_dtype([task("float32")], cpu) == torch.float32
-    assert _update_dtype([task("auto")], cpu) == torch.float32  # float32 on the CPU
+    # "auto": what it resolves to here (bfloat16 on a CPU with bf16 units)
+    want = torch.bfloat16 if ns_dtype_name("auto", cpu) == "bfloat16" else torch.float32
+    assert _update_dtype([task("auto")], cpu) == want
+    # a group saved before "auto" changed (no ns_auto) keeps its rule: float32 on the CPU
+    legacy = task("auto")
+    del legacy.group["ns_auto"]
+    assert _update_dtype([legacy], cpu) == torch.float32
     assert _update_dtype([task("auto")], torch.device("cuda")) == torch.bfloat16
     assert _update_dtype([task("bfloat16"), task("float16")], cpu) == torch.float32
     assert _update_dtype([task("bfloat16"), task("float32")], cpu) == torch.float32

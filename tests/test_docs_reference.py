@@ -193,16 +193,16 @@ def test_pages_name_only_defaults_the_code_has(page: Path) -> None:
 
 
 def test_the_default_checks_catch_stale_text() -> None:
-    """The checker fails on the sentences the pages carried when AdaNewton, and then Muon's
-    coefficients with float32 iterations on the CPU, stopped being the default, and on a
-    changed config default."""
+    """The checker fails on the sentences the pages carried when AdaNewton, then Muon's
+    coefficients, then bfloat16 iterations on every device stopped being the default, and
+    on a changed config default."""
     stale = [
         "`tests/test_paths.py` runs every path with every option set — default coefficients "
         "(AdaNewton), float64 and bfloat16 parameters",
         "| ROOT default (fp32 iteration, AdaNewton, threshold) | 7,656 |",
         'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default is "adanewton")',
         'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default is "muon")',
-        '`ns_dtype="auto"` (the default) resolves per device',
+        'iterates with `ns_dtype="bfloat16"` (the default) on the CPU',
         "loses at most `checkpoint.every` steps (default 1000)",
         "`outlier_quantile=0.8` (the default)",
     ]
@@ -211,7 +211,7 @@ def test_the_default_checks_catch_stale_text() -> None:
     fine = [
         'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default: "polar_express")',
         "`run.max_nonfinite` (default 20) steps in a row",
-        'iterates with `ns_dtype="bfloat16"` (the default) on the CPU',
+        '`ns_dtype="auto"` (the default) resolves per device',
     ]
     for sentence in fine:
         assert stale_defaults(sentence) == [], sentence

@@ -89,8 +89,8 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
     checkpoint carried), the same suspect flags on the checkpoints written inside the second
     episode; and today's uninterrupted run logs what that version logged."""
     # the optimizer settings of the version that wrote it (the defaults changed since:
-    # CHANGELOG.md)
-    then = ["optimization.ns_coefficients=muon", "optimization.ns_dtype=auto"]
+    # CHANGELOG.md; its "auto" iterated in float32 on every CPU)
+    then = ["optimization.ns_coefficients=muon", "optimization.ns_dtype=float32"]
     cfg = load_config(None, [*make_loop_run.OVERRIDES, *then])
     hooks = Hooks(after_backward=make_loop_run.nan_grads)
     whole = train(cfg, tmp_path / "whole", str(shards), say=quiet, hooks=hooks)
@@ -112,6 +112,15 @@ def test_a_checkpoint_of_the_flat_train_state_resumes_bit_identically(
     assert rest.steps == whole.steps == 16
     assert rest.nonfinite_steps == whole.nonfinite_steps == 2  # one from the checkpoint
     a, b = final_params(tmp_path / "whole"), final_params(run)
+    # the checkpoint's groups say ns_dtype "auto" as that version resolved it (float32 on
+    # the CPU, kept on load: no "ns_auto" key); today's run names float32
+    from rootopt.optim._options import group_ns_dtype
+
+    for ga, gb in zip(a["optimizer"]["param_groups"], b["optimizer"]["param_groups"], strict=True):
+        assert (gb["ns_dtype"], "ns_auto" in gb) == ("auto", False)
+        assert group_ns_dtype(gb, torch.device("cpu")) == ga["ns_dtype"] == "float32"
+        for g in (ga, gb):
+            g.pop("ns_dtype"), g.pop("ns_auto", None)
     for key in ("model", "optimizer", "scheduler", "clipper", "scaler"):
         assert _same(a[key], b[key], rtol), (key, rtol)
     assert a["state"]["step"] == b["state"]["step"] == 16

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from _faultkit import env, tree_state
 from _train_fixtures import FAST
@@ -124,13 +125,18 @@ def test_a_default_run_keeps_its_run_directory() -> None:
     computed by the code before tokenizers, the identity key and checkpoint.every=100): the
     new data keys at their defaults and the changed checkpoint interval do not move it. The
     change of the default Newton–Schulz coefficients and CPU iteration dtype (CHANGELOG.md)
-    does: a run trained with the earlier ones is found again when the config names them, never
-    resumed with others."""
+    does: a run trained with the earlier ones (float32 iterations on the CPU) is found again
+    when the config names them, never resumed with others."""
+    from rootopt.optim._options import ns_dtype_name
     from rootopt.train.rundir import identity_key, legacy_identity_key
 
-    then = ["optimization.ns_coefficients=muon", "optimization.ns_dtype=auto"]
+    then = ["optimization.ns_coefficients=muon", "optimization.ns_dtype=float32"]
     assert legacy_identity_key(load_config(None, then), None) == "70ef8a9a"
     assert legacy_identity_key(load_config(None, then[:1]), None) != "70ef8a9a"
+    # "auto" names that run where it resolves to float32 (a CPU without bf16 units), and
+    # another where it resolves to bfloat16
+    auto = legacy_identity_key(load_config(None, [then[0], "optimization.ns_dtype=auto"]), None)
+    assert (auto == "70ef8a9a") == (ns_dtype_name("auto", torch.device("cpu")) == "float32")
     assert legacy_identity_key(load_config(None), None) != "70ef8a9a"
     assert legacy_identity_key(load_config(None, ["data.tokenizer=bpe:300"]), None) != "70ef8a9a"
     assert identity_key(load_config(None), None) != identity_key(

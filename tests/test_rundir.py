@@ -76,6 +76,40 @@ def test_default_directory_is_the_same_for_the_same_command(tmp_path: Path) -> N
     assert default_run_dir(named, None, "x.yaml").name.startswith("my-exp-1-")
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-units", "no-bf16-units"])
+def test_the_iteration_dtype_names_a_run_by_what_it_computes(
+    native: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ns_dtype: auto`` and the dtype it resolves to on this machine compute the same, so
+    they name one run; a default run directory named while the default was an explicit
+    "bfloat16" (2026-12-05, CHANGELOG.md) is found again only where "auto" resolves to it."""
+    import hashlib
+    import json
+
+    from rootopt.optim import _options
+    from rootopt.train.rundir import RUN_FILE, default_run_dir, identity, identity_key
+
+    monkeypatch.setattr(_options, "_x86", lambda: True)
+    monkeypatch.setattr(_options, "cpu_emulates_bf16", lambda: not native)
+    monkeypatch.chdir(tmp_path)
+    auto = load_config(None, FAST)
+    assert auto.optimization.ns_dtype == "auto"
+    resolved, other = ("bfloat16", "float32") if native else ("float32", "bfloat16")
+    named = load_config(None, [*FAST, f"optimization.ns_dtype={resolved}"])
+    assert identity_key(named, None) == identity_key(auto, None)
+    assert identity_key(load_config(None, [*FAST, f"optimization.ns_dtype={other}"]), None) != (
+        identity_key(auto, None)
+    )
+    # the key of 2026-12-05: the dtype written out as "bfloat16"
+    then = identity(auto, None)
+    then["optimization.ns_dtype"] = "bfloat16"
+    key = hashlib.sha256(json.dumps(then, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    old = Path("runs") / f"default-{key}"
+    old.mkdir(parents=True)
+    (old / RUN_FILE).write_text(json.dumps({"identity": then}))
+    assert (default_run_dir(auto, None, None) == old) is native
+
+
 def test_rerun_without_log_dir_resumes(
     shards: Path,
     tmp_path: Path,

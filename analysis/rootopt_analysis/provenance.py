@@ -59,3 +59,37 @@ def others_paused(active: bool = True) -> Iterator[None]:
         if pgid > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGCONT)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# The instruction-set classes that decide ROOT's iteration dtype on an x86 CPU
+# (docs/performance.md, "Iteration dtype"), highest first, with the flag that marks each.
+ISA_CLASSES = (("AMX", "amx_bf16"), ("AVX-512-BF16", "avx512_bf16"), ("AVX-512", "avx512f"))
+
+
+def instruction_set() -> dict[str, Any]:
+    """The CPU's model, its vector instruction-set class (AMX / AVX-512-BF16 / AVX-512 /
+    AVX2 on x86, the architecture elsewhere), oneDNN's ISA cap when one is set, and whether
+    bfloat16 matmuls run on bf16 units here (the cap counted)."""
+    from rootopt.optim._options import cpu_emulates_bf16
+
+    flags = cpu_flags()
+    isa = next((name for name, flag in ISA_CLASSES if flag in flags), None)
+    if isa is None:
+        isa = "AVX2" if "avx2" in flags else platform.machine()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None
+    return {
+        "cpu": cpu_name(),
+        "isa": isa,
+        "onednn_max_cpu_isa": cap,
+        "native_bf16": platform.machine().lower() in ("x86_64", "amd64")
+        and not cpu_emulates_bf16(),
+    }

@@ -1308,9 +1308,17 @@ def library_arm(arms: Iterable[Arm]) -> str | None:
 
     signature = inspect.signature(ROOT).parameters
     defaults = {k: signature[k].default for k in ROOT_BASE}
-    return next(
-        (a.name for a in arms if a.optimizer == "root" and dict(a.options) == defaults), None
-    )
+    # ns_dtype="auto" is bfloat16 where the hardware multiplies it natively, float32
+    # elsewhere (docs/optimizer.md); the study's arms name one dtype: a bfloat16 arm stands
+    # for the default (on such hardware), else a float32 one
+    dtypes = ["bfloat16", "float32"] if defaults["ns_dtype"] == "auto" else [defaults["ns_dtype"]]
+    arms = [a for a in arms if a.optimizer == "root"]
+    for dtype in dtypes:
+        want = {**defaults, "ns_dtype": dtype}
+        found = next((a.name for a in arms if dict(a.options) == want), None)
+        if found is not None:
+            return found
+    return None
 
 
 def default_arm(w: Walk) -> tuple[str, bool]:

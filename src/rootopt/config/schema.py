@@ -213,11 +213,11 @@ class OptimizationConfig:
         "polar_express",
         "Newton–Schulz coefficient preset (ROOT; default chosen in docs/benchmarks.md)",
     )
-    ns_dtype: Literal["bfloat16", "float32", "auto"] = _f(
-        "bfloat16",
-        "Newton–Schulz iteration dtype (ROOT; default chosen in docs/benchmarks.md): float32 "
-        "is faster on a CPU without bf16 matrix units; auto = the earlier default (float32 "
-        "on the CPU, bfloat16 on CUDA)",
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = _f(
+        "auto",
+        "Newton–Schulz iteration dtype (ROOT; docs/optimizer.md): auto = bfloat16 where the "
+        "device multiplies it natively (CUDA; x86 CPUs with AVX-512 BF16 or AMX), float32 "
+        "elsewhere",
     )
     outlier_quantile: float = _f(
         0.9,

@@ -616,6 +616,7 @@ def load(
         ) from None
     inner = unwrap_model(model)
     model_sd, optim_sd = get_state_dict(inner, optimizer)
+    _as_saved_groups(optim_sd, read_metadata(ck.path, ck))
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -629,6 +630,18 @@ def load(
         raise _load_error(ck.path, exc) from None
     set_state_dict(inner, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return ck.step, read_extra(ck.path)
+
+
+def _as_saved_groups(optim_sd: dict[str, Any], meta: Metadata) -> None:
+    """Param-group keys added since a checkpoint was saved are not asked of it: ROOT's
+    ``ns_auto`` (a group without it keeps the earlier rule for ``ns_dtype="auto"``,
+    rootopt.optim._options.group_ns_dtype)."""
+    from rootopt.optim._options import NS_AUTO_KEY
+
+    saved = meta.state_dict_metadata
+    for i, group in enumerate(optim_sd.get("param_groups", [])):
+        if isinstance(group, dict) and f"optim.param_groups.{i}.{NS_AUTO_KEY}" not in saved:
+            group.pop(NS_AUTO_KEY, None)
 
 
 def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from rootopt.distributed.group import collective, start_collective
 from rootopt.distributed.layout import owner_rounds
 from rootopt.distributed.owners import chunk_rows, ns_cost
 from rootopt.optim._coefficients import coefficients_for
-from rootopt.optim._options import DTYPES, ns_dtype_name, root_options
+from rootopt.optim._options import DTYPES, group_ns_dtype, root_options
 from rootopt.optim.adamw import adamw_
 from rootopt.optim.functional import (
     Matrix,
@@ -305,7 +305,7 @@ def update_dtype(tasks: Sequence[_Task], device: torch.device) -> torch.dtype:
         splits = g.get("ns_split")
         if g["ortho_method"] != "newton_schulz" or (splits and splits[t.pi]):
             return torch.float32
-        found.add(DTYPES[ns_dtype_name(g["ns_dtype"], device)])
+        found.add(DTYPES[group_ns_dtype(g, device)])
     if len(found) == 1 and (dt := found.pop()) in (torch.bfloat16, torch.float16):
         return dt
     return torch.float32

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from rootopt.coeffs import CoefficientError
 from rootopt.coeffs.cache import CoefficientCache, Fitter
-from rootopt.optim._options import check_iteration_speed, ns_dtype_name
+from rootopt.optim._options import check_iteration_speed, group_ns_dtype
 from rootopt.optim.functional import CoefficientsFor, Matrix, RootOptions, matrices, matrix_view
 
 
@@ -26,7 +26,7 @@ def coefficients_for(
 ) -> CoefficientsFor:
     """``(rows, cols) -> schedule`` for a group's parameters on ``device``."""
     spec, steps, fit = group["ns_coefficients"], group["ns_steps"], group.get("ns_fit", False)
-    dtype = ns_dtype_name(group["ns_dtype"], device)
+    dtype = group_ns_dtype(group, device)
     return lambda r, c: cache.schedule(spec, r, c, steps, dtype, fitted=fit)
 
 
@@ -58,7 +58,7 @@ def resolve_group(cache: CoefficientCache, group: dict[str, Any], is_root: Any) 
     for pi, p in enumerate(group["params"]):
         if p.numel() == 0 or not is_root(p):
             continue
-        dtype = ns_dtype_name(group["ns_dtype"], p.device)
+        dtype = group_ns_dtype(group, p.device)
         check_iteration_speed(dtype, p.device)
         try:
             for m in group_matrices(group, pi, p):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import platform
 import warnings
 from typing import Any, Literal, cast
@@ -21,16 +22,19 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-# ``ns_dtype``: the default, "bfloat16", is the defaults study's decision (docs/benchmarks.md,
-# v2: on validation loss, bfloat16 iterations were worse than float32 on none of the seven
-# cells). "auto" is the earlier default, kept so that a config or checkpoint naming it trains
-# on as before: float32 on the CPU, bfloat16 on CUDA, float32 on any other device. On a CPU
-# with bf16 matrix units (AVX-512 BF16, AMX) bfloat16 iterations are also the faster
-# (docs/performance.md, "Iteration dtype"); one without them emulates bf16 matmuls, and
-# ns_dtype="float32" is then the faster choice (ROOT warns once: check_iteration_speed).
-# TF32: ROOT never changes torch's float32 matmul precision; a float32 iteration on CUDA uses
-# whatever the process set (torch's default "highest": no TF32).
-AUTO_NS_DTYPE: dict[str, str] = {"cpu": "float32", "cuda": "bfloat16"}
+# ``ns_dtype``: the default, "auto", is bfloat16 where the hardware multiplies it natively
+# (CUDA devices with bf16 tensor cores; x86 CPUs with AVX-512 BF16 or AMX) and float32
+# elsewhere. The defaults study found the two dtypes equivalent in loss (docs/benchmarks.md)
+# and a tie goes to the setting that is cheaper on the hardware at hand: where bf16 is
+# native, its iterations take 0.5-0.9x float32's time; where it is emulated, 1.3-18x
+# (docs/performance.md, "Iteration dtype"). TF32: ROOT never changes torch's float32 matmul
+# precision; a float32 iteration on CUDA uses whatever the process set (torch's default
+# "highest": no TF32).
+# oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA): below these
+# levels it does not use the bf16 instructions even where the CPU has them, and bfloat16
+# matmuls are emulated (measured: AVX512_CORE or AVX2 make a bf16 product 2.5-60x slower
+# than float32's; docs/performance.md).
+_BF16_ISA_CAPS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10")
 # Most bytes of float32 matrices stacked at once (docs/performance.md, "Memory"). "auto"
 # (the default): 32 MiB on the CPU, where stacking saves no time and bounds memory; on an
 # accelerator, where every stack saves launches (docs/performance.md, "Launches"), 1 GiB or
@@ -44,35 +48,81 @@ Algorithm = Literal["root", "adamw"]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+# "auto" as it resolved until 2026-12-05: bfloat16 on CUDA, float32 on every other device. A
+# param group ROOT builds now carries ``ns_auto="native"``; one saved before has no such key
+# and keeps the earlier rule when loaded, so its checkpoint resumes with the dtype it trained
+# in (CHANGELOG.md).
+NS_AUTO_KEY = "ns_auto"
+EARLIER_AUTO = {"cuda": "bfloat16"}
+
+
+def group_ns_dtype(group: dict[str, Any], device: torch.device) -> str:
+    """The iteration dtype's name for ``group``'s parameters on ``device``."""
+    if group["ns_dtype"] == "auto" and group.get(NS_AUTO_KEY) != "native":
+        return EARLIER_AUTO.get(device.type, "float32")
+    return ns_dtype_name(group["ns_dtype"], device)
+
+
 def ns_dtype_name(value: str, device: torch.device) -> str:
-    """The iteration dtype's name for parameters on ``device`` (``"auto"`` resolved)."""
-    return AUTO_NS_DTYPE.get(device.type, "float32") if value == "auto" else value
+    """The iteration dtype's name for parameters on ``device`` (``"auto"`` resolved:
+    bfloat16 where :func:`native_bf16` holds, float32 elsewhere)."""
+    if value != "auto":
+        return value
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware: a CUDA device with bf16
+    support (not emulated), or an x86 CPU with AVX-512 BF16 or AMX that oneDNN may use."""
+    if device.type == "cuda":
+        return _cuda_native_bf16(device.index)
+    if device.type == "cpu":
+        return not cpu_emulates_bf16() and _x86()
+    return False
+
+
+@functools.cache
+def _cuda_native_bf16(index: int | None) -> bool:
+    if not torch.cuda.is_available():
+        return True  # named without a device (a run's identity): every GPU since Ampere
+    with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 @functools.cache
 def cpu_emulates_bf16() -> bool:
-    """Whether this x86 CPU lacks bf16 matrix units (AVX-512 BF16, AMX), so that torch
-    emulates bfloat16 matmuls (docs/performance.md, "Iteration dtype")."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False  # other CPUs: not measured, nothing said
+    """Whether this x86 CPU multiplies bfloat16 matrices without bf16 units: it lacks
+    AVX-512 BF16 and AMX, or oneDNN's ISA cap keeps them unused (docs/performance.md,
+    "Iteration dtype"). False on other CPUs: not measured, nothing said."""
+    if not _x86():
+        return False
     cpu = torch.cpu
     units = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return not any(bool(getattr(cpu, name, lambda: True)()) for name in units)
+    if not any(bool(getattr(cpu, name, lambda: True)()) for name in units):
+        return True
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    cap = cap.strip().upper()
+    return cap not in ("", "ALL", "DEFAULT") and not cap.startswith(_BF16_ISA_CAPS)
 
 
 @functools.cache
 def _warn_emulated_bf16() -> None:
     warnings.warn(
-        "ROOT: this CPU has no bfloat16 matrix units, so the default bfloat16 Newton-Schulz "
-        "iterations are emulated and slow; pass ns_dtype='float32' "
-        "(rootopt train: optimization.ns_dtype=float32)",
+        "ROOT: this CPU has no bfloat16 matrix units, so bfloat16 Newton-Schulz iterations "
+        "are emulated and several times slower than float32; ns_dtype='auto' (the default) "
+        "picks float32 here",
         RuntimeWarning,
         stacklevel=4,
     )
 
 
 def check_iteration_speed(dtype: str, device: torch.device) -> None:
-    """Warn once per process where the iteration dtype is emulated on this device."""
+    """Warn once per process where an explicitly chosen iteration dtype is emulated on
+    this device (``"auto"`` never picks one)."""
     if dtype == "bfloat16" and device.type == "cpu" and cpu_emulates_bf16():
         _warn_emulated_bf16()
 
@@ -179,7 +229,7 @@ def root_options(group: dict[str, Any], device: torch.device, lr: float | Tensor
     return RootOptions(
         lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
         weight_decay=group["weight_decay"], quantile=group["outlier_quantile"],
-        method=group["ortho_method"], ns_dtype=DTYPES[ns_dtype_name(group["ns_dtype"], device)],
+        method=group["ortho_method"], ns_dtype=DTYPES[group_ns_dtype(group, device)],
         gram=_GRAM_ARG[gram], lr_scale=group["lr_scale"],
         transposed=bool(group.get("transposed", False)), nd_view=group["nd_view"],
         robust_window=group["robust_window"], robust_lambda=group["robust_lambda"],

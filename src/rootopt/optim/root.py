@@ -68,10 +68,10 @@ class ROOT(Optimizer):
             (shape-specific, certified stable; ``"adanewton-static"`` is an alias of it),
             ``"official"`` (the paper's table + Muon fallback), ``"you"``, ``"cans"``,
             ``"cubic"``, ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
-        ns_dtype: iteration dtype: ``"bfloat16"`` (the default, chosen by the defaults
-            study), ``"float32"`` (faster on a CPU without bf16 matrix units), or ``"auto"``
-            (the earlier default, per device: float32 on the CPU, bfloat16 on CUDA); TF32 is
-            torch's own setting.
+        ns_dtype: iteration dtype: ``"auto"`` (the default: bfloat16 where the device
+            multiplies it natively, i.e. CUDA with bf16 units and x86 CPUs with AVX-512 BF16
+            or AMX, float32 elsewhere; docs/optimizer.md), ``"bfloat16"`` or ``"float32"``;
+            TF32 is torch's own setting.
         ortho_method: ``"newton_schulz"``, ``"svd"`` (exact UVᵀ) or ``"qr"``.
         outlier_quantile: quantile q of the soft threshold; ``None`` disables it.
         lr_scale: ``"moonlight"``, ``"muon"`` or ``"none"``.
@@ -110,7 +110,7 @@ class ROOT(Optimizer):
         weight_decay: float = 0.1,
         ns_steps: int = 5,
         ns_coefficients: CoefficientSpec = "polar_express",
-        ns_dtype: str | torch.dtype = "bfloat16",
+        ns_dtype: str | torch.dtype = "auto",
         ortho_method: OrthoMethod = "newton_schulz",
         outlier_quantile: float | None = 0.9,
         lr_scale: LrScale = "moonlight",
@@ -136,6 +136,7 @@ class ROOT(Optimizer):
             nd_view=nd_view, robust_scaling=robust_scaling, robust_window=robust_window,
             robust_lambda=robust_lambda, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             batched=batched, ns_gram=ns_gram, bucket_bytes=bucket_bytes, ns_fit=ns_fit,
+            ns_auto="native",  # how "auto" resolves: _options.group_ns_dtype
         )  # fmt: skip
         _options.check_options(defaults)
         if nonfinite not in ("error", "skip"):

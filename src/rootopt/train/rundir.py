@@ -120,6 +120,8 @@ def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
         data["run"]["device"] = "auto"
     if cfg.distributed.backend == ("nccl" if resolved_device == "cuda" else "gloo"):
         data["distributed"]["backend"] = "auto"
+    if cfg.optimization.ns_dtype == _auto_ns_dtype(resolved_device):
+        data["optimization"]["ns_dtype"] = "auto"
     mp = data["mixed_precision"]
     if not mp["enabled"]:
         data["mixed_precision"] = {"enabled": False}
@@ -140,6 +142,15 @@ def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
                 flat[f"{section}.{key}"] = value
     flat["data_path"] = where
     return flat
+
+
+def _auto_ns_dtype(device: str) -> str:
+    """What ``optimization.ns_dtype: auto`` resolves to for ROOT on ``device`` here."""
+    import torch
+
+    from rootopt.optim._options import ns_dtype_name
+
+    return ns_dtype_name("auto", torch.device(device))
 
 
 def _model_as_before(data: dict[str, Any], *, byte_data: bool) -> None:
@@ -190,8 +201,6 @@ _LEGACY_LATER_KEYS: dict[tuple[str, str], object] = {
     ("data", "tokenizer"): "bytes",
     ("data", "text_field"): "text",
     ("run", "peak_tflops"): 0.0,
-    # ROOT's ns_dtype default before the defaults study v2 (CHANGELOG.md)
-    ("optimization", "ns_dtype"): "auto",
 }
 
 
@@ -212,6 +221,12 @@ def legacy_identity_key(cfg: Config, data_path: str | None) -> str:
     for (section, key), value in _LEGACY_LATER_KEYS.items():
         if data[section].get(key) == value:
             data[section].pop(key)
+    from rootopt.optim._options import EARLIER_AUTO
+
+    if _ns_dtype_of(cfg) == EARLIER_AUTO.get(_device(cfg), "float32"):
+        # before optimization.ns_dtype existed ROOT ran "auto" as it resolved then: a config
+        # whose iteration dtype is that one computes what such a run computed
+        data["optimization"].pop("ns_dtype")
     for (section, key), (now, before) in _LEGACY_CHANGED_DEFAULTS.items():
         if data[section].get(key) == now:
             data[section][key] = before
@@ -242,10 +257,34 @@ def default_run_dir(cfg: Config, data_path: str | None, config_path: str | None)
     name = _run_name(cfg, config_path)
     path = Path("runs") / f"{name}-{identity_key(cfg, data_path)}"
     if not os.path.lexists(path):
-        old = Path("runs") / f"{name}-{legacy_identity_key(cfg, data_path)}"
-        if (old / RUN_FILE).is_file() and not old.is_symlink():
-            return old
+        for key in _earlier_keys(cfg, data_path):
+            old = Path("runs") / f"{name}-{key}"
+            if (old / RUN_FILE).is_file() and not old.is_symlink():
+                return old
     return path
+
+
+def _device(cfg: Config) -> str:
+    import torch
+
+    device = cfg.run.device
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def _ns_dtype_of(cfg: Config) -> str:
+    """The iteration dtype ROOT runs with under ``cfg`` here (``auto`` resolved)."""
+    value = cfg.optimization.ns_dtype
+    return _auto_ns_dtype(_device(cfg)) if value == "auto" else value
+
+
+def _earlier_keys(cfg: Config, data_path: str | None) -> list[str]:
+    """Keys earlier versions gave a run computing what ``cfg`` computes: with the iteration
+    dtype written out (before ``auto`` was the default and named as such), and the first
+    release's (:func:`legacy_identity_key`)."""
+    ident = identity(cfg, data_path)
+    ident["optimization.ns_dtype"] = _ns_dtype_of(cfg)
+    text = json.dumps(ident, sort_keys=True, default=str)
+    return [hashlib.sha256(text.encode()).hexdigest()[:8], legacy_identity_key(cfg, data_path)]
 
 
 def other_runs_note(
