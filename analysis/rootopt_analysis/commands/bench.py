@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="study only: first add the finished runs of another study directory DIR "
         "(those --out lacks) to --out",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("v2", "v3"),
+        default="v2",
+        help="study only: the protocol (docs/benchmarks.md; default v2, whose record is "
+        "docs/study/)",
+    )
+    p.add_argument(
+        "--earlier",
+        default="docs/study",
+        metavar="DIR",
+        help="study v3 only: the v2 record whose selection runs v3 reuses (default docs/study)",
     )
     p.add_argument("--tasks", default="", help="comma-separated subset of tasks")
     p.add_argument("--optimizers", default="", help="comma-separated subset of optimizers")
@@ -307,6 +321,8 @@ def _study_session(args: argparse.Namespace, argv: list[str], out: Path, src: Pa
     commit = None
     if git.get("commit"):
         commit = f"{git['commit']}{'+dirty' if git.get('dirty') else ''}"
+    if args.protocol == "v3":
+        return _study_v3(args, out, commit, lambda: log({**entry, "end": time.time()}))
     w, store = study.run_study(
         proto,
         out,
@@ -326,6 +342,33 @@ def _study_session(args: argparse.Namespace, argv: list[str], out: Path, src: Pa
         f"rootopt bench study: {state}; wrote {out / 'study.json'}, {out / 'study.md'}"
         + (f" and {len(plots)} plots" if plots else "")
     )
+    return 0
+
+
+def _study_v3(
+    args: argparse.Namespace, out: Path, commit: str | None, log_end: Callable[[], None]
+) -> int:
+    from rootopt._atomic import atomic_write
+    from rootopt_analysis.bench import study_report, study_v3
+
+    earlier = Path(args.earlier)
+    if not (earlier / "runs.jsonl").is_file():
+        raise UserError(f"--earlier {str(earlier)!r} holds no study record (no runs.jsonl)")
+    w, store = study_v3.run_study(
+        out,
+        [earlier],
+        workers=args.workers,
+        compute=not args.finished_only,
+        progress=not args.no_progress,
+        commit=commit,
+    )
+    log_end()
+    meta = study_report.provenance(study_report.read_sessions(out / "study-log.jsonl"), store)
+    summary = study_v3.summarize(w, store, meta)
+    atomic_write(out / "study.json", study_report.dump_summary(summary).encode())
+    atomic_write(out / "study.md", study_v3.markdown(summary).encode())
+    state = "complete" if w.complete else f"{len(w.jobs)} jobs ready to run, more may follow"
+    print(f"rootopt bench study: {state}; wrote {out / 'study.json'}, {out / 'study.md'}")
     return 0
 
 

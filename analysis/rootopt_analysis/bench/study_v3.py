@@ -1,0 +1,721 @@
+"""The defaults study, v3 (protocol: docs/benchmarks.md, "Defaults study v3: protocol").
+
+v2 (:mod:`rootopt_analysis.bench.study`) chose ROOT's defaults on ties. v3 asks two questions
+again with 10 new decision seeds and a pooled, equivalence-tested statistic: Q1 Polar
+Express or Muon's coefficients, Q2 bfloat16 or float32 iterations per hardware class, a tie
+going to the setting that is cheaper on that hardware (measured with its instruction set),
+then to the simpler. It reuses v2's machinery and v2's tuning (the same selection specs, read
+from v2's committed record), and adds matched arms: the parent's tuned setting with one option
+changed, so that a dtype difference is not a tuning difference.
+
+Like v2 the study is plain data and pure functions over the finished runs: :func:`walk`
+says what is known and which jobs are still needed; :func:`run_study` keeps worker processes
+busy and re-plans after each finished job; every finished run is a line of ``runs.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rootopt_analysis.bench import study as v2
+from rootopt_analysis.bench.runner import RunSpec
+from rootopt_analysis.bench.stats import mean_ci
+from rootopt_analysis.bench.store import Store
+from rootopt_analysis.bench.study import (
+    Arm,
+    ArmCell,
+    Cell,
+    Lookup,
+    Result,
+    Tuned,
+    Walk,
+    arm_by_name,
+    root_arm,
+)
+
+# ----------------------------------------------------------------------------- protocol data
+
+SELECTION = (100, 101)  # v2's tuning, reused
+DECISION = tuple(range(300, 310))
+REPORT = (400, 401, 402, 403, 404)
+MARGIN = 0.005  # nats: the equivalence margin of the TOST
+COST_TIE = 0.05  # a step-cost ratio within 1 ± this is equal cost
+LM_CELLS = ("stdlib@150", "kjv@150", "stdlib@600", "kjv@600", "stdlib-large@200")
+CNN_CELLS = ("digits@200", "digits@800")
+# oneDNN ISA caps standing for hardware classes (docs/results/ns_dtype.md): None = this CPU
+# as it is; below AVX512_CORE_BF16 the bf16 units stay unused.
+ISA_CLASSES: tuple[str | None, ...] = (None, "AVX512_CORE", "AVX2")
+# The model users train on a CPU (the real-model cell's): the cost unit.
+LLAMA: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 256,
+    "intermediate_size": 672,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+LLAMA_BATCH = (8, 128)
+COST_STEPS, COST_WARMUP = 20, 3
+
+
+def matched(parent: Arm, suffix: str, label: str, **opts: Any) -> Arm:
+    """``parent`` with ``opts`` changed, trained at the parent's tuned setting."""
+    return parent.with_options(f"{parent.name}·{suffix}", f"{parent.label}, {label}", **opts)
+
+
+ROOT_MUON = arm_by_name("root-muon")
+ROOT_POLAR = arm_by_name("root-polar")
+ROOT_POLAR_BF16 = root_arm("root-polar-bf16", "ROOT, Polar Express, bf16 (tuned apart)",
+                           ns_coefficients="polar_express", ns_dtype="bfloat16")  # fmt: skip
+TUNED: tuple[Arm, ...] = (ROOT_MUON, ROOT_POLAR, ROOT_POLAR_BF16)
+# matched arm -> its parent (whose tuned setting it trains at)
+MATCHED: dict[str, tuple[Arm, Arm]] = {}
+for _parent, _suffix, _label, _opts in (
+    (ROOT_MUON, "bf16", "bf16 iterations", {"ns_dtype": "bfloat16"}),
+    (ROOT_POLAR, "bf16", "bf16 iterations", {"ns_dtype": "bfloat16"}),
+    (ROOT_POLAR, "plain", "plain iteration", {"ns_gram": "off"}),
+    (ROOT_POLAR, "bf16·plain", "bf16, plain iteration", {"ns_dtype": "bfloat16", "ns_gram": "off"}),
+):
+    _m = matched(_parent, _suffix, _label, **_opts)
+    MATCHED[_m.name] = (_m, _parent)
+COEFFICIENTS = {"muon": ROOT_MUON, "polar_express": ROOT_POLAR}
+SIMPLER_COEFFICIENTS = ("muon", "polar_express")  # a tie at equal cost: the first
+SIMPLER_DTYPES = ("float32", "bfloat16")
+
+
+def protocol() -> v2.Protocol:
+    """v2's grids (so that its tuning is found again) with v3's seeds."""
+    return replace(v2.Protocol.full(), decision_seeds=DECISION, report_seeds=REPORT)
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """CPU time of one whole training step of the cost model (:data:`LLAMA`) with ``arm``'s
+    optimizer over ``ref``'s, interleaved in one fresh process under oneDNN's ISA cap
+    ``isa_cap`` (None: this CPU as it is)."""
+
+    arm: RunSpec
+    ref: RunSpec
+    isa_cap: str | None
+    steps: int = COST_STEPS
+    warmup: int = COST_WARMUP
+
+    @property
+    def task(self) -> str:
+        return "llama-cost"
+
+    @property
+    def run_id(self) -> str:
+        import hashlib
+
+        blob = json.dumps(
+            {
+                "arm": self.arm.to_dict(),
+                "ref": self.ref.to_dict(),
+                "isa_cap": self.isa_cap,
+                "steps": self.steps,
+                "warmup": self.warmup,
+                "model": LLAMA,
+                "batch": LLAMA_BATCH,
+                "code": 1,
+            },
+            sort_keys=True,
+        )
+        digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
+        return f"cost-{self.isa_cap or 'native'}-{self.arm.optimizer}-{digest}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arm": self.arm.to_dict(),
+            "ref": self.ref.to_dict(),
+            "isa_cap": self.isa_cap,
+            "steps": self.steps,
+            "warmup": self.warmup,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> CostSpec:
+        return CostSpec(
+            RunSpec.from_dict(d["arm"]),
+            RunSpec.from_dict(d["ref"]),
+            d["isa_cap"],
+            d["steps"],
+            d["warmup"],
+        )
+
+
+def _cost_child(spec: CostSpec) -> Result:
+    """Measure ``spec`` in this process (its ISA cap already in the environment)."""
+    import warnings
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rootopt._threads import one_thread
+    from rootopt_analysis.bench.runner import build_optimizer
+    from rootopt_analysis.provenance import instruction_set
+
+    warnings.simplefilter("ignore", RuntimeWarning)  # the emulated-bf16 warning: measured here
+    with one_thread():
+        sides = []
+        for rs in (spec.arm, spec.ref):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+            sides.append((model, build_optimizer(rs, model), torch.Generator().manual_seed(7)))
+        times: list[list[float]] = [[], []]
+        for i in range(spec.warmup + spec.steps):
+            for which in (0, 1) if i % 2 == 0 else (1, 0):
+                model, opt, gen = sides[which]
+                x = torch.randint(0, LLAMA["vocab_size"], LLAMA_BATCH, generator=gen)
+                c0 = time.process_time()
+                loss = model(input_ids=x, labels=x).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+                opt.step()
+                if i >= spec.warmup:
+                    times[which].append(time.process_time() - c0)
+    arm_s, ref_s = (statistics.median(ts) for ts in times)
+    return {
+        "run_id": spec.run_id,
+        "kind": "cost",
+        "task": spec.task,
+        "spec": spec.to_dict(),
+        "arm_step_s": arm_s,
+        "ref_step_s": ref_s,
+        "ratio": arm_s / ref_s,
+        "steps": spec.steps,
+        "machine": instruction_set(),
+    }
+
+
+def measure_cost(spec: CostSpec, out_dir: str) -> Result:
+    """Run :class:`CostSpec` in a fresh process (the ISA cap must be set before oneDNN
+    starts) and write ``<out_dir>/timing/<run_id>.json``."""
+    from rootopt._atomic import atomic_write
+
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+    }
+    if spec.isa_cap:
+        env["ONEDNN_MAX_CPU_ISA"] = spec.isa_cap
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rootopt_analysis.bench.study_v3",
+            "--cost",
+            json.dumps(spec.to_dict()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"cost measurement failed: {proc.stderr.strip()[-500:]}")
+    result: Result = json.loads(proc.stdout)
+    atomic_write(Path(out_dir) / "timing" / f"{spec.run_id}.json", json.dumps(result).encode())
+    return result
+
+
+def _with_machine(job: Any, out_dir: str) -> Result:
+    """v2's timing and FLOP jobs, their record naming the machine's instruction set."""
+    from rootopt._atomic import atomic_write
+    from rootopt_analysis.provenance import instruction_set
+
+    r = v2._run_job(job, out_dir)
+    r["machine"] = instruction_set()
+    sub = "timing" if isinstance(job, v2.TimingSpec | v2.FlopSpec) else "runs"
+    atomic_write(Path(out_dir) / sub / f"{job.run_id}.json", json.dumps(r).encode())
+    return r
+
+
+def _run_job(job: Any, out_dir: str) -> Result:
+    """Worker entry for every v3 job."""
+    if isinstance(job, CostSpec):
+        return measure_cost(job, out_dir)
+    return _with_machine(job, out_dir)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def pooled_difference(
+    a: dict[str, list[float]], b: dict[str, list[float]], cells: Sequence[str]
+) -> dict[str, Any] | None:
+    """a − b pooled over ``cells``: per seed the mean over cells of the paired difference;
+    the 95 % and 90 % t intervals over seeds. None when a value is missing; a diverged run
+    (NaN or inf) makes the difference +inf for the side that diverged."""
+    if any(c not in a or c not in b for c in cells) or not cells:
+        return None
+    n = len(a[cells[0]])
+    if any(len(a[c]) != n or len(b[c]) != n for c in cells) or n < 2:
+        return None
+    per_seed = []
+    for i in range(n):
+        ds = []
+        for c in cells:
+            x, y = a[c][i], b[c][i]
+            x = x if math.isfinite(x) else math.inf
+            y = y if math.isfinite(y) else math.inf
+            ds.append(x - y if math.isfinite(x - y) else (math.inf if x > y else -math.inf))
+        per_seed.append(statistics.fmean(ds))
+    if not all(map(math.isfinite, per_seed)):
+        worse = "a" if any(d == math.inf for d in per_seed) else "b"
+        return {"diverged": worse, "per_seed": per_seed, "cells": list(cells)}
+    ci95, ci90 = mean_ci(per_seed, 0.95), mean_ci(per_seed, 0.90)
+    return {
+        "mean": ci95.mean,
+        "lo": ci95.lo,
+        "hi": ci95.hi,
+        "lo90": ci90.lo,
+        "hi90": ci90.hi,
+        "n": n,
+        "sd": ci95.sd,
+        "per_seed": per_seed,
+        "cells": list(cells),
+    }
+
+
+def verdict(
+    diff: dict[str, Any],
+    cost_ratio: float | None,
+    a: str,
+    b: str,
+    simpler: Sequence[str],
+    margin: float = MARGIN,
+    cost_tie: float = COST_TIE,
+) -> dict[str, Any]:
+    """The v3 rule on a − b: better beyond the margin wins; otherwise the cheaper (cost
+    ratio a/b outside 1 ± ``cost_tie``), then the simpler (earlier in ``simpler``)."""
+    if "diverged" in diff:
+        winner = b if diff["diverged"] == "a" else a
+        return {"winner": winner, "why": f"{diff['diverged']} diverged", "equivalent": False}
+    if diff["hi"] < -margin:
+        return {"winner": a, "why": "better beyond the margin", "equivalent": False}
+    if diff["lo"] > margin:
+        return {"winner": b, "why": "better beyond the margin", "equivalent": False}
+    equivalent = -margin < diff["lo90"] and diff["hi90"] < margin
+    label = "equivalent" if equivalent else "not shown equivalent"
+    if cost_ratio is not None and cost_ratio < 1 - cost_tie:
+        return {"winner": a, "why": f"{label}; cheaper", "equivalent": equivalent}
+    if cost_ratio is not None and cost_ratio > 1 + cost_tie:
+        return {"winner": b, "why": f"{label}; cheaper", "equivalent": equivalent}
+    first = min((a, b), key=simpler.index)
+    return {"winner": first, "why": f"{label}; equal cost, simpler", "equivalent": equivalent}
+
+
+# ----------------------------------------------------------------------------- the walk
+
+P_COST, P_DECIDE, P_TASK_TIMING = 1, 10, 80  # v2's P_COST (0) marks its own timings
+
+
+@dataclass
+class WalkV3:
+    """v2's :class:`Walk` (cells, tuning, index) plus v3's costs and decisions."""
+
+    base: Walk
+    costs: dict[str, Result] = field(default_factory=dict)  # run id -> cost record
+    cost_of: dict[tuple[str, str], float] = field(default_factory=dict)
+    decisions: dict[str, Any] = field(default_factory=dict)
+    complete: bool = False
+
+    @property
+    def jobs(self) -> list[tuple[tuple[int, ...], Any]]:
+        return self.base.jobs
+
+
+def _llama_spec(arm: Arm) -> RunSpec:
+    """``arm``'s optimizer for the cost model (its lr does not change a step's cost)."""
+    return RunSpec(
+        suite="v3-cost",
+        task="llama-cost",
+        optimizer=arm.optimizer,
+        lr=1e-3,
+        seed=0,
+        steps=0,
+        weight_decay=0.1,
+        options=arm.options,
+    )
+
+
+def cost_specs() -> list[tuple[str, str, CostSpec]]:
+    """(question, class, spec): Q1 on this CPU; Q2 for both coefficient sets per class."""
+    out = [
+        (
+            "ns_coefficients",
+            "native",
+            CostSpec(_llama_spec(ROOT_POLAR), _llama_spec(ROOT_MUON), None),
+        )
+    ]
+    for coeff, parent in COEFFICIENTS.items():
+        bf16 = MATCHED[f"{parent.name}·bf16"][0]
+        for cap in ISA_CLASSES:
+            spec = CostSpec(_llama_spec(bf16), _llama_spec(parent), cap)
+            out.append((f"ns_dtype/{coeff}", cap or "native", spec))
+    return out
+
+
+def _matched_cell(w: Walk, arm: Arm, parent: Arm, cell: Cell) -> ArmCell:
+    ac = w.cells.setdefault((arm.name, cell.name), ArmCell(arm, cell))
+    w.arms.setdefault(arm.name, arm)
+    src = w.get(parent.name, cell.name)
+    if src is not None and src.tuned is not None and ac.tuned is None:
+        ac.tuned = Tuned(src.tuned.setting, [], src.tuned.edge)
+        ac.tuned_from = parent.name
+    return ac
+
+
+def _decide_runs(w: Walk, ac: ArmCell, lookup: Lookup, prio: tuple[int, ...]) -> None:
+    if ac.tuned is None or ac.decide is not None:
+        return
+    lk = w.tagged(lookup, ac.arm.name, ac.cell.name, "decision")
+    specs = v2._seed_specs(w.proto, ac, w.proto.decision_seeds, v2.DECIDE_SUITE)
+    ac.decide = v2._fetch(w, lk, specs, prio)
+
+
+def _val(w: Walk, arm: str, cells: Sequence[str]) -> dict[str, list[float]]:
+    out = {}
+    for c in cells:
+        ac = w.get(arm, c)
+        if ac is not None and ac.decide is not None:
+            out[c] = v2._val_losses(ac.decide)
+    return out
+
+
+def walk(lookup: Lookup, timing_lookup: Callable[[str], Result | None]) -> WalkV3:
+    p = protocol()
+    w = WalkV3(Walk(p))
+    b = w.base
+    # (1) cost on the model users train, per hardware class
+    for question, cls, spec in cost_specs():
+        r = timing_lookup(spec.run_id)
+        if r is None:
+            b.need((P_COST,), [spec])  # type: ignore[list-item]  # a v3 job in v2's queue
+        else:
+            w.costs[spec.run_id] = r
+            w.cost_of[(question, cls)] = float(r["ratio"])
+    # (2) decision runs: the tuned arms (v2's tuning) and the matched ones, on all 7 cells
+    for ci, cell in enumerate(p.cells):
+        for i, arm in enumerate(TUNED):
+            v2._study_arm_cell(
+                b, arm, cell, lookup, (P_DECIDE, ci, i), decide_prio=(P_DECIDE, ci, i)
+            )
+        for i, (arm, parent) in enumerate(MATCHED.values()):
+            ac = _matched_cell(b, arm, parent, cell)
+            _decide_runs(b, ac, lookup, (P_DECIDE, ci, 10 + i))
+    _decisions(w)
+    # information: the study tasks' step cost of every decision arm against AdamW
+    tasks = sorted({c.task for c in p.cells})
+    for arm in (*TUNED, *(m for m, _ in MATCHED.values())):
+        v2._cost_jobs(b, arm, tasks, timing_lookup)
+    b.jobs = [
+        (prio if prio[0] != v2.P_COST else (P_TASK_TIMING, *prio[1:]), j) for prio, j in b.jobs
+    ]
+    b.jobs.sort(key=lambda pj: pj[0])
+    by_id: dict[str, tuple[tuple[int, ...], Any]] = {}
+    for pj in b.jobs:
+        by_id.setdefault(pj[1].run_id, pj)
+    b.jobs = list(by_id.values())
+    w.complete = not b.jobs and "ns_dtype" in w.decisions
+    return w
+
+
+def _decisions(w: WalkV3) -> None:
+    b = w.base
+    polar, muon = _val(b, ROOT_POLAR.name, LM_CELLS), _val(b, ROOT_MUON.name, LM_CELLS)
+    d1 = pooled_difference(polar, muon, LM_CELLS)
+    cost1 = w.cost_of.get(("ns_coefficients", "native"))
+    if d1 is None or cost1 is None:
+        return
+    v1 = verdict(d1, cost1, "polar_express", "muon", SIMPLER_COEFFICIENTS)
+    w.decisions["ns_coefficients"] = {
+        "a": ROOT_POLAR.name,
+        "b": ROOT_MUON.name,
+        "difference": d1,
+        "cost_ratio": cost1,
+        **v1,
+        "cnn": pooled_difference(
+            _val(b, ROOT_POLAR.name, CNN_CELLS), _val(b, ROOT_MUON.name, CNN_CELLS), CNN_CELLS
+        ),
+    }
+    parent = COEFFICIENTS[v1["winner"]]
+    bf16 = MATCHED[f"{parent.name}·bf16"][0]
+    d2 = pooled_difference(_val(b, bf16.name, LM_CELLS), _val(b, parent.name, LM_CELLS), LM_CELLS)
+    if d2 is None:
+        return
+    per_class: dict[str, Any] = {}
+    for cap in ISA_CLASSES:
+        cls = cap or "native"
+        ratio = w.cost_of.get((f"ns_dtype/{v1['winner']}", cls))
+        if ratio is None:
+            return
+        per_class[cls] = {
+            "cost_ratio": ratio,
+            **verdict(d2, ratio, "bfloat16", "float32", SIMPLER_DTYPES),
+        }
+    # CUDA: bfloat16 is the cheaper by the documented tensor-core peaks (not measured here)
+    per_class["cuda"] = {
+        "cost_ratio": None,
+        **verdict(d2, 0.5, "bfloat16", "float32", SIMPLER_DTYPES),
+    }
+    plain = pooled_difference(
+        _val(b, f"{ROOT_POLAR.name}·bf16·plain", LM_CELLS),
+        _val(b, f"{ROOT_POLAR.name}·plain", LM_CELLS),
+        LM_CELLS,
+    )
+    tuned_bf16 = pooled_difference(_val(b, ROOT_POLAR_BF16.name, LM_CELLS), polar, LM_CELLS)
+    w.decisions["ns_dtype"] = {
+        "a": bf16.name,
+        "b": parent.name,
+        "difference": d2,
+        "per_class": per_class,
+        "same_form": plain,
+        "tuned_apart": tuned_bf16,
+        "cnn": pooled_difference(
+            _val(b, bf16.name, CNN_CELLS), _val(b, parent.name, CNN_CELLS), CNN_CELLS
+        ),
+    }
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def open_store(out: Path) -> Store:
+    return v2.open_store(out)
+
+
+def reused_lookup(store: Store, earlier: Sequence[Store]) -> Lookup:
+    """Look a run up in this study's store, then (selection runs only) in v2's record."""
+
+    def lookup(spec: RunSpec) -> Result | None:
+        r = store.runs.get(spec.run_id)
+        if r is None and spec.suite == v2.SELECT_SUITE:
+            for s in earlier:
+                r = s.runs.get(spec.run_id)
+                if r is not None:
+                    break
+        return r
+
+    return lookup
+
+
+def run_study(
+    out: Path,
+    earlier: Sequence[Path],
+    *,
+    workers: int,
+    compute: bool = True,
+    progress: bool = True,
+    commit: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[WalkV3, Store]:
+    """Run every job v3 still needs, highest priority first, re-planning after each."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+    from rootopt_analysis.bench.runner import _worker_init
+
+    say = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "timing").mkdir(parents=True, exist_ok=True)
+    store = open_store(out)
+    olds = [v2.open_store(e) for e in earlier]
+    lookup = reused_lookup(store, olds)
+    w = walk(lookup, store.timing.get)
+    if not compute or not w.jobs:
+        return w, store
+    done, t0 = 0, time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
+        pending: dict[Future[Result], Any] = {}
+        while True:
+            ids = {j.run_id for j in pending.values()}
+            for _, job in w.jobs:
+                if len(pending) >= workers + 1:
+                    break
+                if job.run_id not in ids:
+                    pending[pool.submit(_run_job, job, str(out))] = job
+                    ids.add(job.run_id)
+            if not pending:
+                break
+            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                job = pending.pop(fut)
+                r = fut.result()
+                done += 1
+                if isinstance(job, CostSpec | v2.TimingSpec | v2.FlopSpec):
+                    store.add_timings([r])
+                    what = f"×{r['ratio']:.3f}" if "ratio" in r else f"{r['flops']:.3g} FLOP"
+                    line = f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
+                else:
+                    store.add_runs([r], commit=commit)
+                    status = "DIVERGED" if r["diverged"] else f"val {r['final_val_loss']:.4f}"
+                    line = (
+                        f"{job.suite} {job.task}@{job.steps} {job.optimizer} "
+                        f"{','.join(f'{k}={v}' for k, v in job.options if k != 'ortho_method')} "
+                        f"lr {job.lr:.3g} side ×{job.side_lr_mult:g} wd {job.weight_decay:g} "
+                        f"seed {job.seed}: {status} ({r['wall_s']:.0f}s)"
+                    )
+                if progress:
+                    el = time.perf_counter() - t0
+                    say(
+                        f"[v3 {done} done, {len(pending)} running, {len(w.jobs)} ready, {el:.0f}s] {line}"
+                    )
+            w = walk(lookup, store.timing.get)
+    return w, store
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
+    """v3 as JSON-able data: costs with their machines, decisions with pooled intervals,
+    per-arm results, the run index and what is pending."""
+    b = w.base
+    cells: dict[str, Any] = {}
+    for c in b.proto.all_cells:
+        rows = {name: v2._arm_row(b, ac) for name in b.arms if (ac := b.get(name, c.name))}
+        if rows:
+            cells[c.name] = {"task": c.task, "steps": c.steps, "arms": rows}
+    pending: dict[str, int] = {}
+    for prio, _ in b.jobs:
+        label = {P_COST: "cost", P_DECIDE: "decision runs", P_TASK_TIMING: "task timings"}.get(
+            prio[0], str(prio[0])
+        )
+        pending[label] = pending.get(label, 0) + 1
+    return {
+        "format": 3,
+        "meta": meta,
+        "protocol": {
+            "seeds": {"selection": SELECTION, "decision": DECISION, "report": REPORT},
+            "margin": MARGIN,
+            "cost_tie": COST_TIE,
+            "lm_cells": LM_CELLS,
+            "cnn_cells": CNN_CELLS,
+            "isa_classes": [c or "native" for c in ISA_CLASSES],
+            "cost_model": {"llama": LLAMA, "batch": LLAMA_BATCH, "steps": COST_STEPS},
+            "grids": asdict(b.proto)["lr_grid"],
+        },
+        "complete": w.complete,
+        "jobs_left": len(b.jobs),
+        "pending": pending,
+        "costs": list(w.costs.values()),
+        "decisions": w.decisions,
+        "cells": cells,
+        "index": v2._index(b, store),
+    }
+
+
+def _iv(d: dict[str, Any] | None) -> str:
+    if d is None:
+        return "pending"
+    if "diverged" in d:
+        return f"{d['diverged']} diverged"
+    return (
+        f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] (90 %: [{d['lo90']:+.4f}, "
+        f"{d['hi90']:+.4f}], {d['n']} seeds)"
+    )
+
+
+def markdown(s: dict[str, Any]) -> str:
+    """The summary as the page block of docs/benchmarks.md (v3)."""
+    meta = s.get("meta") or {}
+    lines = ["#### Provenance", ""]
+    for key in ("commits", "machine", "ran", "runs"):
+        if meta.get(key):
+            lines.append(f"- {key}: {meta[key]}")
+    status = (
+        "complete"
+        if s["complete"]
+        else "running: " + ", ".join(f"{k} {v}" for k, v in s["pending"].items())
+    )
+    lines += [
+        f"- status: {status}",
+        "",
+        "#### Cost on the model users train (bf16 or Polar Express over the other)",
+        "",
+    ]
+    lines += [
+        "| question | oneDNN cap | CPU (class) | bf16 units used | step ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in s["costs"]:
+        m, spec = r["machine"], r["spec"]
+        q = (
+            "Polar Express / Muon"
+            if dict(spec["arm"].get("options", [])).get("ns_dtype") == "float32"
+            else "bf16 / fp32"
+        )
+        lines.append(
+            f"| {q} | {spec['isa_cap'] or 'none'} | {m['cpu']} ({m['isa']}) | "
+            f"{'yes' if m['native_bf16'] else 'no'} | {r['ratio']:.3f} |"
+        )
+    lines += ["", "#### Decisions (validation loss, decision seeds, pooled over the LM cells)", ""]
+    d = s["decisions"]
+    q1 = d.get("ns_coefficients")
+    if q1 is None:
+        lines.append("- **ns_coefficients**: pending")
+    else:
+        lines.append(
+            f"- **ns_coefficients** → `{q1['winner']}` ({q1['why']}): `{q1['a']}` − `{q1['b']}` "
+            f"{_iv(q1['difference'])}; step cost ratio {q1['cost_ratio']:.3f}; CNN cells beside: "
+            f"{_iv(q1['cnn'])}"
+        )
+    q2 = d.get("ns_dtype")
+    if q2 is None:
+        lines.append("- **ns_dtype**: pending")
+    else:
+        per = "; ".join(
+            f"{cls}: `{v['winner']}` ({v['why']}"
+            + (f", cost ×{v['cost_ratio']:.3f}" if v["cost_ratio"] is not None else "")
+            + ")"
+            for cls, v in q2["per_class"].items()
+        )
+        lines += [
+            f"- **ns_dtype**: `{q2['a']}` − `{q2['b']}` {_iv(q2['difference'])}. Per class: {per}.",
+            f"  - same iteration form (plain, both dtypes): {_iv(q2['same_form'])}",
+            f"  - v2's separately tuned bf16 arm − `root-polar`: {_iv(q2['tuned_apart'])}",
+            f"  - CNN cells beside: {_iv(q2['cnn'])}",
+        ]
+    lines += ["", "#### Mean final validation loss of the decision runs", ""]
+    arms = sorted({a for c in s["cells"].values() for a in c["arms"]})
+    names = list(s["cells"])
+    lines += ["| arm | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for a in arms:
+        cells = []
+        for c in names:
+            row = s["cells"][c]["arms"].get(a)
+            vals = row and row.get("decision_val_loss")
+            ok = vals and all(math.isfinite(v) for v in vals)
+            cells.append(f"{statistics.fmean(vals):.4f}" if ok else ("diverged" if vals else ""))
+        lines.append(f"| `{a}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cost_main(arg: str) -> int:
+    print(json.dumps(_cost_child(CostSpec.from_dict(json.loads(arg)))))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--cost":
+        sys.exit(_cost_main(sys.argv[2]))
+    sys.exit(2)
