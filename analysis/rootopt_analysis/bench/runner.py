@@ -208,7 +208,12 @@ def momentum_tail(opt: Any, step: int) -> dict[str, Any] | None:
     (``E[(x-m)^4] / Var^2``; 3 for a Gaussian), the share of entries above 10x the RMS, and the
     0.9-quantile of ``|x|`` over the RMS (where ROOT's default threshold clips). Summarised as
     the median and maximum over matrices (the share also pooled over all entries); None when
-    the optimizer orthogonalizes nothing (AdamW)."""
+    the optimizer orthogonalizes nothing (AdamW).
+
+    Where a threshold q clips (ROOT), also what it clips (pooled over the matrices it
+    thresholds): the share of entries above the q-quantile of ``|x|``, the shares of those
+    clipped entries that exceed 3x and 10x the RMS, and the clipped part's share of the squared
+    norm, ``||x - clamp(x, -t, t)||² / ||x||²`` (docs/benchmarks.md, v3 "Mechanism")."""
     import torch
 
     pairs = _orthogonalized(opt)
@@ -216,7 +221,8 @@ def momentum_tail(opt: Any, step: int) -> dict[str, Any] | None:
         return None
     kurt, share, q90 = [], [], []
     above = total = 0
-    for _, v in pairs:
+    clip = {"entries": 0, "clipped": 0, "over3": 0, "over10": 0, "mass": 0.0, "norm": 0.0}
+    for p, v in pairs:
         x = v.detach().float().flatten()
         rms = x.pow(2).mean().sqrt().clamp_min(1e-30)
         c = x - x.mean()
@@ -226,11 +232,22 @@ def momentum_tail(opt: Any, step: int) -> dict[str, Any] | None:
         above, total = above + n_above, total + x.numel()
         share.append(n_above / x.numel())
         q90.append(float(torch.quantile(x.abs(), 0.9) / rms))
+        q = _threshold_quantile(opt, p)
+        if q is not None:
+            a = x.abs()
+            t = torch.quantile(a, q)
+            cut = a > t
+            clip["entries"] += x.numel()
+            clip["clipped"] += int(cut.sum())
+            clip["over3"] += int((cut & (a > 3 * rms)).sum())
+            clip["over10"] += int((cut & (a > 10 * rms)).sum())
+            clip["mass"] += float((a - t).clamp_min(0).pow(2).sum())
+            clip["norm"] += float(x.pow(2).sum())
 
     def r4(x: float) -> float:
         return float(f"{x:.4g}")
 
-    return {
+    out = {
         "step": step,
         "matrices": len(pairs),
         "kurtosis_median": r4(statistics.median(kurt)),
@@ -239,6 +256,28 @@ def momentum_tail(opt: Any, step: int) -> dict[str, Any] | None:
         "above10rms_max": r4(max(share)),
         "q90_over_rms_median": r4(statistics.median(q90)),
     }
+    if clip["entries"]:
+        n = max(clip["clipped"], 1)
+        out["clipped_share"] = r4(clip["clipped"] / clip["entries"])
+        out["clipped_over3rms"] = r4(clip["over3"] / n)
+        out["clipped_over10rms"] = r4(clip["over10"] / n)
+        out["clipped_norm2_share"] = r4(clip["mass"] / max(clip["norm"], 1e-30))
+    return out
+
+
+def _threshold_quantile(opt: Any, p: Any) -> float | None:
+    """The outlier quantile ROOT applies to parameter ``p`` (None: no threshold, or not ROOT)."""
+    from rootopt.optim.registry import OptimizerChain
+    from rootopt.optim.root import ROOT
+
+    kids = opt.children if isinstance(opt, OptimizerChain) else [opt]
+    for o in kids:
+        if isinstance(o, ROOT):
+            for g in o.param_groups:
+                if any(q is p for q in g["params"]):
+                    q = g.get("outlier_quantile")
+                    return float(q) if q is not None else None
+    return None
 
 
 def run_one(spec: RunSpec, out_dir: str, progress: Any = None) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from typing import Protocol as Interface
 
 from rootopt_analysis.bench.runner import Corruption, RunSpec
 from rootopt_analysis.bench.stats import holm, mean_ci, paired_ci, paired_p
@@ -611,6 +612,13 @@ def count_flops(spec: FlopSpec, out_dir: str) -> Result:
 Job = RunSpec | TimingSpec | FlopSpec
 
 
+class AnyJob(Interface):
+    """What the walk queues: v2's jobs, and v3's kinds (rootopt_analysis.bench.study_v3)."""
+
+    @property
+    def run_id(self) -> str: ...
+
+
 @dataclass
 class ArmCell:
     arm: Arm
@@ -629,7 +637,7 @@ class Walk:
     priority order)."""
 
     proto: Protocol
-    jobs: list[tuple[tuple[int, ...], Job]] = field(default_factory=list)
+    jobs: list[tuple[tuple[int, ...], AnyJob]] = field(default_factory=list)
     cells: dict[tuple[str, str], ArmCell] = field(default_factory=dict)
     arms: dict[str, Arm] = field(default_factory=dict)
     timing: dict[tuple[str, str], float] = field(default_factory=dict)  # (arm, task) -> ratio
@@ -642,7 +650,7 @@ class Walk:
     uses: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
     complete: bool = False
 
-    def need(self, prio: tuple[int, ...], specs: Sequence[Job]) -> None:
+    def need(self, prio: tuple[int, ...], specs: Sequence[AnyJob]) -> None:
         self.jobs.extend((prio, s) for s in specs)
 
     def get(self, arm: str, cell: str) -> ArmCell | None:
@@ -1025,7 +1033,7 @@ def walk(proto: Protocol, lookup: Lookup, timing_lookup: Callable[[str], Result 
                 _study_arm_cell(w, arm, p.cell(cname), lookup, pr, report_prio=pr)
     w.jobs.sort(key=lambda pj: pj[0])
     # a run that two families ask for is one job, at the higher priority
-    by_id: dict[str, tuple[tuple[int, ...], Job]] = {}
+    by_id: dict[str, tuple[tuple[int, ...], AnyJob]] = {}
     for pj in w.jobs:
         by_id.setdefault(pj[1].run_id, pj)
     w.jobs = list(by_id.values())
@@ -1217,6 +1225,7 @@ def run_study(
                 if len(pending) >= workers + 1:
                     break
                 if job.run_id not in ids:
+                    assert isinstance(job, RunSpec | TimingSpec | FlopSpec)  # v2 queues these
                     pending[pool.submit(_run_job, job, str(out))] = job
                     ids.add(job.run_id)
             if not pending:

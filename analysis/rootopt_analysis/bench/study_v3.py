@@ -37,9 +37,11 @@ from rootopt_analysis.bench.study import (
     Cell,
     Lookup,
     Result,
+    Setting,
     Tuned,
     Walk,
     arm_by_name,
+    make_spec,
     root_arm,
 )
 
@@ -249,9 +251,34 @@ def _with_machine(job: Any, out_dir: str) -> Result:
 
 def _run_job(job: Any, out_dir: str) -> Result:
     """Worker entry for every v3 job."""
+    from rootopt_analysis.bench import study_v3_real as real
+
     if isinstance(job, CostSpec):
         return measure_cost(job, out_dir)
+    if isinstance(job, real.DataJob | real.TrainJob):
+        return real.run_job(job, out_dir)
     return _with_machine(job, out_dir)
+
+
+def _job_line(job: Any, r: Result) -> str:
+    """One progress line for a finished job."""
+    from rootopt_analysis.bench import study_v3_real as real
+
+    if isinstance(job, real.DataJob):
+        return f"real-model data prepared: {r['data']['splits']} (test {r['test']['splits']})"
+    if isinstance(job, real.TrainJob):
+        what = "FAILED " + r["error"] if r["diverged"] else f"val {r['final_val_loss']:.4f}"
+        return f"real-model {job.role} {job.optimizer} lr {job.lr:g} seed {job.seed}: {what}"
+    if isinstance(job, CostSpec | v2.TimingSpec | v2.FlopSpec):
+        what = f"×{r['ratio']:.3f}" if "ratio" in r else f"{r['flops']:.3g} FLOP"
+        return f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
+    status = "DIVERGED" if r["diverged"] else f"val {r['final_val_loss']:.4f}"
+    return (
+        f"{job.suite} {job.task}@{job.steps} {job.optimizer} "
+        f"{','.join(f'{k}={v}' for k, v in job.options if k != 'ortho_method')} "
+        f"lr {job.lr:.3g} side ×{job.side_lr_mult:g} wd {job.weight_decay:g} "
+        f"seed {job.seed}: {status} ({r['wall_s']:.0f}s)"
+    )
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -324,17 +351,37 @@ def verdict(
 
 # ----------------------------------------------------------------------------- the walk
 
-P_COST, P_DECIDE, P_TASK_TIMING = 1, 10, 80  # v2's P_COST (0) marks its own timings
+# Priorities (lower first; docs/benchmarks.md, v3 "Priority"). v2's P_COST (0) marks v2's
+# own timing jobs, which v3 runs last (information only).
+P_COST, P_DECIDE, P_REAL, P_RETUNE, P_EQUAL_TIME = 1, 10, 20, 30, 35
+P_HORIZON, P_QABL, P_REPORT, P_TASK_TIMING = 40, 50, 60, 80
+RETUNE_CELLS = ("stdlib@600", "kjv@600", "stdlib-large@200")
+RETUNE_SEEDS = (100, 101, 102)
+RETUNE_WD = (0.0, 0.03, 0.1, 0.3)
+RETUNE_SIDE = (-2, 0, 2)  # offsets of the AdamW-side exponent j around the arm's
+HORIZON = (
+    Cell("stdlib", 2400, base="stdlib@600"),
+    Cell("stdlib-large", 800, base="stdlib-large@200"),
+)
+QABL_CELLS = ("stdlib@150", "stdlib@2400")
+QABL = (0.8, 0.95, 0.99, None)  # beside q = 0.9, the default's
+MUON = arm_by_name("muon-bf16")  # torch.optim.Muon (bf16 iterations), AdamW for the rest
+ADAMW = arm_by_name("adamw")
 
 
 @dataclass
 class WalkV3:
-    """v2's :class:`Walk` (cells, tuning, index) plus v3's costs and decisions."""
+    """v2's :class:`Walk` (cells, tuning, index) plus v3's costs, decisions and the
+    families that follow the decision."""
 
     base: Walk
     costs: dict[str, Result] = field(default_factory=dict)  # run id -> cost record
     cost_of: dict[tuple[str, str], float] = field(default_factory=dict)
     decisions: dict[str, Any] = field(default_factory=dict)
+    # (arm, cell) -> {"start", "setting", "history", "report", "equal_time"}
+    retuned: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    equal_time: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell -> timing, steps
+    real: dict[str, Any] = field(default_factory=dict)  # the real-model cell
     complete: bool = False
 
     @property
@@ -408,7 +455,7 @@ def walk(lookup: Lookup, timing_lookup: Callable[[str], Result | None]) -> WalkV
     for question, cls, spec in cost_specs():
         r = timing_lookup(spec.run_id)
         if r is None:
-            b.need((P_COST,), [spec])  # type: ignore[list-item]  # a v3 job in v2's queue
+            b.need((P_COST,), [spec])
         else:
             w.costs[spec.run_id] = r
             w.cost_of[(question, cls)] = float(r["ratio"])
@@ -422,6 +469,15 @@ def walk(lookup: Lookup, timing_lookup: Callable[[str], Result | None]) -> WalkV
             ac = _matched_cell(b, arm, parent, cell)
             _decide_runs(b, ac, lookup, (P_DECIDE, ci, 10 + i))
     _decisions(w)
+    final = final_arms(w)
+    if final is not None:
+        from rootopt_analysis.bench import study_v3_real as real
+
+        real.walk(w, final[0], timing_lookup)
+        _retune_family(w, final[0], lookup, timing_lookup)
+        _horizon_family(w, final, lookup)
+        _qablation_family(w, final[0], lookup)
+        _report_family(w, final, lookup)
     # information: the study tasks' step cost of every decision arm against AdamW
     tasks = sorted({c.task for c in p.cells})
     for arm in (*TUNED, *(m for m, _ in MATCHED.values())):
@@ -434,8 +490,205 @@ def walk(lookup: Lookup, timing_lookup: Callable[[str], Result | None]) -> WalkV
     for pj in b.jobs:
         by_id.setdefault(pj[1].run_id, pj)
     b.jobs = list(by_id.values())
-    w.complete = not b.jobs and "ns_dtype" in w.decisions
+    w.complete = not b.jobs and final_arms(w) is not None
     return w
+
+
+def final_arms(w: WalkV3) -> tuple[Arm, Arm] | None:
+    """(the decided default for this machine's CPU class, its float32 form C), once both
+    questions are decided."""
+    d2 = w.decisions.get("ns_dtype")
+    if d2 is None:
+        return None
+    c = COEFFICIENTS[w.decisions["ns_coefficients"]["winner"]]
+    if d2["per_class"]["native"]["winner"] == "bfloat16":
+        return MATCHED[f"{c.name}·bf16"][0], c
+    return c, c
+
+
+def _report(
+    b: Walk,
+    ac: ArmCell,
+    lookup: Lookup,
+    prio: tuple[int, ...],
+    *,
+    steps: int | None = None,
+    role: str = "report",
+) -> list[Result] | None:
+    """The report seeds' runs of ``ac`` at its tuned setting (``steps``: another length)."""
+    if ac.tuned is None:
+        return None
+    lk = b.tagged(lookup, ac.arm.name, ac.cell.name, role)
+    specs = v2._seed_specs(b.proto, ac, b.proto.report_seeds, v2.REPORT_SUITE, steps=steps)
+    return v2._fetch(b, lk, specs, prio)
+
+
+def _arm_cell(w: WalkV3, arm: Arm, cell: Cell, lookup: Lookup, prio: tuple[int, ...]) -> ArmCell:
+    """``arm`` on ``cell``: a matched arm takes its parent's setting there, a tuned one is
+    tuned (or transferred from its base cell) as v2 does."""
+    b = w.base
+    if arm.name in MATCHED or arm.name in _EXTRA:
+        _, parent = MATCHED.get(arm.name) or _EXTRA[arm.name]
+        _arm_cell(w, parent, cell, lookup, prio)
+        return _matched_cell(b, arm, parent, cell)
+    if cell.base is not None:  # the base cell's setting first (a transfer chain)
+        _arm_cell(w, arm, _cell(w, cell.base), lookup, prio)
+    return v2._study_arm_cell(b, arm, cell, lookup, prio)
+
+
+# matched arms made after the decision (q ablation, no threshold): name -> (arm, parent)
+_EXTRA: dict[str, tuple[Arm, Arm]] = {}
+
+
+def _derived(parent: Arm, suffix: str, label: str, **opts: Any) -> Arm:
+    arm = matched(parent, suffix, label, **opts)
+    _EXTRA.setdefault(arm.name, (arm, parent))
+    return _EXTRA[arm.name][0]
+
+
+def _retune_family(
+    w: WalkV3, final: Arm, lookup: Lookup, timing_lookup: Callable[[str], Result | None]
+) -> None:
+    """Weight decay × AdamW-side multiple at each arm's tuned lr, then the lr again, on
+    RETUNE_SEEDS; report seeds at equal steps and at equal measured time."""
+    b, p = w.base, w.base.proto
+    for ci, cname in enumerate(RETUNE_CELLS):
+        cell = p.cell(cname)
+        settings: dict[str, Setting] = {}
+        for i, arm in enumerate((final, MUON)):
+            ac = _arm_cell(w, arm, cell, lookup, (P_RETUNE, ci, i))
+            if ac.tuned is None:
+                continue
+            entry = w.retuned.setdefault((arm.name, cname), {"start": ac.tuned.setting})
+            got = _retune(b, arm, cell, ac.tuned.setting, lookup, (P_RETUNE, ci, i))
+            if got is None:
+                continue
+            entry["setting"], entry["history"] = got
+            settings[arm.name] = got[0]
+            rt = ArmCell(arm, cell, Tuned(got[0]))
+            entry["report"] = _report(b, rt, lookup, (P_RETUNE, ci, 10 + i), role="re-tuned")
+        if len(settings) == 2:
+            _equal_time(w, final, cell, settings, lookup, timing_lookup, (P_EQUAL_TIME, ci))
+
+
+def _retune(
+    b: Walk, arm: Arm, cell: Cell, start: Setting, lookup: Lookup, prio: tuple[int, ...]
+) -> tuple[Setting, list[dict[str, Any]]] | None:
+    p = b.proto
+    lk = b.tagged(lookup, arm.name, cell.name, "re-tuning")
+
+    def scores(points: Sequence[Setting]) -> dict[Setting, float] | None:
+        out: dict[Setting, float] = {}
+        for s in points:
+            specs = [make_spec(arm, cell, s, sd, p.per_decade) for sd in RETUNE_SEEDS]
+            got = v2._fetch(b, lk, specs, prio)
+            if got is not None:
+                out[s] = v2.selection_score(got)
+        return out if len(out) == len(points) else None
+
+    sides = [start.j + o for o in RETUNE_SIDE] if arm.side else [start.j]
+    grid = [Setting(start.k, j, wd) for wd in RETUNE_WD for j in sides]
+    first = scores(grid)
+    if first is None:
+        return None
+    best = min(grid, key=lambda s: (first[s], s.wd, abs(s.j - start.j)))
+    lrs = [replace(best, k=best.k + o) for o in (-1, 0, 1)]
+    second = scores(lrs)
+    if second is None:
+        return None
+    chosen = min(lrs, key=lambda s: (second[s], abs(s.k - best.k)))
+    history = [
+        {
+            "phase": phase,
+            "points": [{**s.as_dict(arm, p.per_decade), "val_loss": v} for s, v in sc.items()],
+        }
+        for phase, sc in (("weight decay × AdamW-side multiple", first), ("lr", second))
+    ]
+    return chosen, history
+
+
+def _equal_time(
+    w: WalkV3,
+    final: Arm,
+    cell: Cell,
+    settings: dict[str, Setting],
+    lookup: Lookup,
+    timing_lookup: Callable[[str], Result | None],
+    prio: tuple[int, ...],
+) -> None:
+    """Both re-tuned arms timed interleaved on ``cell``'s task; the slower one trained for
+    ``round(steps · t_fast / t_slow)`` steps on the report seeds."""
+    b, p = w.base, w.base.proto
+    spec = v2.TimingSpec(
+        cell.task,
+        make_spec(final, cell, settings[final.name], 0, p.per_decade),
+        make_spec(MUON, cell, settings[MUON.name], 0, p.per_decade),
+        p.timing_steps,
+        p.timing_warmup,
+    )
+    r = timing_lookup(spec.run_id)
+    if r is None:
+        b.need(prio, [spec])
+        return
+    ratio = float(r["ratio"])  # t_final / t_muon
+    steps = {
+        final.name: round(cell.steps / ratio) if ratio > 1 else cell.steps,
+        MUON.name: round(cell.steps * ratio) if ratio < 1 else cell.steps,
+    }
+    entry: dict[str, Any] = {"timing": r, "steps": steps, "report": {}}
+    for i, arm in enumerate((final, MUON)):
+        rt = ArmCell(arm, cell, Tuned(settings[arm.name]))
+        entry["report"][arm.name] = _report(
+            b, rt, lookup, (*prio, i), steps=steps[arm.name], role="equal time"
+        )
+    w.equal_time[cell.name] = entry
+
+
+def _horizon_family(w: WalkV3, final: tuple[Arm, Arm], lookup: Lookup) -> None:
+    """The default, it in float32, it without the threshold, torch.optim.Muon and AdamW at
+    the horizon cells (transferred from their base cells), on the report seeds."""
+    default, c = final
+    noq = _derived(default, "noq", "no threshold", outlier_quantile=None)
+    arms = list(dict.fromkeys((default, c, noq, MUON, ADAMW)))
+    for hi, cell in enumerate(HORIZON):
+        for i, arm in enumerate(arms):
+            ac = _arm_cell(w, arm, cell, lookup, (P_HORIZON, hi, i))
+            if ac.report is None:
+                ac.report = _report(w.base, ac, lookup, (P_HORIZON, hi, 10 + i))
+
+
+def _qablation_family(w: WalkV3, default: Arm, lookup: Lookup) -> None:
+    for ci, cname in enumerate(QABL_CELLS):
+        cell = _cell(w, cname)
+        for i, q in enumerate(QABL):
+            tag = "noq" if q is None else f"q{q:g}"
+            arm = _derived(
+                default, tag, "no threshold" if q is None else f"q={q:g}", outlier_quantile=q
+            )
+            ac = _arm_cell(w, arm, cell, lookup, (P_QABL, ci, i))
+            if ac.report is None:
+                ac.report = _report(w.base, ac, lookup, (P_QABL, ci, i))
+        ac = _arm_cell(w, default, cell, lookup, (P_QABL, ci, 9))
+        if ac.report is None:
+            ac.report = _report(w.base, ac, lookup, (P_QABL, ci, 9))
+
+
+def _report_family(w: WalkV3, final: tuple[Arm, Arm], lookup: Lookup) -> None:
+    """The README's table: the default, its float32 form, torch.optim.Muon and AdamW on the
+    seven cells, report seeds, at the v2 tuning."""
+    default, c = final
+    for ci, cell in enumerate(w.base.proto.cells):
+        for i, arm in enumerate(dict.fromkeys((default, c, MUON, ADAMW))):
+            ac = _arm_cell(w, arm, cell, lookup, (P_REPORT, ci, i))
+            if ac.report is None:
+                ac.report = _report(w.base, ac, lookup, (P_REPORT, ci, i))
+
+
+def _cell(w: WalkV3, name: str) -> Cell:
+    for c in (*w.base.proto.cells, *HORIZON):
+        if c.name == name:
+            return c
+    raise KeyError(name)
 
 
 def _decisions(w: WalkV3) -> None:
@@ -561,19 +814,11 @@ def run_study(
                 job = pending.pop(fut)
                 r = fut.result()
                 done += 1
-                if isinstance(job, CostSpec | v2.TimingSpec | v2.FlopSpec):
-                    store.add_timings([r])
-                    what = f"×{r['ratio']:.3f}" if "ratio" in r else f"{r['flops']:.3g} FLOP"
-                    line = f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
-                else:
+                if isinstance(job, RunSpec):
                     store.add_runs([r], commit=commit)
-                    status = "DIVERGED" if r["diverged"] else f"val {r['final_val_loss']:.4f}"
-                    line = (
-                        f"{job.suite} {job.task}@{job.steps} {job.optimizer} "
-                        f"{','.join(f'{k}={v}' for k, v in job.options if k != 'ortho_method')} "
-                        f"lr {job.lr:.3g} side ×{job.side_lr_mult:g} wd {job.weight_decay:g} "
-                        f"seed {job.seed}: {status} ({r['wall_s']:.0f}s)"
-                    )
+                else:  # every other record: timing.jsonl
+                    store.add_timings([{**r, "commit": commit}])
+                line = _job_line(job, r)
                 if progress:
                     el = time.perf_counter() - t0
                     say(
@@ -586,21 +831,150 @@ def run_study(
 # ----------------------------------------------------------------------------- summary
 
 
+FAMILY_LABELS = {
+    P_COST: "cost",
+    P_DECIDE: "decision runs",
+    P_REAL: "real-model cell",
+    P_RETUNE: "re-tuning",
+    P_EQUAL_TIME: "equal time",
+    P_HORIZON: "horizon",
+    P_QABL: "q ablation",
+    P_REPORT: "report runs",
+    P_TASK_TIMING: "task timings",
+}
+
+
+def _test(rs: Sequence[Result] | None) -> list[float] | None:
+    if rs is None:
+        return None
+    return [float(r["final_test_loss"]) if not r["diverged"] else math.nan for r in rs]
+
+
+def _paired(a: Sequence[float] | None, b: Sequence[float] | None) -> dict[str, Any] | None:
+    return v2._paired_or_none(a, b)
+
+
+def _comparisons(w: WalkV3, cells: dict[str, Any]) -> list[dict[str, Any]]:
+    """Paired differences in test loss (report seeds) per cell, a − b, where both ran; the
+    default − Muon row Holm-corrected over its cells (the README's bold rule)."""
+    final = final_arms(w)
+    if final is None:
+        return []
+    default, c = final
+    pairs = [
+        ("default − torch.optim.Muon", default.name, MUON.name),
+        ("default − AdamW", default.name, ADAMW.name),
+        ("default − its float32 form", default.name, c.name),
+        ("no threshold − default", f"{default.name}·noq", default.name),
+        *(
+            (f"q = {q:g} − q = 0.9", f"{default.name}·q{q:g}", default.name)
+            for q in QABL
+            if q is not None
+        ),
+    ]
+    out = []
+    for label, a, b in pairs:
+        if a == b:
+            continue
+        per: dict[str, Any] = {}
+        for cname, cell in cells.items():
+            ra, rb = cell["arms"].get(a), cell["arms"].get(b)
+            d = _paired(ra and ra["test_loss"], rb and rb["test_loss"])
+            if d is not None:
+                per[cname] = d
+        row: dict[str, Any] = {"label": label, "a": a, "b": b, "cells": per}
+        if label == "default − torch.optim.Muon" and per:
+            from rootopt_analysis.bench.stats import holm
+
+            names = list(per)
+            for n, p_adj in zip(names, holm([per[n]["p"] for n in names]), strict=True):
+                per[n]["p_holm"] = p_adj
+                per[n]["bold"] = p_adj <= 0.05
+        out.append(row)
+    return out
+
+
+def _retuned_summary(w: WalkV3) -> dict[str, Any]:
+    p = w.base.proto
+    out: dict[str, Any] = {}
+    for (arm, cell), e in w.retuned.items():
+        a = w.base.arms.get(arm) or arm_by_name(arm)
+        out[f"{arm}|{cell}"] = {
+            "arm": arm,
+            "cell": cell,
+            "start": e["start"].as_dict(a, p.per_decade),
+            "setting": e["setting"].as_dict(a, p.per_decade) if "setting" in e else None,
+            "history": e.get("history"),
+            "test_loss": _test(e.get("report")),
+        }
+    return out
+
+
+def _equal_time_summary(w: WalkV3) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    final = final_arms(w)
+    for cell, e in w.equal_time.items():
+        tests = {arm: _test(rs) for arm, rs in e["report"].items()}
+        row: dict[str, Any] = {
+            "ratio": e["timing"]["ratio"],
+            "machine": e["timing"].get("machine"),
+            "steps": e["steps"],
+            "test_loss": tests,
+        }
+        if final is not None:
+            row["default − torch.optim.Muon"] = _paired(
+                tests.get(final[0].name), tests.get(MUON.name)
+            )
+        out[cell] = row
+    return out
+
+
+def _real_summary(w: WalkV3) -> dict[str, Any]:
+    if not w.real:
+        return {}
+    arms: dict[str, Any] = {}
+    for arm, e in w.real.get("arms", {}).items():
+        reports = e.get("report")
+        arms[arm] = {
+            "optimizer": e["optimizer"],
+            "options": e["options"],
+            "selection": {lr: r.get("final_val_loss") for lr, r in e.get("selection", {}).items()},
+            "lr": e.get("lr"),
+            "test_loss": [r.get("final_test_loss", math.nan) for r in reports] if reports else None,
+            "val_loss": [r.get("final_val_loss") for r in reports] if reports else None,
+            "val_curves": [r.get("val_curve") for r in reports] if reports else None,
+            "wall_s": [r.get("wall_s") for r in reports] if reports else None,
+        }
+    final = final_arms(w)
+    diffs = {}
+    if final is not None:
+        mine = arms.get(final[0].name, {}).get("test_loss")
+        for other in (MUON.name, ADAMW.name):
+            diffs[other] = _paired(mine, arms.get(other, {}).get("test_loss"))
+    return {
+        "cell": w.real.get("cell"),
+        "data": w.real.get("data"),
+        "arms": arms,
+        "default − other": diffs,
+    }
+
+
 def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
     """v3 as JSON-able data: costs with their machines, decisions with pooled intervals,
-    per-arm results, the run index and what is pending."""
+    per-arm results, the families after the decision, the run index and what is pending."""
     b = w.base
     cells: dict[str, Any] = {}
-    for c in b.proto.all_cells:
-        rows = {name: v2._arm_row(b, ac) for name in b.arms if (ac := b.get(name, c.name))}
+    names = list(dict.fromkeys(c for _, c in b.cells))
+    for cname in names:
+        c = _cell(w, cname)
+        rows = {name: v2._arm_row(b, ac) for name in b.arms if (ac := b.get(name, cname))}
         if rows:
-            cells[c.name] = {"task": c.task, "steps": c.steps, "arms": rows}
+            cells[cname] = {"task": c.task, "steps": c.steps, "base": c.base, "arms": rows}
     pending: dict[str, int] = {}
     for prio, _ in b.jobs:
-        label = {P_COST: "cost", P_DECIDE: "decision runs", P_TASK_TIMING: "task timings"}.get(
-            prio[0], str(prio[0])
-        )
+        label = FAMILY_LABELS.get(prio[0], str(prio[0]))
         pending[label] = pending.get(label, 0) + 1
+    final = final_arms(w)
     return {
         "format": 3,
         "meta": meta,
@@ -613,13 +987,26 @@ def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
             "isa_classes": [c or "native" for c in ISA_CLASSES],
             "cost_model": {"llama": LLAMA, "batch": LLAMA_BATCH, "steps": COST_STEPS},
             "grids": asdict(b.proto)["lr_grid"],
+            "retune": {
+                "cells": RETUNE_CELLS,
+                "seeds": RETUNE_SEEDS,
+                "wd": RETUNE_WD,
+                "side": RETUNE_SIDE,
+            },
+            "horizon": [c.name for c in HORIZON],
+            "q_ablation": {"cells": QABL_CELLS, "q": QABL},
         },
         "complete": w.complete,
         "jobs_left": len(b.jobs),
         "pending": pending,
         "costs": list(w.costs.values()),
         "decisions": w.decisions,
+        "default": {"arm": final[0].name, "float32": final[1].name} if final else None,
         "cells": cells,
+        "comparisons": _comparisons(w, cells),
+        "retuned": _retuned_summary(w),
+        "equal_time": _equal_time_summary(w),
+        "real_model": _real_summary(w),
         "index": v2._index(b, store),
     }
 
@@ -647,25 +1034,18 @@ def markdown(s: dict[str, Any]) -> str:
         if s["complete"]
         else "running: " + ", ".join(f"{k} {v}" for k, v in s["pending"].items())
     )
+    lines += [f"- status: {status}", ""]
+    lines += ["#### Cost on the model users train (one training step, arm over reference)", ""]
     lines += [
-        f"- status: {status}",
-        "",
-        "#### Cost on the model users train (bf16 or Polar Express over the other)",
-        "",
-    ]
-    lines += [
-        "| question | oneDNN cap | CPU (class) | bf16 units used | step ratio |",
+        "| arm / reference | oneDNN cap | CPU (class) | bf16 units used | step ratio |",
         "|---|---|---|---|---|",
     ]
     for r in s["costs"]:
         m, spec = r["machine"], r["spec"]
-        q = (
-            "Polar Express / Muon"
-            if dict(spec["arm"].get("options", [])).get("ns_dtype") == "float32"
-            else "bf16 / fp32"
-        )
+        arm, ref = (dict(spec[k].get("options", [])) for k in ("arm", "ref"))
+        pair = " / ".join(f"{o.get('ns_coefficients')}, {o.get('ns_dtype')}" for o in (arm, ref))
         lines.append(
-            f"| {q} | {spec['isa_cap'] or 'none'} | {m['cpu']} ({m['isa']}) | "
+            f"| {pair} | {spec['isa_cap'] or 'none'} | {m['cpu']} ({m['isa']}) | "
             f"{'yes' if m['native_bf16'] else 'no'} | {r['ratio']:.3f} |"
         )
     lines += ["", "#### Decisions (validation loss, decision seeds, pooled over the LM cells)", ""]
@@ -695,9 +1075,11 @@ def markdown(s: dict[str, Any]) -> str:
             f"  - v2's separately tuned bf16 arm − `root-polar`: {_iv(q2['tuned_apart'])}",
             f"  - CNN cells beside: {_iv(q2['cnn'])}",
         ]
+    lines += _after_decision_md(s)
     lines += ["", "#### Mean final validation loss of the decision runs", ""]
-    arms = sorted({a for c in s["cells"].values() for a in c["arms"]})
-    names = list(s["cells"])
+    decided = [n for n in s["cells"] if n in (*LM_CELLS, *CNN_CELLS)]
+    arms = sorted({a for n in decided for a in s["cells"][n]["arms"]})
+    names = decided
     lines += ["| arm | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for a in arms:
         cells = []
@@ -708,6 +1090,91 @@ def markdown(s: dict[str, Any]) -> str:
             cells.append(f"{statistics.fmean(vals):.4f}" if ok else ("diverged" if vals else ""))
         lines.append(f"| `{a}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ci(d: dict[str, Any] | None) -> str:
+    if d is None:
+        return "pending"
+    text = f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+    return f"**{text}**" if d.get("bold") else text
+
+
+def _mean(xs: Sequence[float] | None) -> str:
+    ok = (
+        xs is not None
+        and len(xs) > 0
+        and all(isinstance(x, float) and math.isfinite(x) for x in xs)
+    )
+    return (
+        f"{statistics.fmean(xs):.3f}"
+        if ok and xs is not None
+        else ("pending" if not xs else "diverged")
+    )
+
+
+def _setting(d: dict[str, Any]) -> str:
+    return f"{d['lr']:.3g}, {d['side_lr_mult']}, {d['weight_decay']:g}"
+
+
+def _after_decision_md(s: dict[str, Any]) -> list[str]:
+    if not s.get("default"):
+        return []
+    lines = ["", f"#### After the decision (the default here: `{s['default']['arm']}`)", ""]
+    lines += ["Paired differences a − b in final test loss (report seeds; 95 % t interval; "
+              "bold: Holm-corrected over the row's cells, p <= 0.05).", ""]  # fmt: skip
+    cells = sorted({c for row in s["comparisons"] for c in row["cells"]})
+    if cells:
+        lines += ["| a − b | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+        for row in s["comparisons"]:
+            vals = [_ci(row["cells"].get(c)) if c in row["cells"] else "" for c in cells]
+            lines.append(f"| {row['label']} | " + " | ".join(vals) + " |")
+    rt = s.get("retuned") or {}
+    if rt:
+        lines += ["", "Re-tuned (weight decay × AdamW-side multiple, then lr; seeds 100–102):", ""]
+        lines += [
+            "| arm | cell | from (lr, side, wd) | to (lr, side, wd) | test loss (mean) |",
+            "|---|---|---|---|---|",
+        ]
+        for e in rt.values():
+            to = e["setting"]
+            lines.append(
+                f"| `{e['arm']}` | {e['cell']} | {_setting(e['start'])} | "
+                f"{_setting(to) if to else 'pending'} | {_mean(e['test_loss'])} |"
+            )
+    et = s.get("equal_time") or {}
+    if et:
+        lines += ["", "Equal measured time (re-tuned settings; the slower arm's steps cut):", ""]
+        lines += [
+            "| cell | step time default / Muon | steps | default − Muon |",
+            "|---|---|---|---|",
+        ]
+        for cell, e in et.items():
+            steps = ", ".join(f"`{a}` {n}" for a, n in e["steps"].items())
+            lines.append(
+                f"| {cell} | {e['ratio']:.3f} | {steps} | {_ci(e.get('default − torch.optim.Muon'))} |"
+            )
+    real = s.get("real_model") or {}
+    if real.get("arms"):
+        lines += [
+            "",
+            f"Real-model cell `{real['cell']}` (test loss through `rootopt export` and transformers):",
+            "",
+        ]
+        lines += [
+            "| arm | optimizer | lr (selection val losses) | test loss (mean) |",
+            "|---|---|---|---|",
+        ]
+        for arm, e in real["arms"].items():
+            sel = ", ".join(
+                f"{lr}: {v:.3f}" if isinstance(v, float) else f"{lr}: –"
+                for lr, v in e["selection"].items()
+            )
+            lines.append(
+                f"| `{arm}` | {e['optimizer']} | {e['lr'] or 'pending'} ({sel}) | {_mean(e['test_loss'])} |"
+            )
+        for other, d in (real.get("default − other") or {}).items():
+            lines.append(f"- default − `{other}`: {_ci(d)}")
+    return lines
 
 
 def _cost_main(arg: str) -> int:
