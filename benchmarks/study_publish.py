@@ -5,7 +5,8 @@
 2. ``rootopt bench study --out docs/study --finished-only`` renders the summary from the record
    alone (nothing is trained).
 3. The summary becomes docs/study_results.json; its tables replace the generated block of
-   docs/benchmarks.md (and v1's re-reading its own block, from docs/study_results_v1.json);
+   docs/benchmarks.md (and v1's re-reading its own block of docs/benchmarks-v1.md, from
+   docs/study_results_v1.json);
    its headline replaces the generated block of README.md; its plots go to docs/img/
    (study_lr.png, study_long.png, study_tail.png).
 
@@ -56,12 +57,16 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
     atomic_write(results, study_report.dump_summary(summary).encode())
     block = study_report.markdown(summary)
     page = study_report.splice(page, block)
-    if study_report.V1_BEGIN in page:  # v1's corrections, from v1's committed summary
-        v1 = json.loads((root / "docs" / "study_results_v1.json").read_text(encoding="utf-8"))
-        page = study_report.splice(
-            page, study_report.v1_markdown(v1), study_report.V1_BEGIN, study_report.V1_END
-        )
     atomic_write(page_path, page.encode())
+    # v1's corrections, from v1's committed summary, on v1's own page
+    v1_path = root / "docs" / "benchmarks-v1.md"
+    v1_page = v1_path.read_text(encoding="utf-8") if v1_path.is_file() else ""
+    if study_report.V1_BEGIN in v1_page:
+        v1 = json.loads((root / "docs" / "study_results_v1.json").read_text(encoding="utf-8"))
+        v1_page = study_report.splice(
+            v1_page, study_report.v1_markdown(v1), study_report.V1_BEGIN, study_report.V1_END
+        )
+        atomic_write(v1_path, v1_page.encode())
     head = study_report.headline(summary)
     atomic_write(
         readme_path,

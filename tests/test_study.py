@@ -450,8 +450,8 @@ def test_benchmarks_page_is_the_committed_study() -> None:
 
 
 def test_v1_rereading_is_v1s_summary() -> None:
-    """The corrections to v1 on docs/benchmarks.md are rendered from v1's committed summary,
-    and read validation where v1 read test."""
+    """The corrections to v1 on docs/benchmarks-v1.md are rendered from v1's committed
+    summary, and read validation where v1 read test."""
     from rootopt_analysis.bench.study_report import (
         V1_BEGIN,
         V1_END,
@@ -462,7 +462,7 @@ def test_v1_rereading_is_v1s_summary() -> None:
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     v1 = json.loads((docs / "study_results_v1.json").read_text(encoding="utf-8"))
-    page = (docs / "benchmarks.md").read_text(encoding="utf-8")
+    page = (docs / "benchmarks-v1.md").read_text(encoding="utf-8")
     assert splice(page, v1_markdown(v1), V1_BEGIN, V1_END) == page
     r = v1_rereading(v1)
     # v1's published decision is what its rule gives on test loss
