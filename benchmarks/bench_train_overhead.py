@@ -283,13 +283,14 @@ def _time_checkpoint(run_dir: Path) -> float:
     """Seconds of the run's final checkpoint write (its events.jsonl does not time it):
     the size of the newest checkpoint written again, atomically, as the run writes it."""
     from rootopt import checkpoint
+    from rootopt.train.checkpoint import newest_valid
 
-    found, _ = checkpoint.newest_valid(run_dir / "checkpoints")
+    found, _ = newest_valid(run_dir / "checkpoints")
     if found is None:
         return 0.0
     out = run_dir / "timing"
     t0 = time.perf_counter()
-    checkpoint.save(out, int(found.state["state"]["step"]), found.state, keep_last=None)
+    checkpoint.save(out, int(found.state["state"]["step"]), found.state)
     return time.perf_counter() - t0
 
 

@@ -47,7 +47,7 @@ def prepare_tiny(out: Path) -> Path:
 
 
 def final_params(run_dir: Path) -> dict[str, object]:
-    from rootopt import checkpoint
+    from rootopt.train import checkpoint
 
     found, _ = checkpoint.newest_valid(run_dir / "checkpoints")
     assert found is not None

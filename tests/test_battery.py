@@ -63,7 +63,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _result(run: Path) -> dict[str, Any]:
-    from rootopt import checkpoint
+    from rootopt.train import checkpoint
 
     found, _ = checkpoint.newest_valid(run / "checkpoints")
     assert found is not None

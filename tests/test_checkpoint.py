@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rootopt import checkpoint
+from rootopt.train.checkpoint import list_checkpoints, newest_valid, prune
 
 
 class Arbitrary:
@@ -32,8 +33,9 @@ def _payload() -> dict[str, object]:
 
 def test_save_load_round_trip_and_keep_last(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40):
-        checkpoint.save(tmp_path, step, _payload(), keep_last=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        path = checkpoint.save(tmp_path, step, _payload())
+        prune(tmp_path, run_id="", keep_last=2, keep=path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
         "ckpt-00000030.pt",
         "ckpt-00000040.pt",
     ]
@@ -45,7 +47,7 @@ def test_save_load_round_trip_and_keep_last(tmp_path: Path) -> None:
 
 
 def test_rng_state_round_trip(tmp_path: Path) -> None:
-    checkpoint.save(tmp_path, 1, {"rng": checkpoint.rng_state()}, keep_last=1)
+    checkpoint.save(tmp_path, 1, {"rng": checkpoint.rng_state()})
     a = (torch.rand(3), random.random(), np.random.rand())
     checkpoint.set_rng_state(checkpoint.load(tmp_path / "ckpt-00000001.pt")["rng"])
     b = (torch.rand(3), random.random(), np.random.rand())
@@ -54,8 +56,8 @@ def test_rng_state_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_sidecar", "bad_sidecar"])
 def test_corrupt_checkpoint_is_reported_and_skipped(tmp_path: Path, damage: str) -> None:
-    checkpoint.save(tmp_path, 1, _payload(), keep_last=5)
-    checkpoint.save(tmp_path, 2, _payload(), keep_last=5)
+    checkpoint.save(tmp_path, 1, _payload())
+    checkpoint.save(tmp_path, 2, _payload())
     newest = tmp_path / "ckpt-00000002.pt"
     if damage == "flip":
         blob = bytearray(newest.read_bytes())
@@ -69,7 +71,7 @@ def test_corrupt_checkpoint_is_reported_and_skipped(tmp_path: Path, damage: str)
         newest.with_suffix(".json").write_text("{not json")
     with pytest.raises(checkpoint.CheckpointError, match="ckpt-00000002.pt"):
         checkpoint.load(newest)
-    found, skipped = checkpoint.newest_valid(tmp_path)
+    found, skipped = newest_valid(tmp_path)
     assert found is not None and found.path.name == "ckpt-00000001.pt"
     assert len(skipped) == 1 and "ckpt-00000002.pt" in skipped[0]
 
@@ -97,7 +99,7 @@ def test_load_maps_the_file_once_without_a_copy(tmp_path: Path) -> None:
     import tracemalloc
 
     big = {"w": torch.randn(1024, 1024)}  # 4 MiB
-    path = checkpoint.save(tmp_path, 1, {"model": big}, keep_last=1)
+    path = checkpoint.save(tmp_path, 1, {"model": big})
     size = path.stat().st_size
     tracemalloc.start()
     state = checkpoint.load(path)

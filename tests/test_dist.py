@@ -369,7 +369,7 @@ def test_checkpoint_reshards_across_world_sizes(tmp_path: Path) -> None:
     parameters and optimizer state equal an uninterrupted single-process run."""
     import ckpt
 
-    from rootopt.distributed import checkpoint as dck
+    from rootopt.train.checkpoint import list_checkpoints, newest_valid
 
     out, ck = tmp_path / "out", tmp_path / "ck"
     out.mkdir()
@@ -392,10 +392,10 @@ def test_checkpoint_reshards_across_world_sizes(tmp_path: Path) -> None:
             assert r[phase]["param_diff"] < TOL, (r["world"], phase, r[phase])
             assert r[phase]["state_diff"] < STATE_TOL, (r["world"], phase, r[phase])
             assert r[phase]["steps_equal"] == 1.0
-    infos = dck.list_checkpoints(ck)
+    infos = list_checkpoints(ck)
     assert [c.step for c in infos] == [2, 3, 4, 5]
     assert all(c.valid for c in infos)
-    assert dck.latest(ck) == ck / "dcp-00000005"
+    assert newest_valid(ck)[0].path == ck / "dcp-00000005"
     assert not [p for p in ck.iterdir() if p.name.startswith(".")]  # no temp dir left
 
 
@@ -455,6 +455,7 @@ def test_nccl_two_gpus_match_single_process(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------
 def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
     from rootopt.distributed import checkpoint as dck
+    from rootopt.train.checkpoint import list_checkpoints, newest_valid, prune
 
     model = common.make_model()
     opt = DistributedROOT(common.groups(model), **common.HYPER)
@@ -472,17 +473,17 @@ def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
     (ck / "dcp-00000009").mkdir()
     (ck / "dcp-00000009" / ".metadata").write_bytes(b"x")
     (ck / "notes.txt").write_text("mine")
-    infos = {c.step: c for c in dck.list_checkpoints(ck)}
+    infos = {c.step: c for c in list_checkpoints(ck)}
     assert sorted(infos) == [3, 9]
     assert infos[3].valid and not infos[9].valid
     assert "rootopt.json unreadable" in infos[9].reason
-    assert dck.latest(ck) == first
+    assert newest_valid(ck)[0].path == first
     with pytest.raises(dck.DistCheckpointError, match="dcp-00000009"):
         dck.load(ck / "dcp-00000009", model, opt)
     # prune keeps the newest valid ones and touches nothing else
     dck.save(ck, 5, model, opt)
     dck.save(ck, 6, model, opt)
-    gone = dck.prune(ck, keep_last=2)
+    gone = prune(ck, run_id="", keep_last=2)
     assert gone == [first]
     left = sorted(p.name for p in ck.iterdir())
     assert left == [
@@ -493,7 +494,7 @@ def test_checkpoint_publication_and_newest_valid_rule(tmp_path: Path) -> None:
         "notes.txt",
     ]
     assert (ck / "notes.txt").read_text() == "mine"
-    step, extra = dck.load(dck.latest(ck), model, opt)  # type: ignore[arg-type]
+    step, extra = dck.load(newest_valid(ck)[0].path, model, opt)  # type: ignore[union-attr]
     assert step == 6 and extra == {}
     with pytest.raises(ValueError, match="step"):
         dck.save(ck, -1, model, opt)

@@ -216,6 +216,28 @@ def test_resume_across_world_sizes_and_bitwise_at_the_same(
         assert torch.equal(got[k], want_model[k]), k
 
 
+def test_diagnose_and_export_read_a_torchrun_runs_newest_dcp_checkpoint(
+    ddp2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run trained with torchrun holds only ``dcp-*`` checkpoints: ``rootopt diagnose``
+    rebuilds its model from the newest one (it used to read ``ckpt-*.pt`` only and
+    diagnose a fresh model), and ``rootopt export`` writes that checkpoint's weights."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from rootopt.commands.diagnose import main as diagnose_main
+    from rootopt.commands.export import main as export_main
+
+    assert not list((ddp2 / "checkpoints").glob("ckpt-*"))
+    capsys.readouterr()
+    assert diagnose_main([str(ddp2)]) == 0
+    assert capsys.readouterr().out.startswith(f"diagnostics at step {STEPS} (checkpoint)")
+    assert export_main([str(ddp2), str(tmp_path / "hf")]) == 0
+    assert f"exported dcp-{STEPS:08d} (step {STEPS})" in capsys.readouterr().out
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(exported["model.embed_tokens.weight"], _model(ddp2)["embed.weight"])
+
+
 OLD_RUN = Path(__file__).resolve().parent / "data" / "ddp_run_3ad6c87"
 
 

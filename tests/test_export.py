@@ -56,8 +56,8 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def _rootopt_model(run: Path) -> torch.nn.Module:
-    from rootopt import checkpoint
     from rootopt.config import from_dict
+    from rootopt.train import checkpoint
     from rootopt.train.model import LlamaLM
 
     found, _ = checkpoint.newest_valid(run / "checkpoints")

@@ -29,6 +29,8 @@ from rootopt.config import load_config
 from rootopt.data import ShardError, load_manifest, prepare
 from rootopt.monitor import read_jsonl
 from rootopt.train import Hooks, TrainingError, train
+from rootopt.train.checkpoint import list_checkpoints, newest_valid, prune
+from rootopt.train.checkpoint.catalog import next_serial
 from rootopt.train.main import main as train_main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -171,8 +173,8 @@ def test_data_deleted_mid_run_leaves_an_emergency_checkpoint(
             say=_quiet,
             hooks=Hooks(after_step=delete),
         )
-    ckpts = checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints")
-    assert len(ckpts) == 1 and checkpoint.load(ckpts[0])["reason"] == "emergency"
+    ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert len(ckpts) == 1 and checkpoint.load(ckpts[0].path)["reason"] == "emergency"
     for p in d.glob("train-*.gone"):
         p.rename(p.with_suffix(".tar"))
     s = train(load_config(None, over), tmp_path / "run", str(d), say=_quiet)
@@ -190,11 +192,11 @@ def test_restart_after_invalid_checkpoints_keeps_what_it_writes(
     run = tmp_path / "run"
     over = [*FAST, "checkpoint.keep_last=2"]
     train(load_config(None, [*over, "run.max_steps=40"]), run, str(shards), say=_quiet)
-    for p in checkpoint.list_checkpoints(run / "checkpoints"):
-        p.write_bytes(b"garbage")
+    for e in list_checkpoints(run / "checkpoints"):
+        e.path.write_bytes(b"garbage")
     s = train(load_config(None, [*over, "run.max_steps=20"]), run, str(shards), say=_quiet)
     assert s.resumed_from == "" and s.steps == 20
-    kept = [p.name for p in checkpoint.list_checkpoints(run / "checkpoints")]
+    kept = [p.name for p in list_checkpoints(run / "checkpoints")]
     assert "ckpt-00000020.pt" in kept and s.checkpoint == "ckpt-00000020.pt"
     assert checkpoint.load(run / "checkpoints" / "ckpt-00000020.pt")["step"] == 20
 
@@ -256,14 +258,19 @@ def test_a_live_process_holds_its_checkpoint_dir(shards: Path, tmp_path: Path) -
 
 def test_pruning_goes_by_write_order_and_run(tmp_path: Path) -> None:
     payload = {"x": torch.zeros(2)}
-    checkpoint.save(tmp_path, 90, payload, keep_last=5, run_id="other")
+
+    def save(step: int, run_id: str, keep_last: int) -> None:  # as the run's checkpointer
+        path = checkpoint.save(tmp_path, step, payload, run_id=run_id, serial=next_serial(tmp_path))
+        prune(tmp_path, run_id=run_id, keep_last=keep_last, keep=path)
+
+    save(90, "other", 5)
     for step in (50, 60):
-        checkpoint.save(tmp_path, step, payload, keep_last=5, run_id="mine")
+        save(step, "mine", 5)
     for step in (10, 20):  # a restart of "mine" from step 0: lower steps, written later
-        checkpoint.save(tmp_path, step, payload, keep_last=2, run_id="mine")
-    names = sorted(p.name for p in checkpoint.list_checkpoints(tmp_path))
+        save(step, "mine", 2)
+    names = sorted(p.name for p in list_checkpoints(tmp_path))
     assert names == ["ckpt-00000010.pt", "ckpt-00000020.pt", "ckpt-00000090.pt"]
-    found, _ = checkpoint.newest_valid(tmp_path)
+    found, _ = newest_valid(tmp_path)
     assert found is not None and found.path.name == "ckpt-00000020.pt"
 
 
@@ -293,8 +300,8 @@ def test_divergence_stops_keeps_the_good_checkpoint_and_report_names_the_cause(
     assert "diverged at step" in line and "ckpt-00000020.pt" in line and "base_lr" in line
     # a changed config names a new default run directory: the hint names this one
     assert f"rerun with --log_dir {run} to resume from it" in line
-    kept = checkpoint.list_checkpoints(run / "checkpoints")
-    assert [p.name for p in kept] == ["ckpt-00000020.pt"] and kept[0].read_bytes() == good
+    kept = list_checkpoints(run / "checkpoints")
+    assert [p.name for p in kept] == ["ckpt-00000020.pt"] and kept[0].path.read_bytes() == good
     rep = check_run(run)
     assert "diverged" in rep.symptoms and "nonfinite" not in rep.symptoms
     assert "mixed precision" not in rep.render() and "learning rate too high" in rep.render()
@@ -321,7 +328,7 @@ def test_fp16_scale_overflow_every_step_is_divergence(
     ]
     assert train_main(args) == 1
     assert "6 consecutive non-finite steps" in _one_line(capsys)
-    assert not checkpoint.list_checkpoints(run / "checkpoints")
+    assert not list_checkpoints(run / "checkpoints")
     assert "nonfinite" in check_run(run).symptoms  # fp16: the loss scale is the likely cause
 
 

@@ -429,9 +429,7 @@ def test_old_checkpoint_of_the_byte_default_still_resumes(shards: Path, tmp_path
     model["kind"] = "llama"
     path.unlink()
     path.with_suffix(".json").unlink()
-    checkpoint.save(
-        ck_dir, 4, payload, keep_last=None, run_id=meta["run_id"], serial=meta["serial"]
-    )
+    checkpoint.save(ck_dir, 4, payload, run_id=meta["run_id"], serial=meta["serial"])
     s = train(load_config(None, [*CFG, "run.max_steps=6"]), tmp_path / "r", str(shards), say=_quiet)
     assert s.resumed_from == "ckpt-00000004.pt" and s.steps == 6
 

@@ -294,6 +294,13 @@ def _truncate(f: Path) -> None:
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
 
 
+def _no_marker(f: Path) -> None:
+    """The checkpoint's marker is lost (a copy that left it out): ``f`` itself is intact.
+    Such a checkpoint used to sort as the oldest: the rerun resumed from dcp-00000004
+    without a word and then stopped at step 8 for good ("already exists")."""
+    (f.parent / "rootopt.json").unlink()
+
+
 @pytest.fixture(scope="module")
 def dcp_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A two-process run (gloo) stopped at step 8 with dcp-00000004 and dcp-00000008, and
@@ -324,8 +331,9 @@ def _model(run: Path, step: int) -> dict[str, Any]:
         (_flip, "__1_0.distcp sha256 mismatch"),
         (_zero_page, "__1_0.distcp sha256 mismatch"),
         (_truncate, "__1_0.distcp is "),
+        (_no_marker, "rootopt.json unreadable (missing)"),
     ],
-    ids=["flipped-byte", "zeroed-page", "truncated"],
+    ids=["flipped-byte", "zeroed-page", "truncated", "no-marker"],
 )
 def test_a_damaged_dcp_checkpoint_is_skipped_with_one_line_and_kept(
     dcp_runs: dict[str, Path], shards: Path, tmp_path: Path, damage: Any, reason: str
@@ -470,16 +478,16 @@ def test_dcp_values_that_would_run_code_are_refused(tmp_path: Path) -> None:
 def test_a_dcp_checkpoint_without_checksums_is_read_with_a_note(tmp_path: Path) -> None:
     """An older dcp-* (no file list in its marker) is accepted with one line saying its
     bytes cannot be checked; it is still read through the safe reader."""
-    from rootopt.train import ckpts
+    from rootopt.train.checkpoint import catalog as ckpts
 
     data = Path(__file__).resolve().parent / "data" / "saved_dcp_fdcf298"
     shutil.copytree(data, tmp_path / "c")
-    (entry,) = ckpts.list_all(tmp_path / "c")
-    state, note = ckpts.read(entry)
+    (entry,) = ckpts.list_checkpoints(tmp_path / "c")
+    state, note = ckpts.read(entry).state, ckpts.read(entry).note
     assert isinstance(state, dict) and "written before checkpoints carried checksums" in note
     ck = _small_dcp(tmp_path / "new")
-    (new,) = ckpts.list_all(ck.parent)
-    assert ckpts.read(new)[1] == ""
+    (new,) = ckpts.list_checkpoints(ck.parent)
+    assert ckpts.read(new).note == ""
 
 
 def test_a_peer_killed_during_a_collective_save_leaves_one_line(
@@ -544,7 +552,7 @@ def test_a_peer_killed_during_a_collective_save_leaves_one_line(
 
 
 def _final_state(run: Path) -> dict[str, Any]:
-    from rootopt import checkpoint
+    from rootopt.train import checkpoint
 
     found, _ = checkpoint.newest_valid(run / "checkpoints")
     assert found is not None

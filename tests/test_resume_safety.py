@@ -21,11 +21,11 @@ import torch
 from _faultkit import tree_state, victim
 from _train_fixtures import FAST, TINY, final_params, prepare_tiny
 from _train_fixtures import quiet as _quiet
-from rootopt import checkpoint
 from rootopt.config import load_config
 from rootopt.data import ShardError, load_manifest, prepare
 from rootopt.monitor import read_jsonl
 from rootopt.train import Diverged, Hooks, train
+from rootopt.train.checkpoint import list_checkpoints
 from rootopt.train.main import main as train_main
 
 
@@ -137,7 +137,7 @@ def test_last_good_checkpoint_survives_divergence_episodes_and_kills(
 def _two_checkpoints(shards: Path, run: Path) -> list[str]:
     base = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "checkpoint.keep_last=3"]
     assert train_main([*base, "run.max_steps=20"]) == 0
-    names = [p.name for p in checkpoint.list_checkpoints(run / "checkpoints")]
+    names = [p.name for p in list_checkpoints(run / "checkpoints")]
     assert names == ["ckpt-00000010.pt", "ckpt-00000020.pt"]
     return base
 

@@ -93,7 +93,13 @@ def _fake_result(job: object) -> dict[str, object]:
         ratio = (0.9 if job.isa_cap is None else 3.0) if bf16 else 1.0
         machine = {"cpu": "test", "isa": "AVX-512-BF16", "native_bf16": job.isa_cap is None}
         spec = job.to_dict()
-        return {"run_id": job.run_id, "kind": "cost", "ratio": ratio, "machine": machine, "spec": spec}
+        return {
+            "run_id": job.run_id,
+            "kind": "cost",
+            "ratio": ratio,
+            "machine": machine,
+            "spec": spec,
+        }
     if isinstance(job, v3.v2.TimingSpec):
         return {"run_id": job.run_id, "kind": "timing", "ratio": 1.2}
     if isinstance(job, v3.v2.FlopSpec):
@@ -102,7 +108,12 @@ def _fake_result(job: object) -> dict[str, object]:
         return {"run_id": job.run_id, "kind": "real-data"}
     if isinstance(job, real.TrainJob):
         loss = 4.0 + abs(math.log(job.lr / 4e-3)) + 0.001 * job.seed
-        return {"run_id": job.run_id, "kind": "real-model", "final_val_loss": loss, "diverged": False}
+        return {
+            "run_id": job.run_id,
+            "kind": "real-model",
+            "final_val_loss": loss,
+            "diverged": False,
+        }
     assert isinstance(job, RunSpec)
     opts = dict(job.options)
     steps = job.steps
@@ -133,7 +144,9 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
 
     def lookup(spec: object) -> dict[str, object] | None:
         rid = spec.run_id  # type: ignore[attr-defined]
-        return done.get(rid) or (earlier.runs.get(rid) if spec.suite == v3.v2.SELECT_SUITE else None)  # type: ignore[attr-defined]
+        return done.get(rid) or (
+            earlier.runs.get(rid) if spec.suite == v3.v2.SELECT_SUITE else None
+        )  # type: ignore[attr-defined]
 
     families: Counter[int] = Counter()
     for _ in range(40):
@@ -150,7 +163,12 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     assert d["ns_coefficients"]["winner"] == "muon" and d["ns_coefficients"]["equivalent"]
     assert d["ns_dtype"]["difference"]["mean"] == pytest.approx(0.002)
     winners = {cls: v["winner"] for cls, v in d["ns_dtype"]["per_class"].items()}
-    assert winners == {"native": "bfloat16", "AVX512_CORE": "float32", "AVX2": "float32", "cuda": "bfloat16"}
+    assert winners == {
+        "native": "bfloat16",
+        "AVX512_CORE": "float32",
+        "AVX2": "float32",
+        "cuda": "bfloat16",
+    }
     assert v3.final_arms(w) == (v3.MATCHED["root-muon·bf16"][0], v3.ROOT_MUON)
     for family in (v3.P_COST, v3.P_DECIDE, v3.P_REAL, v3.P_RETUNE, v3.P_EQUAL_TIME, v3.P_HORIZON):
         assert families[family] > 0, family

@@ -112,7 +112,6 @@ def main(out: Path) -> None:
             ckpt.parent,
             7,
             payload,
-            keep_last=None,
             run_id=meta["run_id"],
             suspect=meta["suspect"],
             serial=meta["serial"],

@@ -16,6 +16,7 @@ from parity import full, full_state, reference
 
 from rootopt.distributed import DistributedROOT, finish, init_distributed, unwrap_model, wrap_model
 from rootopt.distributed import checkpoint as dck
+from rootopt.train.checkpoint import newest_valid
 
 
 def compare(model: torch.nn.Module, opt: DistributedROOT, step: int) -> dict[str, float]:
@@ -44,9 +45,9 @@ def run(out_dir: str, ck_dir: str, layout: str, steps: int) -> dict[str, Any]:
     opt = DistributedROOT(groups(unwrap_model(model)), **HYPER, **kw)
     res: dict[str, Any] = {"world": world, "layout": layout}
     start = 0
-    path = dck.latest(ck_dir)
-    if path is not None:
-        start, extra = dck.load(path, model, opt)
+    found, _ = newest_valid(ck_dir)
+    if found is not None:
+        start, extra = dck.load(found.path, model, opt)
         res["loaded_step"] = start
         res["extra_ok"] = float(extra.get("data_step") == start)
         res["after_load"] = compare(model, opt, start)

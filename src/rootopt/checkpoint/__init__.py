@@ -1,6 +1,8 @@
-"""Atomic, checksummed checkpoints; resume from the newest valid one.
+"""Atomic, checksummed one-process checkpoints (``ckpt-<step>.pt``), and directory locks.
 
-A checkpoint is ``ckpt-<step>.pt`` (``torch.save`` of plain data: tensors, numbers, strings,
+The format a run writes in one process; which checkpoint is the newest valid one, pruning
+and resuming belong to the run's checkpointer (:mod:`rootopt.train.checkpoint`). A
+checkpoint is ``ckpt-<step>.pt`` (``torch.save`` of plain data: tensors, numbers, strings,
 lists, dicts — loadable with ``weights_only=True``) plus ``ckpt-<step>.json`` holding its
 sha256, step and format version. Both are written to a temporary file, fsync'ed and renamed
 into place (the sidecar last), and the directory is fsync'ed, so a crash leaves either the
@@ -18,7 +20,6 @@ import json
 import mmap
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from rootopt._atomic import atomic_write, fsync_dir
 
 FORMAT_VERSION = 1
-_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+NAME = re.compile(r"^ckpt-(\d{8})\.pt$")  # a checkpoint's file name (its sidecar: .json)
 
 
 _STALE = re.compile(r"^\.(ckpt-\d{8}\.(pt|json)|owner\.json)\..+\.tmp$")
@@ -71,23 +72,15 @@ def save(
     step: int,
     payload: dict[str, Any],
     *,
-    keep_last: int | None,
     run_id: str = "",
-    protect: Path | None = None,
     suspect: bool = False,
-    serial: int | None = None,
+    serial: int = 0,
 ) -> Path:
-    """Write checkpoint ``step`` atomically; keep this run's newest ``keep_last`` (None: do
-    not prune here); return its path.
+    """Write checkpoint ``step`` atomically; return its path.
 
-    Each sidecar records the run id, a write serial (``serial``, default one more than any
-    sidecar in the directory) and whether the checkpoint is ``suspect`` (written inside a
-    divergence episode). Pruning orders by the serial (the order of writing), not by the
-    step, and only touches checkpoints whose sidecar names ``run_id``: a run restarted from
-    step 0 never deletes what it has just written, and a directory shared by mistake never
-    loses another run's files. The newest checkpoint that is not suspect, and ``protect``,
-    are never pruned and do not count.
-    """
+    Its sidecar records the run id, the write ``serial`` (the order of writing, which the
+    run's checkpointer gives; 0: unordered) and whether the checkpoint is ``suspect``
+    (written inside a divergence episode)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     import io
@@ -97,8 +90,6 @@ def save(
     blob = buf.getvalue()
     del buf
     path = directory / f"ckpt-{step:08d}.pt"
-    if serial is None:
-        serial = 1 + max((_serial(m) for m in _sidecars(directory).values()), default=0)
     atomic_write(path, blob)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -111,75 +102,7 @@ def save(
     }
     atomic_write(path.with_suffix(".json"), (json.dumps(meta) + "\n").encode())
     fsync_dir(directory)
-    if keep_last is not None:
-        prune(directory, keep_last=keep_last, run_id=run_id, keep=path, protect=protect)
     return path
-
-
-def _serial(meta: dict[str, Any]) -> int:
-    value = meta.get("serial", 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _sidecars(directory: Path) -> dict[Path, dict[str, Any]]:
-    out = {}
-    for p in _candidates(directory):
-        meta = _sidecar(p)
-        if meta is not None:
-            out[p] = meta
-    return out
-
-
-def prune(
-    directory: str | Path,
-    *,
-    keep_last: int,
-    run_id: str,
-    keep: Path,
-    protect: Path | None = None,
-) -> list[Path]:
-    """Delete this run's checkpoints beyond the newest ``keep_last`` (by write serial).
-
-    Never deleted: ``keep``, ``protect``, the newest checkpoint that is not suspect (the
-    last good one while a divergence episode is open) and any checkpoint of another format
-    version (this build cannot tell what it holds)."""
-    metas = _sidecars(Path(directory))
-    mine_all = sorted(
-        (_serial(m), int(m.get("step", 0)), p)
-        for p, m in metas.items()
-        if m.get("run_id", "") == run_id and m.get("format_version") == FORMAT_VERSION
-    )
-    good = [p for _, _, p in mine_all if not metas[p].get("suspect")]
-    last_good = good[-1] if good else None
-    mine = [row for row in mine_all if row[2] not in (keep, protect, last_good)]
-    removed = []
-    for _, _, old in mine[: max(0, len(mine) - (keep_last - 1))]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".json").unlink(missing_ok=True)
-        removed.append(old)
-    return removed
-
-
-def _candidates(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    return [p for p in directory.iterdir() if _NAME.match(p.name)]
-
-
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint files in ``directory``, oldest first in the order they were written.
-
-    The order is the sidecars' write serial (step for files without one); a file whose sidecar
-    is unreadable counts as the newest, so resume reports it rather than skipping it silently.
-    """
-    directory = Path(directory)
-    found = []
-    metas = {p: _sidecar(p) for p in _candidates(directory)}
-    top = max((_serial(m) for m in metas.values() if m is not None), default=0)
-    for p, m in metas.items():
-        step = int(_NAME.match(p.name).group(1))  # type: ignore[union-attr]
-        found.append(((_serial(m) if m is not None else top + 1), step, p))
-    return [p for _, _, p in sorted(found)]
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -359,29 +282,6 @@ def claim(directory: str | Path, run_id: str, log_dir: str) -> None:
         atomic_write(directory / OWNER, (json.dumps(data) + "\n").encode())
 
 
-@dataclass
-class Resumed:
-    path: Path
-    state: dict[str, Any]
-    skipped: list[str]  # one line per invalid newer checkpoint
-
-
-def newest_valid(directory: str | Path) -> tuple[Resumed | None, list[str]]:
-    """The newest checkpoint that verifies and loads, and a line per newer corrupt one.
-
-    A newer checkpoint that this build cannot read (:class:`CheckpointUnreadable`) stops the
-    search with that error: an older one is not a silent substitute."""
-    skipped: list[str] = []
-    for path in reversed(list_checkpoints(directory)):
-        try:
-            return Resumed(path, load(path), skipped), skipped
-        except CheckpointUnreadable:
-            raise
-        except CheckpointError as exc:
-            skipped.append(str(exc))
-    return None, skipped
-
-
 def rng_state() -> dict[str, Any]:
     """Every RNG the loop draws from, as tensors and plain numbers."""
     import random
@@ -422,18 +322,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 __all__ = [
     "FORMAT_VERSION",
+    "NAME",
     "CheckpointError",
     "CheckpointUnreadable",
     "DirLock",
     "LockHeld",
-    "Resumed",
     "check_owner",
     "claim",
-    "list_checkpoints",
     "load",
-    "newest_valid",
     "owner",
-    "prune",
     "rng_state",
     "save",
     "set_rng_state",

@@ -1,5 +1,8 @@
 """Resharding checkpoints with ``torch.distributed.checkpoint`` (DCP), checked and safe.
 
+The format a run writes at world size > 1; which checkpoint is the newest valid one, pruning
+and resuming belong to the run's checkpointer (:mod:`rootopt.train.checkpoint`).
+
 A checkpoint is a directory ``dcp-<step:08d>/`` holding DCP's files (model and optimizer
 state by parameter name, sharded tensors as ``DTensor``), ``extra.pt`` (rank 0's opaque
 dict: scheduler, scaler, data position, RNG; plain data, loadable with
@@ -32,7 +35,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -61,7 +63,7 @@ MARKER = "rootopt.json"
 EXTRA = "extra.pt"
 METADATA = ".metadata"
 FILES = "files"  # the marker's {name: {"sha256": hex, "bytes": n}} of every other file
-_NAME = re.compile(r"^dcp-(\d{8})$")
+NAME = re.compile(r"^dcp-(\d{8})$")  # a checkpoint directory's name
 _PARTIAL = re.compile(r"^\.dcp-\d{8}\.partial-[0-9a-f]{12}$")
 # the data files DCP's FileSystemWriter names (`__<rank>_<n>.distcp`)
 _DATA = re.compile(r"^__\d+_\d+\.distcp$")
@@ -263,7 +265,7 @@ def inspect(path: str | Path) -> CheckpointInfo:
     """Whether ``path`` is a complete checkpoint of this format, and its step (reads the
     marker only; :func:`verify` checks the files' bytes)."""
     path = Path(path)
-    m = _NAME.match(path.name)
+    m = NAME.match(path.name)
     step = int(m.group(1)) if m else -1
     if not path.is_dir():
         return CheckpointInfo(path, step, False, "not a directory")
@@ -583,21 +585,6 @@ def _load_error(path: Path, exc: BaseException) -> DistCheckpointError:
     return DistCheckpointError(f"cannot load checkpoint {path}: {_first(cause)}")
 
 
-def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
-    """Every ``dcp-*`` directory under ``directory``, oldest first, with its validity."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [inspect(p) for p in directory.iterdir() if _NAME.match(p.name)]
-    return sorted(found, key=lambda c: c.step)
-
-
-def latest(directory: str | Path) -> Path | None:
-    """The newest valid checkpoint (invalid or partial ones are skipped), or None."""
-    valid = [c for c in list_checkpoints(directory) if c.valid]
-    return valid[-1].path if valid else None
-
-
 def load(
     path: str | Path, model: nn.Module, optimizer: Optimizer, *, verified: bool = False
 ) -> tuple[int, dict[str, Any]]:
@@ -657,17 +644,3 @@ def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     ):
         raise DistCheckpointError(f"cannot read checkpoint {Path(path)}: it holds no model tensors")
     return model
-
-
-def prune(directory: str | Path, keep_last: int) -> list[Path]:
-    """Remove all but the newest ``keep_last`` valid checkpoints; only directories that
-    this module wrote (name pattern and marker) are ever removed. Rank 0 only."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    if world().rank != 0:
-        return []
-    valid = [c for c in list_checkpoints(directory) if c.valid]
-    gone = [c.path for c in valid[:-keep_last]]
-    for p in gone:
-        shutil.rmtree(p)
-    return gone

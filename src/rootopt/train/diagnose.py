@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from rootopt import checkpoint
 from rootopt.config import Config, from_dict, load_config
 from rootopt.data import ShardStream, load_manifest
 from rootopt.monitor.diagnostics import (
@@ -28,23 +27,25 @@ from rootopt.monitor.diagnostics import (
     update_ratios,
 )
 from rootopt.train.build import ProcessInfo, TrainingError, build_optimizer
+from rootopt.train.checkpoint import Checkpointer, Found
 from rootopt.train.data import resolve_data
 from rootopt.train.model import build_model, loss_fn
 
 
 def _load(
     run_dir: Path | None, config: str | None, overrides: list[str]
-) -> tuple[Config, dict[str, Any] | None, Path]:
+) -> tuple[Config, Checkpointer | None, Found | None, Path]:
+    """The config to diagnose, and the run's checkpointer and newest valid checkpoint of
+    either format (none: a fresh model)."""
     if run_dir is not None:
-        found, skipped = checkpoint.newest_valid(run_dir / "checkpoints")
-        for line in skipped:
-            print(f"skipping invalid checkpoint: {line}")
+        checkpointer = Checkpointer.of_run(run_dir)
+        found, _ = checkpointer.newest(print)
         if found is not None:
-            return from_dict(found.state["config"]), found.state, run_dir
+            return from_dict(found.state["config"]), checkpointer, found, run_dir
         if (run_dir / "config.yaml").is_file():
-            return load_config(run_dir / "config.yaml", overrides), None, run_dir
+            return load_config(run_dir / "config.yaml", overrides), None, None, run_dir
         raise TrainingError(f"{str(run_dir)!r} holds no checkpoint and no config.yaml")
-    return load_config(config, overrides), None, Path("runs") / "diagnose"
+    return load_config(config, overrides), None, None, Path("runs") / "diagnose"
 
 
 def _run_data(run_dir: Path | None, state: dict[str, Any] | None) -> Path | None:
@@ -70,7 +71,8 @@ def diagnose(
     overrides: list[str] | None = None,
     seed: int = 0,
 ) -> list[str]:
-    cfg, state, where = _load(run_dir, config, list(overrides or []))
+    cfg, checkpointer, found, where = _load(run_dir, config, list(overrides or []))
+    state = found.state if found is not None else None
     torch.set_num_threads(max(1, cfg.run.threads or torch.get_num_threads()))
     data_dir = Path(data_path) if data_path else _run_data(run_dir, state)
     if data_dir is None:  # a fresh model, or a run that prepared its corpus into itself
@@ -80,31 +82,33 @@ def diagnose(
     model = build_model(cfg.model, manifest, cfg.data.seq_len)
     optimizer, _ = build_optimizer(cfg, model)
     step = 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = int(state["state"]["step"])
-    batch = next(
-        iter(
-            ShardStream(
-                data_dir,
-                "train",
-                batch_size=cfg.data.batch_size,
-                seq_len=cfg.data.seq_len,
-                seed=seed,
-                shuffle=True,
-            )
-        )
+    if checkpointer is not None and found is not None:
+        checkpointer.load_into(found, model, optimizer)
+        step = int(found.state["state"]["step"])
+    stream = ShardStream(
+        data_dir,
+        "train",
+        batch_size=cfg.data.batch_size,
+        seq_len=cfg.data.seq_len,
+        seed=seed,
+        shuffle=True,
     )
+    batch = next(iter(stream))
     x, y = batch["input"], batch["target"]
+    what = "checkpoint" if state else "fresh model"
+    lines = [f"diagnostics at step {step} ({what}), one batch of {x.shape[0]}"]
+    lines += _gradient_lines(model, optimizer, x, y)
+    for g in optimizer.param_groups:
+        g.setdefault("lr", cfg.optimization.base_lr)
+    lines += _ratio_lines(model, optimizer)
+    lines.append(_probe_line(model, x, y, seed))
+    return lines
 
-    def loss_of(m: nn.Module) -> float:
-        with torch.no_grad():
-            return float(loss_fn(m(x), y))
 
-    lines = [
-        f"diagnostics at step {step} ({'checkpoint' if state else 'fresh model'}), one batch of {x.shape[0]}"
-    ]
+def _gradient_lines(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> list[str]:
+    """The gradient range of one batch against the guide's normal range."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model(x), y)
@@ -114,31 +118,41 @@ def diagnose(
     gmax = max(v[0] for v in ranges.values())
     gmin = min((v[1] for v in ranges.values() if v[1] > 0), default=0.0)
     ok = lo <= gmin and gmax <= hi
-    lines.append(
+    lines = [
         f"[{'OK' if ok else 'WARN'}] gradient range: max |g| {gmax:.3e}, min non-zero |g| {gmin:.3e} "
         f"(normal {lo:.0e}..{hi:.0e})"
-    )
+    ]
     worst = sorted(ranges.items(), key=lambda kv: -kv[1][0])[:3]
-    lines += [f"       largest: {n} max {a:.3e} min {b:.3e}" for n, (a, b) in worst]
-    for g in optimizer.param_groups:
-        g.setdefault("lr", cfg.optimization.base_lr)
+    return lines + [f"       largest: {n} max {a:.3e} min {b:.3e}" for n, (a, b) in worst]
+
+
+def _ratio_lines(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """One trial step's update ratios against the guide's healthy band."""
     ratios = update_ratios(model, optimizer)
     lo, hi = UPDATE_RATIO_BAND
     inside = [n for n, r in ratios.items() if lo <= r <= hi]
     med = sorted(ratios.values())[len(ratios) // 2]
-    lines.append(
+    lines = [
         f"[{'OK' if len(inside) == len(ratios) else 'WARN'}] update ratio mean|Δθ|/mean|θ| at lr "
         f"{optimizer.param_groups[0]['lr']:.2e}: median {med:.2e}, min {min(ratios.values()):.2e}, "
         f"max {max(ratios.values()):.2e}; {len(inside)}/{len(ratios)} tensors in the healthy "
         f"band {lo:.0e}..{hi:.0e}"
-    )
+    ]
     outside = sorted((r, n) for n, r in ratios.items() if not lo <= r <= hi)[-3:]
-    lines += [f"       outside: {n} {r:.2e}" for r, n in outside]
+    return lines + [f"       outside: {n} {r:.2e}" for r, n in outside]
+
+
+def _probe_line(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> str:
+    """The loss-surface probe along one seeded direction and its log-log slope."""
+
+    def loss_of(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float(loss_fn(m(x), y))
+
     base, changes, slope = loss_surface_probe(model, loss_of, seed=seed)
     quad = math.isfinite(slope) and 1.5 <= slope <= 2.5
-    lines.append(
+    return (
         f"[{'OK' if quad else 'WARN'}] loss-surface probe around L={base:.4f}: "
         + ", ".join(f"ε={e:.0e} ΔL={d:+.3e}" for e, d in changes.items())
         + f"; log-log slope {slope:.2f} (quadratic ≈ 2)"
     )
-    return lines

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from rootopt._atomic import atomic_write, fsync_dir
-from rootopt.checkpoint import CheckpointUnreadable
+from rootopt.checkpoint import CheckpointError, CheckpointUnreadable
 from rootopt.config import ModelConfig
+from rootopt.train.checkpoint import Checkpointer, Found
 
 # The run directory's copy of the tokenizer's files, written when a run starts, so an
 # export does not depend on the data directory staying where it was.
@@ -61,35 +62,29 @@ def _check_target(out_dir: Path) -> None:
             )
 
 
-def _ckpt_dir(run_dir: Path) -> Path:
-    """The run's checkpoint directory (``checkpoint.dir`` of its config.yaml, else
-    ``checkpoints/``)."""
-    try:
-        import yaml
-
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-        d = cfg["checkpoint"]["dir"]
-    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError):
-        d = ""
-    return Path(d) if isinstance(d, str) and d else run_dir / "checkpoints"
-
-
-def _newest(run_dir: Path) -> tuple[Any, dict[str, Any]]:
-    from rootopt.train import ckpts
-
+def _newest(run_dir: Path, say: Callable[[str], None]) -> tuple[Checkpointer, Found]:
+    """The run's checkpointer and its newest valid checkpoint (saying which newer ones it
+    skipped and why)."""
     if not run_dir.is_dir():
         raise ExportError(f"{str(run_dir)!r} is not a directory (a run directory of rootopt train)")
     if not (run_dir / "run.json").is_file():
         raise ExportError(f"{str(run_dir)!r} is not a rootopt run directory (no run.json)")
-    ckpt_dir = _ckpt_dir(run_dir)
+    checkpointer = Checkpointer.of_run(run_dir)
     try:
-        found, skipped, _ = ckpts.newest_readable(ckpt_dir)
+        found, skipped = checkpointer.newest(say)
     except CheckpointUnreadable as exc:
         raise ExportError(f"cannot export: {exc}") from None
     if found is None:
         why = f" ({len(skipped)} invalid: {skipped[-1]})" if skipped else ""
         raise ExportError(f"{str(run_dir)!r} holds no valid checkpoint to export{why}")
-    return found.entry, found.state
+    return checkpointer, found
+
+
+def _weights(checkpointer: Checkpointer, found: Found) -> dict[str, torch.Tensor]:
+    try:
+        return checkpointer.model_state(found)
+    except CheckpointError as exc:
+        raise ExportError(f"cannot export: {exc}") from None
 
 
 def _model_config(saved: dict[str, Any]) -> ModelConfig:
@@ -122,20 +117,6 @@ def tokenizer_files(run_dir: Path, state: dict[str, Any]) -> dict[str, bytes]:
             f"cannot export: the tokenizer is not in {str(own)!r} and the run's data "
             f"{where!r} cannot be read ({str(exc).splitlines()[0][:120]})"
         ) from None
-
-
-def _model_weights(entry: Any, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    if entry.kind == "pt":
-        weights = state.get("model")
-        if not isinstance(weights, dict):
-            raise ExportError(f"{entry.name} holds no model weights")
-        return weights
-    from rootopt.distributed import checkpoint as dcp
-
-    try:
-        return dcp.load_full_model_state(entry.path)
-    except dcp.DistCheckpointError as exc:
-        raise ExportError(f"cannot export: {exc}") from None
 
 
 def _tokenizer_ids(directory: Path) -> tuple[Any, dict[str, int | None]]:
@@ -205,7 +186,8 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
     """Write the newest valid checkpoint of ``run_dir`` as a Hugging Face model directory
     ``out_dir`` (see the module docstring); :class:`ExportError` for what the user can fix."""
     _check_target(out_dir)
-    entry, state = _newest(run_dir)
+    checkpointer, found = _newest(run_dir, say)
+    entry, state = found.entry, found.state
     try:
         saved = state["config"]
         mcfg = _model_config(saved["model"])
@@ -217,7 +199,7 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
             f"{entry.name}: a classifier (model.kind=mlp) has no Hugging Face causal-LM form"
         )
     files = tokenizer_files(run_dir, state)
-    weights = _model_weights(entry, state)
+    weights = _weights(checkpointer, found)
     _quiet_transformers()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"

@@ -25,12 +25,6 @@ from rootopt import checkpoint
 from rootopt.data import CorpusError, ShardError
 from rootopt.distributed import CollectiveError, CollectiveTimeoutError
 from rootopt.train.build import TrainingError
-from rootopt.train.resume import (
-    last_good,
-    last_good_after_divergence,
-    params_finite,
-    save_checkpoint,
-)
 from rootopt.train.summary import write_summary
 
 if TYPE_CHECKING:
@@ -71,10 +65,10 @@ def diverged(run: Run, reason: str) -> NoReturn:
         step=st.step,
         reason=reason,
         precision=run.precision.name,
-        checkpoint=run.good_checkpoint,
+        checkpoint=run.checkpointer.good,
         trouble_since=st.health.trouble_since,
     )
-    kept = last_good_after_divergence(run)
+    kept = run.checkpointer.after_divergence()
     msg = (
         f"diverged at step {st.step}: {reason}; {kept}; {hint} and rerun with "
         f"--log_dir {run.run_dir} to resume from it"
@@ -93,15 +87,15 @@ def fatal(run: Run, exc: BaseException, at_start: tuple[TrainState, dict[str, An
     run.monitor.event(kind, step=step_no, detail=detail[:300])
     note = ""
     if run.world_size > 1:  # the other ranks may not reach a collective save
-        note = f"no emergency checkpoint at world size > 1; {last_good(run)}"
+        note = f"no emergency checkpoint at world size > 1; {run.checkpointer.last_good()}"
     elif run.phase == "update":
-        note = f"the step was mid-update, no emergency checkpoint; {last_good(run)}"
+        note = f"the step was mid-update, no emergency checkpoint; {run.checkpointer.last_good()}"
     else:
         if run.phase == "data":  # roll back to the start of the unfinished step
             run.state = at_start[0]
             checkpoint.set_rng_state(at_start[1])
         run.phase = "between"
-        note = emergency(run)
+        note = run.checkpointer.emergency(run)
     if kind == "oom":
         b = run.cfg.data.batch_size
         msg = (
@@ -171,28 +165,3 @@ def describe(exc: BaseException) -> tuple[str, str]:
     if _WORKER.match(text):
         return "runtime", text
     return "runtime", first_line(text) or type(exc).__name__
-
-
-def emergency(run: Run) -> str:
-    """Save the consistent state of a failed run, unless a checkpoint holds it already or
-    a divergence streak is open; what was kept, as a note."""
-    st = run.state
-    if run.last_checkpoint and step_of(run.last_checkpoint) == st.step:
-        return f"checkpoint {run.last_checkpoint} holds step {st.step}; rerun to resume"
-    if st.step == 0:
-        return "no step was completed, nothing to save"
-    if not (st.health.healthy and params_finite(run)):
-        return f"a divergence streak is open, no emergency checkpoint; {last_good(run)}"
-    try:
-        path = save_checkpoint(run, "emergency")
-    except (TrainingError, OSError, RuntimeError, MemoryError) as err:
-        return (
-            f"emergency checkpoint failed ({first_line(str(err)).split(';')[0]}); {last_good(run)}"
-        )
-    return f"emergency checkpoint {path.name} written; rerun to resume"
-
-
-def step_of(name: str) -> int:
-    """The step in a checkpoint name (``ckpt-00000040.pt``, ``dcp-00000040``)."""
-    m = re.match(r"^(?:ckpt|dcp)-(\d{8})", name)
-    return int(m.group(1)) if m else -1

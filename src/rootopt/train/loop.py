@@ -31,7 +31,6 @@ from rootopt._atomic import atomic_write
 from rootopt.config import Config, ConfigError, config_warnings, dump_yaml
 from rootopt.data import load_manifest
 from rootopt.monitor import Monitor, plot_loss
-from rootopt.train import ckpts
 from rootopt.train import plan as planning
 from rootopt.train.agree import JobError, agreed, broadcast, gather
 from rootopt.train.build import (
@@ -42,15 +41,16 @@ from rootopt.train.build import (
     process_info,
     resolve_device,
 )
+from rootopt.train.checkpoint import Checkpointer
 from rootopt.train.data import batches, check_data
 from rootopt.train.failures import Diverged, diverged, one_line
 from rootopt.train.mfu import device_peak, flops_per_token
 from rootopt.train.model import build_model, with_vocab
 from rootopt.train.policies import Evaluate, Log, Policies
 from rootopt.train.records import account, divergence
-from rootopt.train.resume import interruptible, resume
 from rootopt.train.rundir import Locks, default_run_dir, identity_key, other_runs_note
 from rootopt.train.schedule import GradClipper, LRMultiplier
+from rootopt.train.signals import interruptible
 from rootopt.train.state import Hooks, Run, TrainState
 from rootopt.train.step import evaluate, train_step
 from rootopt.train.summary import Summary, already_complete, write_summary
@@ -238,12 +238,8 @@ def _build(
     run_dir, ckpt_dir = Path(public["run_dir"]), Path(public["ckpt_dir"])
     data_dir = Path(public["data_dir"])
     if info.is_main and plan is not None:
-        kept = plan.ckpt_dir / ckpts.INVALID
-        for line in plan.skipped:
-            moved = any(line.startswith(f"{e.name}:") for e in plan.invalid)
-            say(f"skipping invalid checkpoint: {line}" + (f" (kept in {kept})" if moved else ""))
-        if plan.choice is not None and plan.choice.note:
-            say(f"note: {plan.choice.note}")
+        for line in plan.start.report(plan.ckpt_dir):
+            say(line)
 
     cfg = agreed(info, lambda: _resolved(cfg0, public["meta"]), what="building the model")
 
@@ -310,14 +306,13 @@ def _build(
         if o.telemetry and o.optimizer.lower() in ("root", "muon"):
             precision.description += "; ROOT telemetry is off at world size > 1"
     monitor = agreed(info, lambda: _monitor(cfg, run_dir, info.is_main), what="opening metrics")
-    for line in plan.skipped if plan else []:
-        monitor.event("checkpoint_invalid", detail=line)
+    skipped = plan.start.lines if plan else []
+    checkpointer = Checkpointer.for_run(cfg, ckpt_dir, public["run_id"], info.is_main, skipped)
     run = Run(
         cfg=cfg,
         info=info,
         device=device,
         run_dir=run_dir,
-        ckpt_dir=ckpt_dir,
         data_dir=data_dir,
         manifest=manifest,
         model=model,
@@ -328,6 +323,7 @@ def _build(
         monitor=monitor,
         routing=routing,
         run_id=str(public["run_id"]),
+        checkpointer=checkpointer,
         params=[p for p in model.parameters() if p.requires_grad],
         telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry and info.world_size == 1,
         controller=controller,
@@ -336,6 +332,7 @@ def _build(
     )
     try:
         state = plan.choice.state if plan is not None and plan.choice is not None else None
+        resume = run.checkpointer.load
         agreed(info, lambda: resume(run, public["choice"], state, say), what="resuming")
         if not public["prepared"]:  # prepared just now (by commit)
             agreed(info, lambda: check_data(run), what="checking the data")
@@ -441,8 +438,8 @@ def _start(run: Run, evaluation: Evaluate, say: Callable[[str], None]) -> None:
         if run.routing:
             say(run.routing)
         say(f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']})")
-    if run.resumed_from:
-        run.monitor.event("resume", step=run.state.step, path=run.resumed_from)
+    if run.checkpointer.resumed_from:
+        run.monitor.event("resume", step=run.state.step, path=run.checkpointer.resumed_from)
     run.monitor.supersede_after(run.state.step)
     Log.recover(run)
     if run.info.is_main:
@@ -463,7 +460,7 @@ def _loop(run: Run, p: Policies) -> str:
             if reason:
                 diverged(run, reason)
             p.evaluate.after_step(run)
-            p.checkpoint.after_step(run)
+            run.checkpointer.after_step(run, p.clock)
         p.stop.after_step(run, out)
     return status
 
@@ -475,7 +472,7 @@ def _finish(run: Run, p: Policies, status: str) -> Summary:
     it (one process) after the final checkpoint exists, the summary says so, and the rerun
     runs the evaluation (it is due whenever the last step has no validation record)."""
     session_steps = run.state.step - p.clock.step0
-    p.checkpoint.final(run, status)
+    run.checkpointer.final(run, status, p.clock)
     val: dict[str, float] = {}
     detail = ""
     if status == "completed":
@@ -485,11 +482,11 @@ def _finish(run: Run, p: Policies, status: str) -> Summary:
             status = "interrupted"
             detail = (
                 f"stopped by signal during the final evaluation, after the final checkpoint "
-                f"{run.last_checkpoint}; run the same command to evaluate"
+                f"{run.checkpointer.last}; run the same command to evaluate"
             )
         else:
             val = got
-    if status == "interrupted" and not run.last_checkpoint:
+    if status == "interrupted" and not run.checkpointer.last:
         detail = "stopped by signal before the first step completed (nothing to save); run the same command to start"
     if run.info.is_main and run.cfg.monitoring.plot:
         plot_loss(run.run_dir)

@@ -20,12 +20,11 @@ import contextlib
 import errno
 import json
 import os
-import re
 import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,26 +50,17 @@ from rootopt.data import (
 from rootopt.data import tokenizer as tokenizers
 from rootopt.data.preparing import check as check_settings
 from rootopt.data.shards import refuse_foreign
-from rootopt.train import ckpts, rundir
+from rootopt.train import rundir
+from rootopt.train.checkpoint import Found, Start, choose, manifest_digest
+from rootopt.train.checkpoint.catalog import move_run
 from rootopt.train.model import resume_key
 
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
 RUN_OUTPUTS = rundir.RUN_OUTPUTS
-_CKPT_NAME = re.compile(r"^ckpt-\d{8}\.pt$")
 # The data settings a run prepares its own corpus with (data/ in the run directory).
 _PREP_KEYS = ("corpus", "seq_len", "max_bytes", "samples_per_shard", "val_fraction")
 # ... and those of a text corpus, with their values before they existed
 _TEXT_KEYS = {"tokenizer": tokenizers.BYTES, "text_field": "text"}
-
-
-@dataclass
-class Choice:
-    """The checkpoint to resume from (rank 0 has read it: ``state``)."""
-
-    kind: str  # "pt" | "dcp"
-    path: Path
-    state: dict[str, Any] = field(repr=False)
-    note: str = ""  # a line about it (a dcp-* written before checksums)
 
 
 @dataclass(frozen=True)
@@ -102,13 +92,15 @@ class Plan:
     locks: rundir.Locks
     manifest: dict[str, Any] | None  # None while the data is still to be published
     staged: Staged | None  # the data prepared for the run directory, to publish
-    choice: Choice | None
-    skipped: list[str]
-    invalid: list[ckpts.Entry]  # the skipped ones: set aside into checkpoints/invalid/
+    start: Start  # the checkpoint to resume from, and the damaged ones passed over
     archive: bool
     move_data: bool  # restart: the old run's prepared data goes to previous/ too
     identity: dict[str, Any]  # what the run computes (rundir.identity), kept in run.json
     write_run_file: bool
+
+    @property
+    def choice(self) -> Found | None:
+        return self.start.choice
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -124,7 +116,7 @@ class Plan:
             "data_dir": str(self.data_dir),
             "run_id": self.run_id,
             "meta": self.meta,
-            "choice": (self.choice.kind, str(self.choice.path)) if self.choice else None,
+            "choice": (self.choice.entry.kind, str(self.choice.path)) if self.choice else None,
             "prepared": self.staged is None,  # the data exists (else commit publishes it)
         }
 
@@ -174,7 +166,7 @@ def _complete_without_writing(
     checkpoint it would resume from already holds ``run.max_steps`` (the rerun would train
     nothing). Otherwise return, and the launch is refused as not writable."""
     plan = _check_locked(cfg, run_dir, ckpt_dir, given, manifest, rundir.Locks(), say)
-    if plan.choice is None or plan.skipped:
+    if plan.choice is None or plan.start.skipped:
         return
     try:
         step = int(plan.choice.state["state"]["step"])
@@ -195,32 +187,15 @@ def _check_locked(
 ) -> Plan:
     have = rundir.read_run_file(run_dir, tuple(locks.created))
     run_id = str(have["run_id"]) if have else ""
-    mode = cfg.checkpoint.resume
-    entries = ckpts.list_all(ckpt_dir)
     if run_id:
         checkpoint.check_owner(ckpt_dir, run_id)
     else:
         _new_run_owner(ckpt_dir)
-    mine = [e for e in entries if ckpts.run_id_of(e) in (run_id, "")] if run_id else entries
-    if mode == "never" and entries:
-        raise CheckpointError(
-            f"checkpoint.resume=never, but {str(ckpt_dir)!r} holds {len(entries)} "
-            f"checkpoint(s) (newest {entries[-1].name}); use a new --log_dir, or "
-            "checkpoint.resume=restart to move the old run aside into "
-            f"{str(run_dir / 'previous')!r} and start over"
-        )
-    archive = mode == "restart" and bool(run_id or mine or _outputs(run_dir))
-    choice: Choice | None = None
-    skipped: list[str] = []
-    invalid: list[ckpts.Entry] = []
-    if mode == "auto":
-        found, skipped, invalid = _newest(ckpt_dir, run_id)
-        # set aside only this run's (or those whose run is unknown); another run's stay
-        invalid = [e for e in invalid if ckpts.run_id_of(e) in (run_id, "")]
-        if found is not None:
-            choice = Choice(found.entry.kind, found.entry.path, found.state, found.note)
-    elif mode not in ("never", "restart"):
-        choice = _explicit(Path(mode), run_id)
+    start = choose(ckpt_dir, cfg.checkpoint.resume, run_id, run_dir)
+    archive = cfg.checkpoint.resume == "restart" and bool(
+        run_id or start.entries or _outputs(run_dir)
+    )
+    choice = start.choice
     before = (lambda: _same_settings(cfg, choice, run_dir)) if choice is not None else None
     data_dir, staged, move_data = data_for(cfg, run_dir, given, manifest, archive, before)
     try:
@@ -246,9 +221,7 @@ def _check_locked(
         locks=locks,
         manifest=manifest,
         staged=staged,
-        choice=choice,
-        skipped=skipped,
-        invalid=invalid,
+        start=start,
         archive=archive,
         move_data=move_data,
         identity=ident,
@@ -269,48 +242,6 @@ def _new_run_owner(ckpt_dir: Path) -> None:
 
 def _outputs(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_OUTPUTS)
-
-
-def _newest(ckpt_dir: Path, run_id: str) -> tuple[ckpts.Found | None, list[str], list[ckpts.Entry]]:
-    try:
-        found, skipped, invalid = ckpts.newest_readable(ckpt_dir)
-    except CheckpointUnreadable as exc:
-        raise CheckpointUnreadable(
-            f"cannot resume: {exc}. It may hold this run's progress, so nothing was started "
-            "and nothing was moved or deleted: read it with the rootopt version that wrote it "
-            "or fix the storage, or move it out of the checkpoint directory to resume from an "
-            "older checkpoint"
-        ) from None
-    if found is not None:
-        saved = _saved_run_id(found.entry, found.state)
-        if saved and saved != run_id:  # a new run (no run.json yet) owns no checkpoint
-            raise CheckpointError(
-                f"{found.entry.name} in {str(ckpt_dir)!r} was written by another run (run id "
-                f"{saved[:12]}); point checkpoint.dir at a directory of this run"
-            )
-    return found, skipped, invalid
-
-
-def _saved_run_id(entry: ckpts.Entry, state: dict[str, Any]) -> str:
-    return entry.run_id or str(state.get("run_id", ""))
-
-
-def _explicit(path: Path, run_id: str) -> Choice:
-    if (
-        path.is_file()
-        and not path.with_suffix(".json").exists()
-        and not _CKPT_NAME.match(path.name)
-    ):
-        raise CheckpointError(
-            f"checkpoint.resume: {str(path)!r} is not a rootopt checkpoint (one is a "
-            "ckpt-<step>.pt file next to its ckpt-<step>.json sidecar, or a dcp-<step> directory)"
-        )
-    entry = ckpts.entry_for(path)
-    try:
-        state, note = ckpts.read(entry)
-    except CheckpointError as exc:
-        raise CheckpointError(f"checkpoint.resume: {exc}") from None
-    return Choice(entry.kind, path, state, note)
 
 
 def settings_of(cfg: Config) -> Settings:
@@ -425,7 +356,7 @@ def _other_tokenizer(name: str, old: str, new: str) -> CheckpointError:
     )
 
 
-def _same_settings(cfg: Config, choice: Choice, run_dir: Path) -> None:
+def _same_settings(cfg: Config, choice: Found, run_dir: Path) -> None:
     """Before preparing the run's data again for a resume: a checkpoint trained on data
     prepared into this run directory must have been prepared with these settings (one
     line naming the difference, before anything is written)."""
@@ -443,9 +374,7 @@ def _same_settings(cfg: Config, choice: Choice, run_dir: Path) -> None:
         raise _other_data(name, "; ".join(diff))
 
 
-def _compatible(
-    cfg: Config, choice: Choice, identity: str, manifest: dict[str, Any] | None
-) -> None:
+def _compatible(cfg: Config, choice: Found, identity: str, manifest: dict[str, Any] | None) -> None:
     """Everything that shapes the parameters and the data must match the checkpoint;
     recomputation settings may change. A mismatch is a user error (exit 2)."""
     state, name = choice.state, choice.path.name
@@ -496,13 +425,6 @@ def _with_vocab(cfg: Config, meta: dict[str, Any]) -> Config:
         raise ConfigError([str(exc)]) from None
 
 
-def manifest_digest(manifest: dict[str, Any]) -> str:
-    """The digest checkpoints before data identities recorded (the manifest's splits)."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps(manifest["splits"], sort_keys=True).encode()).hexdigest()
-
-
 # --------------------------------------------------------------------------- the writes
 
 
@@ -512,8 +434,7 @@ def commit(plan: Plan) -> dict[str, Any]:
     rundir.remove_stale(
         rundir.stale_files(plan.run_dir, plan.ckpt_dir, plan.data_dir if own_data else None)
     )
-    if plan.invalid:
-        ckpts.set_aside(plan.ckpt_dir, plan.invalid)
+    plan.start.commit(plan.ckpt_dir)
     if plan.archive:
         _archive(plan)
     if plan.write_run_file:
@@ -550,16 +471,8 @@ def _archive(plan: Plan) -> Path:
     for name in RUN_OUTPUTS:
         if os.path.lexists(plan.run_dir / name):
             shutil.move(plan.run_dir / name, dest / name)
-    moved = dest / "checkpoints"
-    for e in ckpts.list_all(plan.ckpt_dir):
-        if ckpts.run_id_of(e) not in (plan.old_run_id, ""):
-            continue  # another run's (a shared checkpoint.dir): not ours to move
-        if not moved.exists():
-            moved.mkdir()
-        for f in (e.path, e.path.with_suffix(".json")) if e.kind == "pt" else (e.path,):
-            if os.path.lexists(f):
-                shutil.move(f, moved / f.name)
-    (plan.ckpt_dir / checkpoint.OWNER).unlink(missing_ok=True)
+    # this run's checkpoints; another run's (a shared checkpoint.dir) are not ours to move
+    move_run(plan.ckpt_dir, plan.old_run_id, dest / "checkpoints")
     if plan.move_data and os.path.lexists(plan.run_dir / "data"):
         shutil.move(plan.run_dir / "data", dest / "data")
     return dest

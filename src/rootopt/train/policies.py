@@ -8,8 +8,9 @@ After every step the loop hands the step's result to each policy in turn
 - health (:mod:`rootopt.train.health`): counts the step, applies the divergence rule.
 - :class:`Log`: the metric record every ``run.log_every`` steps, histograms, the progress bar.
 - :class:`Evaluate`: validation every ``run.eval_every`` steps and at the end.
-- :class:`Checkpoint`: a checkpoint every ``checkpoint.every`` steps, never inside a
-  divergence streak, and the final one.
+- the checkpointer (:class:`rootopt.train.checkpoint.Checkpointer`, the run's own): a
+  checkpoint every ``checkpoint.every`` steps, never inside a divergence streak, and the
+  final one.
 - faults (:mod:`rootopt.train.failures`): what a failed step leaves behind.
 
 What a resumed run must continue (the health counters, the open logging window) is part of
@@ -26,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rootopt.train.agree import broadcast
-from rootopt.train.failures import Faults, diverged, step_of
+from rootopt.train.failures import Faults
 from rootopt.train.records import Clock, build_record
-from rootopt.train.resume import StopFlag, params_finite, save_checkpoint
+from rootopt.train.signals import StopFlag
 from rootopt.train.state import Hooks, Run
 from rootopt.train.step import StepResult
 
@@ -202,7 +203,7 @@ class Evaluate:
         data failed there and an emergency checkpoint was written)."""
         step, mon = run.state.step, run.monitor
         due = bool(
-            run.resumed_from
+            run.checkpointer.resumed_from
             and mon.enabled
             and run.cfg.monitoring.jsonl
             and step > 0
@@ -231,47 +232,15 @@ class Evaluate:
             run.monitor.log({"step": run.state.step, **val})
 
 
-class Checkpoint:
-    """A checkpoint every ``checkpoint.every`` steps before the last; one that falls due
-    while a divergence streak is open waits for the first healthy step (never a bad one).
-    The last step's checkpoint (or the stop's) is :meth:`final`."""
-
-    def __init__(self, run: Run, clock: Clock) -> None:
-        self.every, self.last = run.cfg.checkpoint.every, run.cfg.run.max_steps
-        self.clock = clock
-        self.due = False
-
-    def after_step(self, run: Run) -> None:
-        st = run.state
-        st.elapsed = self.clock.elapsed()
-        self.due = self.due or st.step % self.every == 0
-        if self.due and st.step < self.last and st.health.healthy:
-            self.save(run, "periodic")
-            self.due = False
-
-    def final(self, run: Run, status: str) -> None:
-        """The checkpoint a session ends with, unless one holds this step already."""
-        st = run.state
-        st.elapsed = self.clock.elapsed()
-        if st.step > 0 and step_of(run.last_checkpoint) != st.step:
-            self.save(run, status if status != "completed" else "final")
-
-    @staticmethod
-    def save(run: Run, reason: str) -> None:
-        if not params_finite(run):
-            diverged(run, "parameters became non-finite")
-        save_checkpoint(run, reason)
-
-
 @dataclass
 class Policies:
-    """One session's policies, started together (the clock, signal handlers, progress bar)."""
+    """One session's policies, started together (the clock, signal handlers, progress bar);
+    the run's checkpointer is the checkpoint policy (``run.checkpointer``)."""
 
     clock: Clock
     stop: Stop
     log: Log
     evaluate: Evaluate
-    checkpoint: Checkpoint
     faults: Faults
     hooks: Hooks
 
@@ -283,7 +252,6 @@ class Policies:
             stop=Stop(run, clock, hooks),
             log=Log(run, clock),
             evaluate=evaluate,
-            checkpoint=Checkpoint(run, clock),
             faults=Faults(),
             hooks=hooks,
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from rootopt.train.build import Precision, ProcessInfo
 from rootopt.train.health import Health
 from rootopt.train.records import Window
 from rootopt.train.schedule import GradClipper
+
+if TYPE_CHECKING:
+    from rootopt.train.checkpoint import Checkpointer
 
 
 @dataclass
@@ -88,7 +91,6 @@ class Run:
     info: ProcessInfo
     device: torch.device
     run_dir: Path
-    ckpt_dir: Path
     data_dir: Path
     manifest: dict[str, Any]
     model: nn.Module
@@ -99,11 +101,9 @@ class Run:
     monitor: Monitor
     routing: str
     run_id: str
+    # its checkpoint directory, the checkpoints written and resumed from, the last good one
+    checkpointer: Checkpointer
     state: TrainState = field(default_factory=TrainState)
-    resumed_from: str = ""
-    last_checkpoint: str = ""  # newest checkpoint of this run written (or resumed from)
-    good_checkpoint: str = ""  # newest one written outside a trouble episode
-    suspect: list[str] = field(default_factory=list)  # written inside the open episode
     params: list[torch.Tensor] = field(default_factory=list)  # trainable parameters
     telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
     controller: Any = None  # rootopt.rl.controller.Controller (optimization.controller)
