@@ -8,6 +8,7 @@ run: the evaluation, and step 5 on the oldest and the newest transformers the do
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -217,6 +218,37 @@ def llama_export(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     assert export_main([str(run), str(tmp / "hf-llama")]) == 0
     (tmp / "README.md").write_text((ROOT / "README.md").read_text()[:3000])
     return tmp
+
+
+def test_the_docs_evaluation_matches_transformers_own_loss(
+    llama_export: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/models.md's evaluation snippet, run as it is: its bits per byte and perplexity
+    are the windows' negative log-likelihood (lm-eval's rolling windows: the end-of-text
+    token first, then disjoint windows of the context length), here summed from
+    transformers' own ``labels`` loss instead of the snippet's cross-entropy."""
+    monkeypatch.chdir(llama_export)
+    exec(compile(_snippet("Evaluate the export"), "docs/models.md", "exec"), {})
+    got = re.search(
+        r"(\d+) tokens: perplexity ([\d.]+), bits per byte ([\d.]+)", capsys.readouterr().out
+    )
+    assert got is not None
+    tok = transformers.AutoTokenizer.from_pretrained("hf-llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained("hf-llama").eval()
+    text = (llama_export / "README.md").read_text()
+    ids = [tok.eos_token_id, *tok(text, add_special_tokens=False)["input_ids"]]
+    nll, window = 0.0, 128
+    with torch.no_grad():
+        for start in range(1, len(ids), window):  # ids[start:stop], after the window before
+            stop = min(start + window, len(ids))
+            x = torch.tensor([ids[max(0, stop - 1 - window) : stop]])
+            labels = x.clone()
+            labels[0, : x.size(1) - (stop - start)] = -100  # context, not scored
+            nll += float(model(input_ids=x, labels=labels).loss) * (stop - start)
+    n = len(ids) - 1
+    assert int(got.group(1)) == n
+    assert float(got.group(3)) == pytest.approx(nll / math.log(2) / len(text.encode()), abs=1e-4)
+    assert float(got.group(2)) == pytest.approx(math.exp(nll / n), rel=1e-3)
 
 
 # transformers' oldest supported release, with the tokenizers and huggingface_hub it pins
