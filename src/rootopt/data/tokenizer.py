@@ -261,7 +261,9 @@ class FileTokenizer(Tokenizer):
         return self._json
 
 
-def _from_str(text: str, where: str) -> HFTokenizer:
+def from_json(text: str, where: str) -> HFTokenizer:
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json``'s text; one line of
+    :class:`TokenizerError` naming ``where`` when it is not one."""
     from tokenizers import Tokenizer as HFTok
 
     try:
@@ -273,7 +275,7 @@ def _from_str(text: str, where: str) -> HFTokenizer:
         ) from None
 
 
-def _token_name(value: Any) -> str | None:
+def token_name(value: Any) -> str | None:
     """A special token as a tokenizer config names it: a string, or an ``AddedToken`` as
     transformers serializes it (``{"content": ...}``)."""
     if isinstance(value, dict):
@@ -306,18 +308,18 @@ def file_special_tokens(text: str, tok: HFTokenizer, beside: Path | None) -> dic
 
     for data in [_json_beside(beside / n) for n in (CONFIG_FILE, MAP_FILE)] if beside else []:
         for role in ROLES:
-            name = _token_name(data.get(role))
+            name = token_name(data.get(role))
             if role not in found and known(name):
                 found[role] = name
         listed = data.get(EXTRA, data.get("extra_special_tokens"))
         for value in listed if isinstance(listed, list) else []:
-            name = _token_name(value)
+            name = token_name(value)
             if known(name) and name not in extra:
                 extra.append(str(name))
     raw = json.loads(text)
     own = {
-        "unk_token": _token_name((raw.get("model") or {}).get("unk_token")),
-        "pad_token": _token_name((raw.get("padding") or {}).get("pad_token")),
+        "unk_token": token_name((raw.get("model") or {}).get("unk_token")),
+        "pad_token": token_name((raw.get("padding") or {}).get("pad_token")),
         "eos_token": next((n for n in EOS_NAMES if known(n)), None),
     }
     for role, name in own.items():
@@ -325,7 +327,7 @@ def file_special_tokens(text: str, tok: HFTokenizer, beside: Path | None) -> dic
             found[role] = name
     named = set(found.values())
     for added in raw.get("added_tokens") or []:
-        name = _token_name(added)
+        name = token_name(added)
         if added.get("special") and known(name) and name not in named and name not in extra:
             extra.append(str(name))
     if extra:
@@ -350,7 +352,7 @@ def load_file(spec: TokenizerSpec) -> FileTokenizer:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise TokenizerError(f"tokenizer {spec.spec[:120]!r} is not UTF-8 text") from None
-    tok = _from_str(text, spec.spec)
+    tok = from_json(text, spec.spec)
     special = file_special_tokens(text, tok, path.parent)
     eos = tok.token_to_id(special["eos_token"]) if "eos_token" in special else None
     out = FileTokenizer(tok, kind="file", spec=spec.spec, eos_id=eos)
@@ -504,7 +506,7 @@ def special_tokens(record: dict[str, Any], tokenizer_json: str) -> dict[str, Any
         return dict(recorded)
     eos = record.get("eos_id")
     if isinstance(eos, int) and not isinstance(eos, bool):
-        name = _from_str(tokenizer_json, "tokenizer.json").id_to_token(eos)
+        name = from_json(tokenizer_json, "tokenizer.json").id_to_token(eos)
         if name is not None:
             return {"eos_token": name}
     return {}
@@ -568,7 +570,7 @@ def transformers_files(tokenizer_json: str, special: dict[str, Any]) -> dict[str
 
     from transformers import PreTrainedTokenizerFast
 
-    tok = _from_str(tokenizer_json, FILE_NAME)
+    tok = from_json(tokenizer_json, FILE_NAME)
     vocab = tok.get_vocab(with_added_tokens=True)
     names = [special.get(r) for r in ROLES] + list(special.get(EXTRA) or [])
     unknown = [n for n in names if n is not None and n not in vocab]

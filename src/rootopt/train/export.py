@@ -82,9 +82,9 @@ class TrainedTokenizer:
 
     def ids(self) -> dict[str, int | None]:
         """The bos/eos/pad ids a model config records."""
-        from rootopt.data.tokenizer import _from_str
+        from rootopt.data.tokenizer import from_json
 
-        tok = _from_str(self.text, self.where)
+        tok = from_json(self.text, self.where)
 
         def find(role: str) -> int | None:
             name = self.special.get(role)
@@ -191,7 +191,7 @@ def _read(path: Path) -> bytes:
 
 def _special_map(path: Path) -> dict[str, Any]:
     """The run copy's ``special_tokens_map.json`` ({} without one)."""
-    from rootopt.data.tokenizer import EXTRA, ROLES, _token_name
+    from rootopt.data.tokenizer import EXTRA, ROLES, token_name
 
     if not path.exists():
         return {}
@@ -204,13 +204,13 @@ def _special_map(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for role in ROLES:
         if data.get(role) is not None:
-            name = _token_name(data[role])
+            name = token_name(data[role])
             if name is None:
                 raise ExportError(f"{str(path)!r}: {role} is not a token")
             out[role] = name
     extra = data.get(EXTRA)
     if extra:
-        names = [_token_name(v) for v in extra] if isinstance(extra, list) else [None]
+        names = [token_name(v) for v in extra] if isinstance(extra, list) else [None]
         if any(n is None for n in names):
             raise ExportError(f"{str(path)!r}: {EXTRA} is not a list of tokens")
         out[EXTRA] = names
@@ -224,11 +224,12 @@ def trained_tokenizer(run_dir: Path, state: dict[str, Any], name: str) -> Traine
     anew. :class:`ExportError`, naming the file, for anything else."""
     from rootopt.data.tokenizer import (
         BYTES,
+        EXTRA,
         FILE_NAME,
         MAP_FILE,
         TokenizerError,
-        _from_str,
         bytes_tokenizer_json,
+        from_json,
     )
 
     own = run_dir / TOKENIZER_DIR
@@ -251,19 +252,18 @@ def trained_tokenizer(run_dir: Path, state: dict[str, Any], name: str) -> Traine
         )
     try:
         text = raw.decode("utf-8")
-        tok = _from_str(text, str(path))
+        tok = from_json(text, str(path))
     except UnicodeDecodeError:
         raise ExportError(f"{str(path)!r} is not UTF-8 text") from None
     except TokenizerError as exc:
         raise ExportError(f"cannot export: {exc}") from None
     vocab = tok.get_vocab(with_added_tokens=True)
-    for token in [v for v in special.values() if isinstance(v, str)] + special.get(
-        "additional_special_tokens", []
-    ):
+    names = [v for v in special.values() if isinstance(v, str)] + list(special.get(EXTRA) or [])
+    for token in names:
         if token not in vocab:
             raise ExportError(
-                f"{str(path.parent / MAP_FILE)!r} names the special token {token!r}, which "
-                f"{str(path)!r} does not have"
+                f"cannot export: the special token {token!r} is not in the vocabulary of "
+                f"{str(path)!r}"
             )
     return TrainedTokenizer(text, special, str(path))
 
@@ -295,10 +295,10 @@ def _check_tokenizer(directory: Path, trained: TrainedTokenizer) -> None:
     which builds Qwen2's pre-tokenizer and normalizer whatever ``tokenizer.json`` says."""
     from transformers import AutoTokenizer
 
-    from rootopt.data.tokenizer import EXTRA, ROLES, _from_str
+    from rootopt.data.tokenizer import EXTRA, ROLES, from_json
 
     loaded: Any = AutoTokenizer.from_pretrained(str(directory))
-    want = _from_str(trained.text, trained.where).encode(HELD_OUT, add_special_tokens=False).ids
+    want = from_json(trained.text, trained.where).encode(HELD_OUT, add_special_tokens=False).ids
     got = list(loaded(HELD_OUT, add_special_tokens=False)["input_ids"])
     cls = type(loaded).__name__
     if got != want:
