@@ -34,6 +34,7 @@ E2E_MODULES = frozenset(
         "test_dist_train.py",  # rootopt.train under torchrun
         "test_faults.py",  # real runs killed, starved of disk and data, resumed
         "test_parity.py",  # 100-step default runs under torchrun at world sizes 1, 2, 3
+        "test_export_families.py",  # trains and exports a model of each architecture family
         "test_rl.py",  # a module fixture trains the PPO policy most tests use
         "test_user_path.py",  # the README's commands: rootopt train and torchrun, killed, rerun
     }
@@ -124,6 +125,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         {
             "test_sigkill_mid_export_leaves_no_out_dir",
             "test_the_embedded_default_run_exports_and_generates",
+            "test_a_failed_write_names_the_file_and_publishes_nothing",
         }
     ),
     "test_hf_train.py": frozenset(

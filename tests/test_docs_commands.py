@@ -96,6 +96,10 @@ RUN: dict[str, Run] = {
     ),
     "rootopt report runs/hf-llama": Run(why=REPORT, status=(0, 1)),
     "rootopt export runs/hf-llama hf-llama": Run(),
+    "python -c \"import json; print(json.dumps({'text': open('README.md').read()}))\" > heldout.jsonl": Run(
+        setup=f"cp '{REPO / 'README.md'}' README.md",
+        why="the page runs from the repository root, where README.md is",
+    ),
     "rootopt data prepare --corpus kjv --out shards-kjv/ --seq_len 256": Run(),
     "rootopt data prepare --corpus bbc --out shards-bbc/": Run(),
     "rootopt data prepare --corpus digits --out shards-digits/": Run(),
@@ -207,6 +211,7 @@ NOT_HERE: dict[str, str] = {
     "docker tag rootopt:0.1.0-cuda registry.example.com/ml/rootopt:0.1.0-cuda": DOCKER,
     "docker push registry.example.com/ml/rootopt:0.1.0-cuda": DOCKER,
     "kubectl apply -f deploy/kubeflow/pvc.yaml -f deploy/kubeflow/pytorchjob.yaml": "needs a Kubernetes cluster with the Kubeflow Training Operator",
+    "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model hf --model_args pretrained=hf-llama,max_length=128,dtype=float32 --include_path examples/lm_eval --tasks rootopt_heldout --batch_size 8": "needs lm-eval, not a dependency of rootopt (docs/models.md measured it once; tests/test_export_families.py checks the plain-transformers evaluation)",
     "rootopt coeffs bench --json bench.json": "about a minute on 2 cores (every table shape and the recorded spectra); tests/test_adanewton_fit.py runs the bench small",
     "rootopt coeffs record --out spectra.json": "trains three LMs: minutes even shortened",
     "rootopt bench all --quick --out bench-quick": "1–2 minutes; tests/test_bench.py runs this pipeline",

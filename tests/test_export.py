@@ -4,8 +4,11 @@ are one line, exit 2, nothing written; an interrupted export leaves no OUT_DIR."
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -16,11 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from _faultkit import env, kill_session, start_session
+from _faultkit import env, kill_session, start_session, tree_state
 from _train_fixtures import TINY, logged_losses, prepare_tiny
 from rootopt.commands.export import main as export_main
 from rootopt.config import load_config
 from rootopt.train import train
+from rootopt.train.main import main as train_main
 
 transformers = pytest.importorskip("transformers")
 
@@ -284,3 +288,216 @@ def test_the_embedded_default_run_exports_and_generates(tmp_path: Path) -> None:
     gen = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert gen.shape == (1, prompt["input_ids"].shape[1] + 8)
     assert isinstance(tok.decode(gen[0]), str)
+
+
+# --------------------------------------------------------------------------- what is written
+
+SPECIALS = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "pad_token": "<pad>",
+}
+EXTRA = "<|im_start|>"
+
+
+@pytest.fixture(scope="module")
+def special_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny built-in Llama trained 4 steps on text tokenized by a user's tokenizer file
+    whose tokenizer_config.json (beside it, as in a Hugging Face model directory) names a
+    bos, eos, unk and pad token and one more special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from rootopt.data import prepare
+
+    tmp = tmp_path_factory.mktemp("export-special")
+    mine = tmp / "my-tokenizer"
+    mine.mkdir()
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(  # type: ignore[call-arg]
+        vocab_size=400,
+        special_tokens=[*SPECIALS.values(), EXTRA],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    tok.train_from_iterator([p.read_text() for p in sorted(docs.glob("*.md"))], trainer=trainer)
+    tok.save(str(mine / "tokenizer.json"))
+    config = {**SPECIALS, "eos_token": {"content": "</s>", "special": True}}
+    (mine / "tokenizer_config.json").write_text(
+        json.dumps({**config, "additional_special_tokens": [EXTRA]})
+    )
+    data = tmp / "data"
+    prepare(
+        "kjv",
+        data,
+        seq_len=32,
+        max_bytes=60_000,
+        samples_per_shard=400,
+        val_fraction=0.05,
+        seed=0,
+        tokenizer=str(mine),
+    )
+    over = [*TINY, "run.max_steps=4", "run.eval_every=0", "checkpoint.every=4"]
+    train(load_config(None, over), tmp / "run", str(data), say=_quiet)
+    return tmp / "run"
+
+
+def _copy(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
+def test_the_tokenizer_keeps_every_special_token_and_returns_what_a_causal_lm_reads(
+    special_run: Path, tmp_path: Path
+) -> None:
+    """bos, eos, unk, pad and the additional special token of the user's tokenizer come
+    back from AutoTokenizer (only eos did), the ids are in config.json, the tokenizer
+    returns input_ids and attention_mask (model_input_names: transformers 4.x returned
+    token_type_ids too, which generate() refuses), tokenizer.json is the trained file."""
+    out = tmp_path / "out"
+    assert export_main([str(special_run), str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert {r: getattr(tok, r) for r in SPECIALS} == SPECIALS
+    assert EXTRA in tok.all_special_tokens
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["model_input_names"] == ["input_ids", "attention_mask"]
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert sorted(tok("a b").keys()) == ["attention_mask", "input_ids"]
+    model = json.loads((out / "config.json").read_text())
+    ids = {r: tok.convert_tokens_to_ids(t) for r, t in SPECIALS.items()}
+    assert (model["bos_token_id"], model["eos_token_id"], model["pad_token_id"]) == (
+        ids["bos_token"],
+        ids["eos_token"],
+        ids["pad_token"],
+    )
+    trained = special_run.parent / "data" / "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == trained.read_bytes()
+
+
+def test_every_exported_file_follows_the_umask(trained: Path, tmp_path: Path) -> None:
+    """0644 under umask 022, 0640 under 027, model.safetensors too (safetensors creates it
+    0600: a server running as another user could not read the weights)."""
+    for mask, want in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(mask)
+        try:
+            out = tmp_path / f"out-{mask:o}"
+            assert export_main([str(trained), str(out)]) == 0
+        finally:
+            os.umask(old)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert "model.safetensors" in modes
+        assert modes == dict.fromkeys(modes, want)
+
+
+def test_a_different_or_broken_tokenizer_in_the_run_is_refused(
+    special_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's tokenizer/tokenizer.json must be the file whose sha256 the checkpoint
+    records: another tokenizer (it used to be exported with the model) and a malformed
+    file (a 42-line JSONDecodeError) are one line naming it, exit 2, nothing written; so is
+    a malformed special_tokens_map.json."""
+    from rootopt.data.tokenizer import bytes_tokenizer_json
+
+    cases = [
+        ("tokenizer.json", bytes_tokenizer_json().encode(), "is not the tokenizer"),
+        ("tokenizer.json", b"{not json", "is not the tokenizer"),
+        ("special_tokens_map.json", b"{not json", "is not a JSON file"),
+    ]
+    for i, (name, blob, says) in enumerate(cases):
+        run = _copy(special_run, tmp_path / f"run{i}")
+        (run / "tokenizer" / name).write_bytes(blob)
+        before = tree_state(tmp_path)
+        assert export_main([str(run), str(tmp_path / f"out{i}")]) == 2, name
+        line = _one_line(capsys)
+        assert says in line and str(run / "tokenizer" / name) in line, line
+        assert tree_state(tmp_path) == before
+
+
+def test_a_link_in_the_runs_tokenizer_dir_is_refused_by_export_and_training(
+    special_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link at tokenizer/tokenizer_config.json used to copy the user's file it points to
+    into the export; a link at tokenizer/tokenizer.json to an identical file was kept by a
+    training rerun. Both are refused with one line naming the link (export and training,
+    status 2); the user's file and the run directory stay as they were."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.json").write_text('{"mine": true}')
+    (user / "tokenizer.json").write_bytes(
+        (special_run / "tokenizer" / "tokenizer.json").read_bytes()
+    )
+    run = _copy(special_run, tmp_path / "run")
+    (run / "tokenizer" / "tokenizer_config.json").unlink(missing_ok=True)  # a run of before
+    (run / "tokenizer" / "tokenizer_config.json").symlink_to(user / "notes.json")
+    mine = tree_state(user)
+    before = tree_state(run)
+    assert export_main([str(run), str(tmp_path / "out")]) == 2
+    line = _one_line(capsys)
+    assert "symbolic link" in line and str(run / "tokenizer" / "tokenizer_config.json") in line
+    assert not (tmp_path / "out").exists()
+    (run / "tokenizer" / "tokenizer_config.json").unlink()
+    (run / "tokenizer" / "tokenizer.json").unlink()
+    (run / "tokenizer" / "tokenizer.json").symlink_to(user / "tokenizer.json")
+    before = tree_state(run)
+    data = special_run.parent / "data"
+    over = [*TINY, "run.max_steps=6", "run.eval_every=0", "checkpoint.every=4"]
+    assert train_main(["--data_path", str(data), "--log_dir", str(run), *over]) == 2
+    line = _one_line(capsys)
+    assert "symbolic link" in line and str(run / "tokenizer" / "tokenizer.json") in line
+    assert tree_state(run) == before and tree_state(user) == mine
+
+
+def test_an_out_dir_that_cannot_be_created_is_one_line_naming_it(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OUT_DIR under a file, in /proc, or a link to an empty directory: one line naming
+    the path, exit 2, nothing written (they were "I/O error: File exists" with no path, or
+    a refusal only after the whole export)."""
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    before = tree_state(tmp_path)
+    cases = [
+        (tmp_path / "a-file" / "sub" / "out", f"{str(tmp_path / 'a-file')!r} is not a directory"),
+        (tmp_path / "link", "symbolic link"),
+    ]
+    if Path("/proc/self").is_dir():
+        cases.append(
+            (Path("/proc/rootopt-export-test"), "cannot create '/proc/rootopt-export-test'")
+        )
+    for out, says in cases:
+        assert export_main([str(trained), str(out)]) == 2, out
+        line = _one_line(capsys)
+        assert says in line and str(out) in line, line
+    assert tree_state(tmp_path) == before
+
+
+def _file_size_limit(limit: int) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_failed_write_names_the_file_and_publishes_nothing(trained: Path, tmp_path: Path) -> None:
+    """The weights' write failing in safetensors' own writer (here: a file-size limit below
+    their size, EFBIG; a full disk fails the same way with ENOSPC, "Error while
+    serializing: I/O error: No space left on device (os error 28)") is one line naming the
+    file, exit 1, no OUT_DIR and no partial sibling; it was a 22-line SafetensorError."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "rootopt.cli", "export", str(trained), str(out)],
+        env=env(PYTHONDONTWRITEBYTECODE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: _file_size_limit(64 * 1024),
+    )
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(err) == 1, done.stderr[-3000:]
+    assert err[0] == (
+        f"rootopt export: I/O error: {os.strerror(errno.EFBIG)} ({out / 'model.safetensors'}); "
+        "nothing was published"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

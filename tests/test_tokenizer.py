@@ -166,6 +166,33 @@ def test_eos_from_a_tokenizer_config_beside_the_file(bpe_dir: Path, tmp_path: Pa
     assert tok.eos_id is not None and tok.eos_id == tok.tok.token_to_id("Ġthe")
 
 
+def test_special_tokens_of_a_tokenizer_file_are_recorded(bpe_dir: Path, tmp_path: Path) -> None:
+    """The roles a special_tokens_map.json beside the file names (each in the vocabulary:
+    an unknown one is dropped), then what the file defines: its padding token, an
+    end-of-document token by name, the other added tokens marked special."""
+    from tokenizers import Tokenizer
+
+    d = tmp_path / "model"
+    d.mkdir()
+    tok = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<pad>", "<|im_start|>"])
+    tok.enable_padding(pad_id=tok.token_to_id("<pad>"), pad_token="<pad>")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "Ġthe", "unk_token": "<not-in-the-vocabulary>"})
+    )
+    loaded = T.load(str(d))
+    want = {
+        "bos_token": "Ġthe",
+        "pad_token": "<pad>",
+        "eos_token": "<|endoftext|>",
+        "additional_special_tokens": ["<|im_start|>"],
+    }
+    assert loaded.special == want and loaded.record()["special_tokens"] == want
+    assert loaded.eos_id == 0
+    assert "special_tokens" not in load_manifest(bpe_dir)["tokenizer"]  # bpe:N: eos alone
+
+
 def test_a_file_without_an_end_token_separates_documents_by_a_blank_line(
     tmp_path: Path,
 ) -> None:

@@ -28,8 +28,14 @@ def main(argv: list[str]) -> int:
     except ExportError as exc:
         print(f"rootopt export: {exc}", file=sys.stderr)
         return 2
-    except (ExportMismatch, OSError) as exc:
-        msg = str(exc) if isinstance(exc, ExportMismatch) else f"I/O error: {exc.strerror or exc}"
-        print(f"rootopt export: {msg}", file=sys.stderr)
+    except ExportMismatch as exc:
+        print(f"rootopt export: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(
+            f"rootopt export: I/O error: {exc.strerror or exc}{where}; nothing was published",
+            file=sys.stderr,
+        )
         return 1
     return 0

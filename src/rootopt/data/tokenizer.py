@@ -19,7 +19,15 @@ Token ids are stored in the narrowest unsigned type that holds the vocabulary
 (:func:`token_dtype`). The tokenizer of a prepared directory is recorded in its manifest
 (``manifest["tokenizer"]``) and, unless it is ``bytes``, stored beside the shards as
 ``tokenizer.json``; :func:`hf_files` gives what ``transformers.AutoTokenizer`` needs to load
-it, for ``bytes`` too.
+it, for ``bytes`` too, written by ``transformers``' own ``PreTrainedTokenizerFast.save_pretrained``
+(:func:`transformers_files`).
+
+The special tokens of a tokenizer (:data:`ROLES`: ``bos_token``, ``eos_token``, ``unk_token``,
+``pad_token``, ...; and ``additional_special_tokens``) are what a ``tokenizer_config.json`` or
+``special_tokens_map.json`` beside a tokenizer file names, then what the ``tokenizer.json``
+defines itself (:func:`file_special_tokens`); a prepared directory records them in its
+manifest (``manifest["tokenizer"]["special_tokens"]``, for a tokenizer file) and the export
+keeps every one (docs/models.md).
 """
 
 from __future__ import annotations
@@ -48,6 +56,28 @@ MAX_FILE_BYTES = 1 << 30
 # Names of an end-of-document token in common tokenizer files, first match wins, when no
 # tokenizer_config.json beside the file names its eos_token.
 EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]")
+# The special tokens transformers names (SPECIAL_TOKENS_ATTRIBUTES of its tokenizers, 4.x and
+# 5.x alike), and the list of the other special tokens under the name both versions read.
+ROLES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+EXTRA = "additional_special_tokens"
+# The roles a causal LM's tokenizer classes give defaults (Qwen2Tokenizer: unk, eos and pad
+# "<|endoftext|>"): written as null where the tokenizer has none, which every class reads
+# as "none" (save_pretrained leaves them out).
+NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
+# What a causal LM reads from a tokenizer's output. Without it transformers 4.x's
+# PreTrainedTokenizerFast also returns token_type_ids, which generate() refuses
+# ("model_kwargs are not used by the model"); 5.x's default is these two.
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
+MAP_FILE = "special_tokens_map.json"
+CONFIG_FILE = "tokenizer_config.json"
 Kind = Literal["bytes", "file", "bpe"]
 
 
@@ -141,6 +171,9 @@ class Tokenizer:
     vocab_size: int
     eos_id: int | None
     sha256: str | None
+    # role -> token (ROLES) and EXTRA -> [tokens]: recorded for a tokenizer file only (a
+    # bpe:N has its end-of-document token alone, byte tokens none)
+    special: dict[str, Any]
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -165,6 +198,7 @@ class Tokenizer:
             "sha256": self.sha256,
             "file": FILE_NAME if self.to_json() is not None else None,
             "eos_id": self.eos_id,
+            **({"special_tokens": self.special} if self.kind == "file" and self.special else {}),
         }
 
 
@@ -173,7 +207,7 @@ class ByteTokenizer(Tokenizer):
 
     def __init__(self) -> None:
         self.kind, self.spec, self.vocab_size = BYTES, BYTES, 256
-        self.eos_id, self.sha256 = None, None
+        self.eos_id, self.sha256, self.special = None, None, {}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).tolist() for t in texts]
@@ -191,6 +225,7 @@ class FileTokenizer(Tokenizer):
 
     def __init__(self, tok: HFTokenizer, *, kind: Kind, spec: str, eos_id: int | None) -> None:
         self.tok, self.kind, self.spec, self.eos_id = tok, kind, spec, eos_id
+        self.special: dict[str, Any] = {}
         self._json = tok.to_str()
         self.sha256 = hashlib.sha256(self._json.encode("utf-8")).hexdigest()
         vocab = tok.get_vocab(with_added_tokens=True)
@@ -226,7 +261,9 @@ class FileTokenizer(Tokenizer):
         return self._json
 
 
-def _from_str(text: str, where: str) -> HFTokenizer:
+def from_json(text: str, where: str) -> HFTokenizer:
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json``'s text; one line of
+    :class:`TokenizerError` naming ``where`` when it is not one."""
     from tokenizers import Tokenizer as HFTok
 
     try:
@@ -238,26 +275,64 @@ def _from_str(text: str, where: str) -> HFTokenizer:
         ) from None
 
 
-def _configured_eos(path: Path, tok: HFTokenizer) -> int | None:
-    """The eos_token of a ``tokenizer_config.json`` beside ``path`` (a Hugging Face model
-    directory), else the first of :data:`EOS_NAMES` the vocabulary holds."""
-    config = path.parent / "tokenizer_config.json"
-    name: Any = None
-    if config.is_file():
-        try:
-            name = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-            name = None
-        if isinstance(name, dict):
-            name = name.get("content")
-    found = tok.token_to_id(name) if isinstance(name, str) else None
-    if found is not None:
-        return int(found)
-    for cand in EOS_NAMES:
-        i = tok.token_to_id(cand)
-        if i is not None:
-            return int(i)
-    return None
+def token_name(value: Any) -> str | None:
+    """A special token as a tokenizer config names it: a string, or an ``AddedToken`` as
+    transformers serializes it (``{"content": ...}``)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _json_beside(path: Path) -> dict[str, Any]:
+    """A JSON object file of a Hugging Face model directory; {} when it is missing or not
+    one (it is the user's, read only for the names of special tokens)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def file_special_tokens(text: str, tok: HFTokenizer, beside: Path | None) -> dict[str, Any]:
+    """The special tokens of a ``tokenizer.json`` (``text``, parsed as ``tok``), each one
+    in its vocabulary: the roles and ``additional_special_tokens`` that a
+    ``tokenizer_config.json`` or ``special_tokens_map.json`` in the directory ``beside``
+    names (first match wins), then what the file defines itself: its model's unknown token,
+    its padding token, an end-of-document token by name (:data:`EOS_NAMES`), and every other
+    added token marked special."""
+    found: dict[str, Any] = {}
+    extra: list[str] = []
+
+    def known(name: str | None) -> bool:
+        return name is not None and tok.token_to_id(name) is not None
+
+    for data in [_json_beside(beside / n) for n in (CONFIG_FILE, MAP_FILE)] if beside else []:
+        for role in ROLES:
+            name = token_name(data.get(role))
+            if role not in found and known(name):
+                found[role] = name
+        listed = data.get(EXTRA, data.get("extra_special_tokens"))
+        for value in listed if isinstance(listed, list) else []:
+            name = token_name(value)
+            if known(name) and name not in extra:
+                extra.append(str(name))
+    raw = json.loads(text)
+    own = {
+        "unk_token": token_name((raw.get("model") or {}).get("unk_token")),
+        "pad_token": token_name((raw.get("padding") or {}).get("pad_token")),
+        "eos_token": next((n for n in EOS_NAMES if known(n)), None),
+    }
+    for role, name in own.items():
+        if role not in found and known(name):
+            found[role] = name
+    named = set(found.values())
+    for added in raw.get("added_tokens") or []:
+        name = token_name(added)
+        if added.get("special") and known(name) and name not in named and name not in extra:
+            extra.append(str(name))
+    if extra:
+        found[EXTRA] = extra
+    return found
 
 
 def load_file(spec: TokenizerSpec) -> FileTokenizer:
@@ -277,10 +352,12 @@ def load_file(spec: TokenizerSpec) -> FileTokenizer:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise TokenizerError(f"tokenizer {spec.spec[:120]!r} is not UTF-8 text") from None
-    tok = _from_str(text, spec.spec)
-    out = FileTokenizer(tok, kind="file", spec=spec.spec, eos_id=_configured_eos(path, tok))
+    tok = from_json(text, spec.spec)
+    special = file_special_tokens(text, tok, path.parent)
+    eos = tok.token_to_id(special["eos_token"]) if "eos_token" in special else None
+    out = FileTokenizer(tok, kind="file", spec=spec.spec, eos_id=eos)
     # the file is stored as it is (its sha256 is the user's file's), not re-serialized
-    out._json, out.sha256 = text, hashlib.sha256(raw).hexdigest()
+    out._json, out.sha256, out.special = text, hashlib.sha256(raw).hexdigest(), special
     return out
 
 
@@ -421,45 +498,120 @@ def bytes_tokenizer_json() -> str:
     return str(tok.to_str())
 
 
-def hf_files(data_dir: Path, manifest: dict[str, Any]) -> dict[str, bytes]:
-    """The files ``transformers.AutoTokenizer.from_pretrained(DIR)`` loads this dataset's
-    tokenizer from, offline: ``tokenizer.json`` (for ``bytes`` one whose ids are the byte
-    values), ``tokenizer_config.json`` and, with an end-of-document token,
-    ``special_tokens_map.json``. The stored ``tokenizer.json`` is checked against its
-    sha256 in the manifest."""
+def special_tokens(record: dict[str, Any], tokenizer_json: str) -> dict[str, Any]:
+    """The special tokens of the tokenizer a manifest ``record`` describes (``tokenizer_json``
+    its file): those recorded for a tokenizer file, else its end-of-document token."""
+    recorded = record.get("special_tokens")
+    if isinstance(recorded, dict):
+        return dict(recorded)
+    eos = record.get("eos_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        name = from_json(tokenizer_json, "tokenizer.json").id_to_token(eos)
+        if name is not None:
+            return {"eos_token": name}
+    return {}
+
+
+def dataset_tokenizer(data_dir: Path, manifest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(tokenizer.json text, special tokens)`` of a prepared directory: for ``bytes`` one
+    whose ids are the byte values; else the stored file, checked against the sha256 in the
+    manifest (:class:`rootopt.data.ShardError` when it differs or cannot be read)."""
     from rootopt.data.shards import ShardError
 
     tok = record_of(manifest)
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        # decode(encode(text)) == text: no clean-up of spaces before punctuation
-        "clean_up_tokenization_spaces": False,
-    }
     if tok.get("kind", BYTES) == BYTES:
-        files = {FILE_NAME: bytes_tokenizer_json().encode("utf-8")}
-    else:
-        name = tok.get("file") or FILE_NAME
-        path = Path(data_dir) / str(name)
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            raise ShardError(
-                f"{str(path)!r}: the dataset's tokenizer cannot be read ({exc.strerror or exc})"
-            ) from None
-        if hashlib.sha256(raw).hexdigest() != tok.get("sha256"):
-            raise ShardError(
-                f"{str(path)!r} does not match the sha256 in the manifest: the tokenizer was "
-                "modified; prepare the data again"
-            )
-        files = {FILE_NAME: raw}
-        eos = tok.get("eos_id")
-        if isinstance(eos, int):
-            name = _from_str(raw.decode("utf-8"), str(path)).id_to_token(eos)
-            if name is not None:
-                config["eos_token"] = name
-                files["special_tokens_map.json"] = _json_bytes({"eos_token": name})
-    files["tokenizer_config.json"] = _json_bytes(config)
+        return bytes_tokenizer_json(), {}
+    path = Path(data_dir) / str(tok.get("file") or FILE_NAME)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ShardError(
+            f"{str(path)!r}: the dataset's tokenizer cannot be read ({exc.strerror or exc})"
+        ) from None
+    if hashlib.sha256(raw).hexdigest() != tok.get("sha256"):
+        raise ShardError(
+            f"{str(path)!r} does not match the sha256 in the manifest: the tokenizer was "
+            "modified; prepare the data again"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ShardError(f"{str(path)!r} is not UTF-8 text") from None
+    return text, special_tokens(tok, text)
+
+
+def run_files(data_dir: Path, manifest: dict[str, Any]) -> dict[str, bytes]:
+    """What a run keeps of its data's tokenizer (``tokenizer/`` of the run directory, which
+    ``rootopt export`` reads): the ``tokenizer.json`` byte for byte and, when it has special
+    tokens, ``special_tokens_map.json`` naming them. Written at every start of a run, so it
+    needs the ``tokenizers`` library only, not ``transformers``."""
+    text, special = dataset_tokenizer(data_dir, manifest)
+    files = {FILE_NAME: text.encode("utf-8")}
+    if special:
+        files[MAP_FILE] = _json_bytes(special)
     return files
+
+
+def transformers_files(tokenizer_json: str, special: dict[str, Any]) -> dict[str, bytes]:
+    """The files ``transformers.AutoTokenizer.from_pretrained(DIR)`` loads a tokenizer from,
+    offline, in transformers 4.57 to 5.x alike: what ``PreTrainedTokenizerFast.save_pretrained``
+    writes for it (the special tokens ``special``, ``model_input_names`` :data:`MODEL_INPUT_NAMES`,
+    no clean-up of spaces: ``decode(encode(text)) == text``), with ``tokenizer.json`` the
+    given file byte for byte and ``special_tokens_map.json`` when it has special tokens.
+
+    Two keys of 5.x's ``tokenizer_config.json`` that 4.x cannot read are written as 4.x
+    writes them, which 5.x reads the same: ``tokenizer_class`` ``PreTrainedTokenizerFast``
+    (5.x writes ``TokenizersBackend``, a class 4.x does not have; 5.x loads the former as
+    the latter) and the list of other special tokens under ``additional_special_tokens``
+    (5.x writes a list ``extra_special_tokens``, which 4.x reads as a mapping and fails on;
+    5.x renames the former to the latter when it loads). A role of :data:`NAMED` the
+    tokenizer does not have is written as null."""
+    import tempfile
+
+    from transformers import PreTrainedTokenizerFast
+
+    tok = from_json(tokenizer_json, FILE_NAME)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    names = [special.get(r) for r in ROLES] + list(special.get(EXTRA) or [])
+    unknown = [n for n in names if n is not None and n not in vocab]
+    if unknown:  # save_pretrained would add it as a new id the model does not have
+        raise TokenizerError(f"special token {unknown[0]!r} is not in the tokenizer's vocabulary")
+    kwargs = {r: special[r] for r in ROLES if special.get(r) is not None}
+    if special.get(EXTRA):
+        kwargs[EXTRA] = list(special[EXTRA])
+    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        model_input_names=list(MODEL_INPUT_NAMES),
+        clean_up_tokenization_spaces=False,
+        **kwargs,
+    )
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        files = {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
+    config = json.loads(files[CONFIG_FILE])
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for role in NAMED:  # "none": a class with defaults of its own (Qwen2's) must not add one
+        config.setdefault(role, None)
+    extra = config.pop("extra_special_tokens", None)
+    if isinstance(extra, list) and extra:
+        config[EXTRA] = extra
+    elif isinstance(extra, dict) and extra:  # named extra tokens: a mapping in both versions
+        config["extra_special_tokens"] = extra
+    files[CONFIG_FILE] = _json_bytes(dict(sorted(config.items())))
+    files[FILE_NAME] = tokenizer_json.encode("utf-8")
+    if special:
+        files[MAP_FILE] = _json_bytes(special)
+    else:
+        files.pop(MAP_FILE, None)
+    return files
+
+
+def hf_files(data_dir: Path, manifest: dict[str, Any]) -> dict[str, bytes]:
+    """The files ``transformers.AutoTokenizer.from_pretrained(DIR)`` loads this dataset's
+    tokenizer from, offline (:func:`transformers_files`; for ``bytes`` a ``tokenizer.json``
+    whose ids are the byte values). The stored ``tokenizer.json`` is checked against its
+    sha256 in the manifest."""
+    return transformers_files(*dataset_tokenizer(data_dir, manifest))
 
 
 def _json_bytes(data: dict[str, Any]) -> bytes:

@@ -367,10 +367,10 @@ def _write_run_files(run: Run) -> None:
     if run.routing:
         atomic_write(run.run_dir / "routing.txt", (run.routing + "\n").encode())
     if run.manifest.get("task") == "lm":  # the tokenizer travels with the run (rootopt export)
-        from rootopt.data.tokenizer import hf_files
+        from rootopt.data.tokenizer import run_files
         from rootopt.train.export import write_tokenizer_copy
 
-        write_tokenizer_copy(run.run_dir, hf_files(run.data_dir, run.manifest))
+        write_tokenizer_copy(run.run_dir, run_files(run.data_dir, run.manifest))
 
 
 # --------------------------------------------------------------------------- the loop

@@ -348,8 +348,8 @@ def recorded_identity(run_dir: Path) -> dict[str, Any] | None:
 
 def refuse_links(run_dir: Path, ckpt_dir: Path, own_data: bool) -> None:
     """Refuse, reading only, a run whose directories, or any path in them that the run
-    writes, appends, moves or prunes, is a symbolic link (:data:`RUN_PATHS`,
-    :data:`CKPT_PATHS`, the checkpoints). Each write also refuses or replaces a link on its
+    writes, appends, moves or prunes, is a symbolic link (:data:`RUN_PATHS`, the files in
+    ``tokenizer/``, :data:`CKPT_PATHS`, the checkpoints). Each write also refuses or replaces a link on its
     own (:mod:`rootopt._atomic`); this check makes the refusal come before the first write."""
     from rootopt._atomic import LinkError, is_link, refuse_link
 
@@ -359,6 +359,10 @@ def refuse_links(run_dir: Path, ckpt_dir: Path, own_data: bool) -> None:
         names = [*RUN_PATHS, "data", STAGING] if own_data else RUN_PATHS
         for name in names:
             refuse_link(run_dir / name)
+        tok = run_dir / "tokenizer"  # every file in it is rewritten or kept as the run's own
+        if tok.is_dir():
+            for p in sorted(tok.iterdir()):
+                refuse_link(p)
         for name in CKPT_PATHS:
             refuse_link(ckpt_dir / name)
         if ckpt_dir.is_dir():
