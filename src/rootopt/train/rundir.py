@@ -36,6 +36,7 @@ from rootopt._atomic import LinkError, own_dir
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import Config, ConfigError, RunConfig, to_dict
 from rootopt.data import STAGING, is_staging
+from rootopt.data.locking import DataLock
 
 RUN_FILE = "run.json"
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
@@ -391,6 +392,24 @@ class Locks:
     held: list[checkpoint.DirLock] = field(default_factory=list)
     created: list[Path] = field(default_factory=list)
     committed: bool = False  # the run has written into its directories
+    # the data directory the run reads, locked shared (rootopt.data.locking): no
+    # `rootopt data prepare` rewrites it while the run lives
+    reading: list[DataLock] = field(default_factory=list)
+
+    def read(self, directory: Path) -> None:
+        """Lock the data directory ``directory`` for reading (when it is one), or refuse
+        with one line while a prepare writes it."""
+        if not directory.is_dir():
+            return
+        lock = DataLock(directory)
+        try:
+            lock.shared()
+        except OSError as exc:
+            raise RunDirError(
+                f"data directory {str(directory)!r} cannot be opened ({exc.strerror or exc})",
+                exc.errno,
+            ) from None
+        self.reading.append(lock)
 
     def take(self, directory: Path, what: str, hint: str) -> None:
         """Lock ``directory`` (created when missing), or refuse with one line."""
@@ -431,7 +450,9 @@ class Locks:
     def release(self) -> None:
         for lock in reversed(self.held):
             lock.release()
-        self.held = []
+        for reader in self.reading:
+            reader.release()
+        self.held, self.reading = [], []
 
     def abandon(self) -> None:
         """Release the locks; a launch refused before it wrote anything also removes the

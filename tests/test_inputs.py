@@ -1,0 +1,315 @@
+"""The inputs of a run held to the training run's standard (issues 46 and 47): ``rootopt
+data prepare`` locks its ``--out``, ``model.init_from`` checks every tensor and the
+tokenizer, ``hf_config`` values transformers cannot build and non-causal architectures are
+one line, the start-up cleanup removes the temporary file of every write of the run, and
+ignored inputs are refused. Each refusal is one line naming the file or key, a non-zero
+status, and nothing written, published or left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _faultkit import env, kill_session, start_session, tree_state, wait_for
+from _train_fixtures import FAST, prepare_tiny
+from rootopt.commands.data import main as data_main
+from rootopt.config import ModelConfig
+from rootopt.train.main import main as train_main
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+# the tiny kjv corpus of _train_fixtures.prepare_tiny, as command-line flags
+TINY_PREP = ["--corpus", "kjv", "--seq_len", "32", "--max_bytes", "150000"]
+TINY_PREP += ["--samples_per_shard", "400", "--no-progress"]
+LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def _line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0] and len(err[0]) < 700, err[0][:300]
+    return err[0]
+
+
+def _refused(args: list[str], capsys: pytest.CaptureFixture[str], run: Path) -> str:
+    """``rootopt train`` refuses with one line, exit status 2, before creating ``run``."""
+    capsys.readouterr()
+    assert train_main(args) == 2
+    line = _line(capsys)
+    assert not run.exists(), sorted(p.name for p in run.iterdir())
+    return line
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_tiny(tmp_path_factory.mktemp("inputs-shards") / "d")
+
+
+def _config_dir(tmp: Path, name: str, spec: dict[str, Any]) -> Path:
+    d = tmp / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(spec))
+    return d
+
+
+def _llama_spec(**change: Any) -> dict[str, Any]:
+    spec = json.loads((ROOT / "configs" / "hf" / "llama-small" / "config.json").read_text())
+    return {**spec, **LLAMA, **change}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny transformers Llama saved by ``save_pretrained`` (no tokenizer: not checked)."""
+    from rootopt.train.hf import HFCausalLM
+    from rootopt.train.model import build_model
+
+    tmp = tmp_path_factory.mktemp("inputs-pretrained")
+    cfg = _config_dir(tmp, "cfg", _llama_spec())
+    model = build_model(ModelConfig(kind="hf", hf_config=str(cfg)), {"task": "lm"}, 32)
+    assert isinstance(model, HFCausalLM)
+    model.hf.save_pretrained(str(tmp / "model"))
+    return tmp / "model"
+
+
+# --------------------------------------------------------------------------- F1, F10: the lock
+
+# `rootopt data prepare` that stops once its staging directory exists (the point where two
+# unlocked prepares destroyed each other's work) until a file appears.
+PAUSED_PREPARE = r"""
+import json, sys, time
+from pathlib import Path
+from rootopt.data import preparing
+from rootopt.commands.data import main
+spec = json.loads(sys.argv[1])
+real = preparing._start
+def start(staging):
+    real(staging)
+    Path(spec["ready"]).write_text("1")
+    deadline = time.monotonic() + 120
+    while not Path(spec["go"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+preparing._start = start
+sys.exit(main(spec["argv"]))
+"""
+
+# `rootopt train` that stops after step 1 (a live run reading its data) until a file appears.
+PAUSED_RUN = r"""
+import json, sys, time
+from pathlib import Path
+from rootopt.train import loop, main
+from rootopt.train.state import Hooks
+spec = json.loads(sys.argv[1])
+real = loop.train
+def after_step(step):
+    if step == 1:
+        Path(spec["ready"]).write_text("1")
+        deadline = time.monotonic() + 120
+        while not Path(spec["go"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return False
+def train(*args, **kwargs):
+    kwargs["hooks"] = Hooks(after_step=after_step)
+    return real(*args, **kwargs)
+loop.train = train
+sys.exit(main.main(spec["argv"]))
+"""
+
+
+def _paused(script: str, argv: list[str], tmp: Path, name: str) -> tuple[Any, Path]:
+    spec = {"argv": argv, "ready": str(tmp / f"{name}.ready"), "go": str(tmp / f"{name}.go")}
+    proc = start_session([sys.executable, "-c", script, json.dumps(spec)], env=env())
+    wait_for(lambda: Path(spec["ready"]).exists(), 120, f"{name} to pause", proc)
+    return proc, Path(spec["go"])
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_second_prepare_into_one_out_is_refused_and_the_first_completes(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """F1: the same prepare twice into D. The second is refused with one line while the
+    first holds D (its staging directory untouched), and so is a training run on D; the
+    first then publishes the dataset a prepare alone gives, and it verifies."""
+    out = tmp_path / "D"
+    first, go = _paused(PAUSED_PREPARE, ["prepare", *TINY_PREP, "--out", str(out)], tmp_path, "a")
+    try:
+        before = tree_state(out)
+        assert data_main(["prepare", *TINY_PREP, "--out", str(out)]) == 2
+        line = _line(capsys)
+        assert "is being written by another rootopt data prepare" in line and str(out) in line
+        run = tmp_path / "run"
+        line = _refused(["--data_path", str(out), "--log_dir", str(run), *FAST], capsys, run)
+        assert "is being written by rootopt data prepare" in line and str(out) in line
+        assert tree_state(out) == before  # the first one's staging directory as it was
+        go.write_text("1")
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        kill_session(first)
+    assert first.returncode == 0, stderr[-2000:]
+    assert data_main(["verify", str(out)]) == 0
+    assert _files(out) == _files(shards)  # what one prepare of these settings gives
+
+
+def test_a_prepare_into_data_a_live_run_reads_is_refused(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """F10: while a run trains on --data_path D, a prepare into D is one line, exit 2, D
+    byte-identical; the run then completes, and D is free for a prepare again. So is a
+    prepare into the data/ of a run directory whose lock a live process holds."""
+    from rootopt import checkpoint
+
+    data = tmp_path / "D"
+    shutil.copytree(shards, data)
+    argv = ["--data_path", str(data), "--log_dir", str(tmp_path / "r1"), *FAST, "run.max_steps=3"]
+    live, go = _paused(PAUSED_RUN, argv, tmp_path, "r1")
+    try:
+        before = tree_state(data)
+        assert data_main(["prepare", *TINY_PREP, "--seed", "3", "--out", str(data)]) == 2
+        line = _line(capsys)
+        assert "is read by a live training run" in line and str(data) in line, line
+        assert tree_state(data) == before
+        go.write_text("1")
+        _, stderr = live.communicate(timeout=120)
+    finally:
+        kill_session(live)
+    assert live.returncode == 0, stderr[-2000:]
+    assert data_main(["prepare", *TINY_PREP, "--seed", "3", "--out", str(data)]) == 0
+
+    run = tmp_path / "r2"  # a run directory with its own data/, its lock held
+    shutil.copytree(shards, run / "data")
+    (run / "run.json").write_text(json.dumps({"run_id": "0123456789abcdef"}))
+    lock = checkpoint.DirLock(run)
+    lock.acquire()
+    try:
+        before = tree_state(run)
+        assert data_main(["prepare", *TINY_PREP, "--seed", "3", "--out", str(run / "data")]) == 2
+        line = _line(capsys)
+        assert f"is the data of the run in {str(run)!r}, which is training" in line, line
+        assert tree_state(run) == before
+    finally:
+        lock.release()
+
+
+def test_a_prepare_refuses_an_out_that_is_a_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "D").symlink_to(target)
+    assert data_main(["prepare", *TINY_PREP, "--out", str(tmp_path / "D")]) == 2
+    assert "symbolic link" in _line(capsys)
+    assert list(target.iterdir()) == []
+
+
+def test_a_killed_prepare_is_taken_up_again_under_the_lock(tmp_path: Path) -> None:
+    """A prepare killed while it held the lock leaves no stale lock: the kernel released it,
+    and the rerun publishes the dataset."""
+    out = tmp_path / "D"
+    proc, _go = _paused(PAUSED_PREPARE, ["prepare", *TINY_PREP, "--out", str(out)], tmp_path, "k")
+    kill_session(proc)
+    assert (out / ".rootopt-staging").is_dir()
+    t0 = time.monotonic()
+    assert data_main(["prepare", *TINY_PREP, "--out", str(out)]) == 0
+    assert time.monotonic() - t0 < 60
+    assert not (out / ".rootopt-staging").exists()
+
+
+# --------------------------------------------------------------------------- F11: ignored inputs
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--corpus", "digits", "--tokenizer", "bpe:512"],
+            "--tokenizer: digits is a classification",
+        ),
+        (
+            ["--corpus", "bbc-classes", "--seq_len", "64"],
+            "--seq_len: bbc-classes is a classification",
+        ),
+        (
+            ["--corpus", "digits", "--text-field", "body"],
+            "--text-field: digits is a classification",
+        ),
+        (["--corpus", "digits", "--max_bytes", "1000"], "--max_bytes: digits is a classification"),
+        (["--corpus", "kjv", "--seed", str(2**70)], "--seed must be in [0, 9223372036854775807]"),
+        (["--corpus", "kjv", "--seed", "-1"], "--seed must be in [0,"),
+    ],
+)
+def test_an_input_that_would_be_ignored_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    """F11: a tokenizer (or another text option) given for a classification corpus, and a
+    seed outside [0, 2**63 - 1], are refused rather than ignored."""
+    out = tmp_path / "out"
+    assert data_main(["prepare", *extra, "--out", str(out)]) == 2
+    assert message in _line(capsys)
+    assert not out.exists()
+
+
+def test_a_training_config_with_a_tokenizer_for_digits_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "r"
+    args = ["--log_dir", str(run), *FAST, "data.corpus=digits", "model.kind=mlp"]
+    line = _refused([*args, "data.tokenizer=bpe:512"], capsys, run)
+    assert "data.tokenizer: digits is a classification corpus" in line, line
+
+
+# --------------------------------------------------------------------------- D14: messages
+
+
+def test_a_bad_jsonl_line_says_where_and_the_docs_say_what_happens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """D14: the reason for a bad .jsonl line was cut off, and docs/data.md said invalid
+    UTF-8 becomes U+FFFD where the code refuses the line. The example the page quotes is
+    what the command prints."""
+    docs = (ROOT / "docs" / "data.md").read_text()
+    assert "a `.jsonl` line that is not UTF-8 or not a JSON object is\nrefused" in docs
+    quoted = "'docs.jsonl', line 3: not a JSON object (Expecting ',' delimiter at column 14)"
+    assert quoted in docs.replace("\n", " ")
+    os.chdir(tmp_path)
+    Path("docs.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": "a" "b"}\n')
+    assert data_main(["prepare", "--corpus", "docs.jsonl", "--out", "o", "--seq_len", "4"]) == 2
+    assert _line(capsys) == f"rootopt data: {quoted}"
+    Path("bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    assert data_main(["prepare", "--corpus", "bad.jsonl", "--out", "o", "--seq_len", "4"]) == 2
+    assert "'bad.jsonl', line 2: not UTF-8 text (byte 14 of the line, 0xe9)" in _line(capsys)
+    assert not Path("o").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"a": 1}', 'valid JSON, but without the "model" object a tokenizer.json holds'),
+        (b"[1, 2]", 'valid JSON, but without the "model" object'),
+        (b'{"a": 1', "not valid JSON (line 1, column 8"),
+    ],
+)
+def test_a_json_file_that_is_not_a_tokenizer_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    (tmp_path / "tok.json").write_bytes(content)
+    args = ["prepare", "--corpus", "kjv", "--tokenizer", str(tmp_path / "tok.json")]
+    assert data_main([*args, "--out", str(tmp_path / "o")]) == 2
+    assert message in _line(capsys)
+    assert not (tmp_path / "o").exists()
