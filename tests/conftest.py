@@ -130,6 +130,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_a_second_prepare_into_one_out_is_refused_and_the_first_completes",
             "test_a_prepare_into_data_a_live_run_reads_is_refused",
             "test_a_killed_prepare_is_taken_up_again_under_the_lock",
+            "test_init_from_checks_the_tokenizer_and_says_where_it_started",
         }
     ),
     "test_hf_train.py": frozenset(

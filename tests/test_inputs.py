@@ -11,17 +11,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from _faultkit import env, kill_session, start_session, tree_state, wait_for
 from _train_fixtures import FAST, prepare_tiny
 from rootopt.commands.data import main as data_main
-from rootopt.config import ModelConfig
+from rootopt.config import ModelConfig, load_config
+from rootopt.monitor import read_jsonl
+from rootopt.train import train
 from rootopt.train.main import main as train_main
 
 transformers = pytest.importorskip("transformers")
@@ -313,3 +317,280 @@ def test_a_json_file_that_is_not_a_tokenizer_says_so(
     assert data_main([*args, "--out", str(tmp_path / "o")]) == 2
     assert message in _line(capsys)
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- F5, F6: init_from
+
+
+def _broken(src: Path, tmp: Path, name: str, make: Any) -> Path:
+    d = tmp / name
+    d.mkdir()
+    shutil.copy(src / "config.json", d / "config.json")
+    make(d / "model.safetensors", (src / "model.safetensors").read_bytes())
+    return d
+
+
+BAD_WEIGHTS = {
+    "empty": lambda p, raw: p.write_bytes(b""),
+    "truncated": lambda p, raw: p.write_bytes(raw[: len(raw) // 2]),
+    "header-only": lambda p, raw: p.write_bytes(raw[:4000]),
+    "absurd-header": lambda p, raw: p.write_bytes(struct.pack("<Q", 2**60) + b"{}"),
+    "link-to-a-system-file": lambda p, raw: p.symlink_to(os.__file__),
+    "link-to-a-device": lambda p, raw: p.symlink_to("/dev/zero"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WEIGHTS))
+def test_unreadable_init_from_weights_are_one_line(
+    shards: Path, pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """F5: each was a 46-line SafetensorError traceback."""
+    d = _broken(pretrained, tmp_path, case, BAD_WEIGHTS[case])
+    run = tmp_path / "r"
+    args = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "model.kind=hf"]
+    line = _refused([*args, f"model.init_from={d}"], capsys, run)
+    assert line.startswith("rootopt train: ") and "model.init_from:" in line, line
+    assert str(d / "model.safetensors") in line, line
+    assert ("not a readable safetensors file" in line) or ("not a regular file" in line), line
+
+
+def test_a_sharded_index_that_names_no_file_beside_it_is_one_line(
+    shards: Path, pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "r"
+    args = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "model.kind=hf"]
+    for index, message in (
+        ({"weight_map": {"a": "../model.safetensors"}}, "not a file beside it"),
+        ({"weight_map": ["model.safetensors"]}, "holds no weight_map"),
+        ({"weight_map": {"a": "gone.safetensors"}}, "gone.safetensors' is missing"),
+    ):
+        d = tmp_path / f"sharded-{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        shutil.copy(pretrained / "config.json", d / "config.json")
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+        assert message in _refused([*args, f"model.init_from={d}"], capsys, run)
+
+
+def _weights_with(src: Path, tmp: Path, name: str, change: Any) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    state = {k: v.clone() for k, v in load_file(str(src / "model.safetensors")).items()}
+    change(state)
+    d = tmp / name
+    d.mkdir()
+    shutil.copy(src / "config.json", d / "config.json")
+    save_file(state, str(d / "model.safetensors"))
+    return d
+
+
+def test_init_from_weights_that_are_not_finite_floats_are_named(
+    shards: Path, pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """F6: a NaN was loaded (the run later "diverged"), an int32 tensor cast silently."""
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def nan(state: dict[str, torch.Tensor]) -> None:
+        state[name][3, 5] = float("nan")
+        state[name][0, 0] = float("inf")
+
+    def integer(state: dict[str, torch.Tensor]) -> None:
+        state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
+
+    run = tmp_path / "r"
+    args = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "model.kind=hf"]
+    d = _weights_with(pretrained, tmp_path, "nan", nan)
+    line = _refused([*args, f"model.init_from={d}"], capsys, run)
+    assert f"{name} in {str(d)!r} holds 2 non-finite values (NaN or inf) of 2048" in line, line
+    d = _weights_with(pretrained, tmp_path, "int", integer)
+    line = _refused([*args, f"model.init_from={d}"], capsys, run)
+    assert "tensor 'model.norm.weight'" in line and "is I32, not floating point" in line, line
+
+
+def test_a_model_directory_whose_records_are_devices_is_one_line(
+    shards: Path, pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tokenizer.json or rootopt.json planted as a link to a device is one line, not an
+    endless read."""
+    run = tmp_path / "r"
+    args = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "model.kind=hf"]
+    for name in ("tokenizer.json", "rootopt.json"):
+        d = tmp_path / name
+        shutil.copytree(pretrained, d)
+        (d / name).symlink_to("/dev/zero")
+        line = _refused([*args, f"model.init_from={d}"], capsys, run)
+        assert f"{str(d / name)!r} is not a regular file" in line, line
+
+
+# --------------------------------------------------------------------------- F6, D5, D14: hf_config
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            _llama_spec(hidden_act="nope"),
+            "model.hf_config: hidden_act: transformers cannot build a llama model with hidden_act='nope'",
+        ),
+        (
+            _llama_spec(hidden_size=-32),
+            "model.hf_config: hidden_size: transformers cannot build a llama model with hidden_size=-32",
+        ),
+        ({"model_type": "nope"}, "model_type 'nope' is not a model type transformers"),
+        (
+            {
+                "model_type": "bert",
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+            },
+            "model_type 'bert' (BertLMHeadModel) is not a causal language model",
+        ),
+        (
+            {
+                "model_type": "roberta",
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+            },
+            "model_type 'roberta' (RobertaForCausalLM) fails on a forward pass",
+        ),
+        (
+            {
+                "model_type": "bart",
+                "d_model": 32,
+                "encoder_layers": 1,
+                "decoder_layers": 1,
+                "encoder_attention_heads": 2,
+                "decoder_attention_heads": 2,
+                "encoder_ffn_dim": 64,
+                "decoder_ffn_dim": 64,
+            },
+            "model_type 'bart' is an encoder-decoder architecture",
+        ),
+    ],
+    ids=["hidden_act", "negative-size", "unknown-type", "bert", "roberta", "bart"],
+)
+def test_an_hf_config_that_is_no_causal_lm_or_cannot_be_built_is_one_line(
+    shards: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    spec: dict[str, Any],
+    message: str,
+) -> None:
+    """F6: a 70-line KeyError, and -32 reported as the built-in model's sizes; D5: BERT
+    trained as a "causal LM" attending to later tokens; D14: an unknown model_type was
+    "not a causal LM". transformers' own advice for BERT is not printed beside the line."""
+    cfg = _config_dir(tmp_path, "cfg", spec)
+    run = tmp_path / "r"
+    args = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "model.kind=hf"]
+    line = _refused([*args, f"model.hf_config={cfg}"], capsys, run)
+    assert message in line, line
+    assert "d_model=128" not in line
+
+
+def test_a_bert_decoder_with_a_causal_mask_passes_the_probe(shards: Path, tmp_path: Path) -> None:
+    """The probe refuses attention to later tokens, not a model_type: BERT as a decoder
+    (``is_decoder: true``, a causal mask) is a causal LM."""
+    from rootopt.train.hf import HFCausalLM, check_causal
+    from rootopt.train.model import build_model
+
+    spec = {
+        "model_type": "bert",
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "is_decoder": True,
+    }
+    cfg = _config_dir(tmp_path, "bert-decoder", spec)
+    model = build_model(ModelConfig(kind="hf", hf_config=str(cfg)), {"task": "lm"}, 32)
+    assert isinstance(model, HFCausalLM) and model.training
+    check_causal(model, "model.hf_config", 32)  # again: no exception, train mode kept
+    assert model.training
+
+
+# --------------------------------------------------------------------------- D4, D13: the source
+
+
+def _bpe(out: Path, corpus: str) -> Path:
+    from rootopt.data import prepare
+
+    prepare(corpus, out, seq_len=32, max_bytes=60_000, samples_per_shard=400, tokenizer="bpe:300")
+    return out
+
+
+def test_init_from_checks_the_tokenizer_and_says_where_it_started(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """D4: a model trained with another tokenizer of the same size was accepted without a
+    word; D13: starting from it left no trace. Now: an export of a run on bpe:300 (kjv)
+    starts a run on that data and says "initialised from DIR (step N of RUN)" in the
+    console, events.jsonl and summary.json; on bpe:300 of another corpus (300 ids too) it
+    is refused with one line naming both tokenizers, from its record or, without one, from
+    its tokenizer.json."""
+    from rootopt.train.export import export
+
+    kjv, bbc = _bpe(tmp_path / "kjv", "kjv"), _bpe(tmp_path / "bbc", "bbc")
+    sizes = [json.loads((d / "manifest.json").read_text())["tokenizer"] for d in (kjv, bbc)]
+    assert sizes[0]["vocab_size"] == sizes[1]["vocab_size"] == 300
+    assert sizes[0]["sha256"] != sizes[1]["sha256"]
+    over = [*FAST, "run.max_steps=2", "run.log_every=1"]
+    src = tmp_path / "src"
+    train(load_config(None, over), src, str(kjv), say=_quiet)
+    exported = export(src, tmp_path / "exported", say=_quiet)
+    assert json.loads((exported / "rootopt.json").read_text())["step"] == 2
+    bare = tmp_path / "bare"  # the same model without the export's record
+    shutil.copytree(exported, bare)
+    (bare / "rootopt.json").unlink()
+
+    for d in (exported, bare):
+        run = tmp_path / f"refused-{d.name}"
+        args = ["--data_path", str(bbc), "--log_dir", str(run), *over, f"model.init_from={d}"]
+        line = _refused(args, capsys, run)
+        assert f"model.init_from: {str(d)!r} was trained with another tokenizer" in line, line
+        assert (
+            f"sha256 {sizes[0]['sha256'][:12]}" in line
+            and f"sha256 {sizes[1]['sha256'][:12]}" in line
+        )
+
+    said: list[str] = []
+    run = tmp_path / "ft"
+    s = train(
+        load_config(None, [*over, f"model.init_from={exported}"]), run, str(kjv), say=said.append
+    )
+    where = f"{exported} (step 2 of {src})"
+    assert f"initialised from {where}" in said
+    assert s.initialised_from == where
+    assert json.loads((run / "summary.json").read_text())["initialised_from"] == where
+    events = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "init_from"]
+    assert events == [{"event": "init_from", "step": 0, "path": str(exported), "detail": where}]
+    said.clear()
+    s = train(
+        load_config(None, [*over, f"model.init_from={bare}"]),
+        tmp_path / "ft2",
+        str(kjv),
+        say=said.append,
+    )
+    assert f"initialised from {bare} (a model directory with the data's tokenizer)" in said
+    # a resumed session does not load init_from again, and says nothing of it
+    s = train(
+        load_config(None, [*over, "run.max_steps=3", f"model.init_from={exported}"]),
+        run,
+        str(kjv),
+        say=said.append,
+    )
+    assert s.resumed_from and s.initialised_from == ""
+
+
+def test_init_from_without_a_tokenizer_says_it_was_not_checked(
+    shards: Path, pretrained: Path, tmp_path: Path
+) -> None:
+    said: list[str] = []
+    over = [*FAST, "run.max_steps=1", "model.kind=hf", f"model.init_from={pretrained}"]
+    train(load_config(None, over), tmp_path / "r", str(shards), say=said.append)
+    assert (
+        f"initialised from {pretrained} (it holds no tokenizer: not checked against the data's)"
+        in said
+    )

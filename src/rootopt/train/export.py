@@ -31,6 +31,7 @@ from torch import nn
 from rootopt._atomic import atomic_write, fsync_dir
 from rootopt.checkpoint import CheckpointUnreadable
 from rootopt.config import ModelConfig
+from rootopt.train.hf import SOURCE_FILE
 
 # The run directory's copy of the tokenizer's files, written when a run starts, so an
 # export does not depend on the data directory staying where it was.
@@ -138,6 +139,23 @@ def _model_weights(entry: Any, state: dict[str, Any]) -> dict[str, torch.Tensor]
         raise ExportError(f"cannot export: {exc}") from None
 
 
+def _source(run_dir: Path, entry: Any, state: dict[str, Any]) -> bytes:
+    """Where the export comes from (``rootopt.json``): what ``model.init_from`` checks the
+    tokenizer against and names when a run starts from it."""
+    import json
+
+    from rootopt.data import identity_tokenizer
+    from rootopt.train.hf import source_record
+
+    try:
+        run_id = str(json.loads((run_dir / "run.json").read_text(encoding="utf-8"))["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        run_id = ""
+    ident = (state.get("data") or {}).get("identity")
+    tok = identity_tokenizer(ident) if isinstance(ident, str) else {"kind": "bytes"}
+    return source_record(run_dir, run_id, entry.name, int(entry.step), tok)
+
+
 def _tokenizer_ids(directory: Path) -> tuple[Any, dict[str, int | None]]:
     from transformers import AutoTokenizer
 
@@ -225,6 +243,7 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
     try:
         for name, data in files.items():
             atomic_write(tmp / name, data)
+        atomic_write(tmp / SOURCE_FILE, _source(run_dir, entry, state))
         _tok, ids = _tokenizer_ids(tmp)
         hf, ours = _build(mcfg, state, weights, seq_len, ids)
         hf.save_pretrained(str(tmp))

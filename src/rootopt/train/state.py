@@ -101,6 +101,8 @@ class Run:
     run_id: str
     state: TrainState = field(default_factory=TrainState)
     resumed_from: str = ""
+    # a new run started from model.init_from: "DIR (step N of RUN)" (rootopt.train.hf)
+    initialised_from: str = ""
     last_checkpoint: str = ""  # newest checkpoint of this run written (or resumed from)
     good_checkpoint: str = ""  # newest one written outside a trouble episode
     suspect: list[str] = field(default_factory=list)  # written inside the open episode
