@@ -129,6 +129,7 @@ E2E_TESTS: dict[str, frozenset[str]] = {
         {  # a prepare or a run in a subprocess, paused or killed; a run, an export
             "test_a_second_prepare_into_one_out_is_refused_and_the_first_completes",
             "test_a_prepare_into_data_a_live_run_reads_is_refused",
+            "test_the_start_up_cleanup_removes_every_temporary_a_write_of_the_run_leaves",
             "test_a_killed_prepare_is_taken_up_again_under_the_lock",
             "test_init_from_checks_the_tokenizer_and_says_where_it_started",
         }

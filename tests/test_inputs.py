@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -594,3 +595,56 @@ def test_init_from_without_a_tokenizer_says_it_was_not_checked(
         f"initialised from {pretrained} (it holds no tokenizer: not checked against the data's)"
         in said
     )
+
+
+# --------------------------------------------------------------------------- F9: temporaries
+
+# `rootopt train` killed (SIGKILL) inside the atomic write of the file named `name`: its
+# temporary file is complete and synced, the rename not done.
+KILLED_IN_WRITE = r"""
+import json, os, signal, sys
+spec = json.loads(sys.argv[1])
+real = os.replace
+def replace(src, dst, *args, **kwargs):
+    if os.path.basename(str(dst)) == spec["name"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(src, dst, *args, **kwargs)
+os.replace = replace
+from rootopt.train.main import main
+sys.exit(main(spec["argv"]))
+"""
+
+
+def test_the_start_up_cleanup_removes_every_temporary_a_write_of_the_run_leaves(
+    shards: Path, tmp_path: Path
+) -> None:
+    """F9: a SIGKILL inside the config.yaml write left its temporary in the run directory
+    for good. The next start removes it, and those of every other file the run writes whole
+    (the names rootopt._atomic gives them) and any in its tokenizer/ copy; a user's file of
+    another name stays."""
+    run = tmp_path / "run"
+    argv = ["--data_path", str(shards), "--log_dir", str(run), *FAST, "run.max_steps=2"]
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_WRITE, json.dumps({"argv": argv, "name": "config.yaml"})],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == -9, done.stderr[-2000:]
+    left = [p for p in run.iterdir() if p.name.startswith(".config.yaml.") and p.suffix == ".tmp"]
+    assert len(left) == 1, sorted(p.name for p in run.iterdir())
+    for name in ("env.json", "routing.txt", "loss_curve.png", "summary.json", "events.jsonl"):
+        (run / f".{name}.x1y2_z3.tmp").write_bytes(b"half")
+        left.append(run / f".{name}.x1y2_z3.tmp")
+    (run / "tokenizer").mkdir(exist_ok=True)  # the kill came before the run's copy
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (run / "tokenizer" / f".{name}.abc123.tmp").write_bytes(b"{")
+        left.append(run / "tokenizer" / f".{name}.abc123.tmp")
+    mine = [run / ".notes.txt.abc.tmp", run / "tokenizer-notes.tmp", run / ".config.yaml.tmp"]
+    for p in mine:
+        p.write_bytes(b"a user's")
+    s = train(load_config(None, [*FAST, "run.max_steps=2"]), run, str(shards), say=_quiet)
+    assert s.status == "completed"
+    assert [p for p in left if os.path.lexists(p)] == []
+    assert all(p.read_bytes() == b"a user's" for p in mine)

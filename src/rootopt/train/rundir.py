@@ -88,8 +88,14 @@ _PREP_ONLY = (
     "text_field",
 )
 # Temporary files an interrupted atomic write of ours leaves in a run directory or in the
-# data it prepared (rootopt._atomic: ".<name>.<random>.tmp").
-_STALE_RUN = re.compile(r"^\.(run\.json|metrics\.jsonl|summary\.json)\..+\.tmp$")
+# data it prepared (rootopt._atomic: ".<name>.<random>.tmp"): of every file the run
+# writes there whole (RUN_OUTPUTS: config.yaml, env.json, routing.txt, loss_curve.png,
+# ...; metrics.jsonl when a resume drops the records after its checkpoint), and any in
+# its tokenizer/ copy, where every file is the run's.
+_STALE_RUN = re.compile(
+    r"^\.(" + "|".join(re.escape(n) for n in RUN_OUTPUTS if "." in n) + r")\.[A-Za-z0-9_]+\.tmp$"
+)
+_STALE_TOKENIZER = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")
 _STALE_DATA = re.compile(r"^\.(manifest\.json|SHA256SUMS)\..+\.tmp$")
 _DEFAULT_NAME = RunConfig().name
 
@@ -483,6 +489,9 @@ def stale_files(run_dir: Path, ckpt_dir: Path, data_dir: Path | None) -> list[Pa
     found: list[Path] = []
     if run_dir.is_dir():
         found += [p for p in run_dir.iterdir() if _STALE_RUN.match(p.name) and p.is_file()]
+        tok = run_dir / "tokenizer"
+        if tok.is_dir() and not tok.is_symlink():
+            found += [p for p in tok.iterdir() if _STALE_TOKENIZER.match(p.name) and p.is_file()]
     found += checkpoint.stale_temporaries(ckpt_dir)
     found += dcp.stale_partials(ckpt_dir)
     if data_dir is not None and data_dir.is_dir():
