@@ -236,6 +236,30 @@ def test_a_killed_prepare_is_taken_up_again_under_the_lock(tmp_path: Path) -> No
     assert not (out / ".rootopt-staging").exists()
 
 
+def test_a_file_system_that_cannot_lock_a_directory_still_prepares(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where flock on a directory fails for want of support (NFS: EBADF on a read-only
+    descriptor), not because it is held, a prepare works as before the lock, and a run
+    reads the data."""
+    import errno
+    import fcntl
+
+    def unsupported(fd: int, op: int) -> None:
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    out = tmp_path / "D"
+    assert data_main(["prepare", *TINY_PREP, "--out", str(out)]) == 0
+    assert data_main(["verify", str(out)]) == 0
+    from rootopt.train.rundir import Locks
+
+    locks = Locks()
+    locks.read(out)
+    assert [r.held for r in locks.reading] == [False]
+    capsys.readouterr()
+
+
 # --------------------------------------------------------------------------- F11: ignored inputs
 
 

@@ -11,7 +11,9 @@ The lock is taken on a descriptor of the directory (Linux ``flock`` locks direct
 does files), so no lock file is written into the data: two prepares of the same settings
 still give byte-identical directories, and a read-only dataset is locked like any other.
 ``flock`` is released by the kernel when its holder dies, even by SIGKILL, so a killed
-prepare or run never leaves a stale lock.
+prepare or run never leaves a stale lock. Where a file system cannot lock a directory
+(``flock`` fails with another error than "held") the lock is skipped: preparing and training
+work there as they did before it, without this protection.
 """
 
 from __future__ import annotations
@@ -54,13 +56,17 @@ class DataLock:
     def exclusive(self, what: str = "--out") -> None:
         """Take the lock to write into the directory (which must exist, and not be a
         symbolic link: :class:`~rootopt._atomic.LinkError`); :class:`DataInUse` while a
-        live prepare or run holds it."""
+        live prepare or run holds it. Where the file system cannot lock a directory
+        (:func:`_unsupported`) it returns without one, as prepares did before the lock."""
         import fcntl
 
         fd = self._open(follow=False)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
+            if _unsupported(exc):
+                os.close(fd)
+                return
             try:  # readers share the lock: if a shared one is granted, only readers hold it
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 holder = "read by a live training run"
@@ -76,14 +82,17 @@ class DataLock:
 
     def shared(self, what: str = "data directory") -> None:
         """Take the lock to read the directory (a symbolic link to it is followed: the
-        data is only read); :class:`DataInUse` while a prepare writes it."""
+        data is only read); :class:`DataInUse` while a prepare writes it. Without lock
+        support (:func:`_unsupported`) it returns without one."""
         import fcntl
 
         fd = self._open(follow=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
             os.close(fd)
+            if _unsupported(exc):
+                return
             raise DataInUse(
                 f"{what} {str(self.directory)!r} is being written by rootopt data prepare; "
                 "wait for it to finish"
@@ -94,6 +103,13 @@ class DataLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def _unsupported(exc: OSError) -> bool:
+    """``flock`` failed because the file system cannot lock this directory (e.g. NFS,
+    where Linux emulates ``flock`` with byte-range locks that need a descriptor open for
+    writing: EBADF), not because another process holds the lock (EWOULDBLOCK)."""
+    return exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 def held_by_live_run(run_dir: Path, lock_name: str = ".lock") -> bool:

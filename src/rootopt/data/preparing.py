@@ -507,12 +507,14 @@ def prepare(settings: Settings, out: str | Path, *, progress: bool = False) -> d
     shards.refuse_foreign(out, [], owned)
     made = [p for p in (out, *out.parents) if not p.exists()]
     lock = DataLock(out)
+    locked = []  # [True] once this prepare may write into out (locked, or no lock support)
 
     def lock_out() -> None:
         """Before the first write: ``out`` locked, and still ours under the lock."""
         try:
             own_dir(out, "--out")
             lock.exclusive()
+            locked.append(True)
         except LinkError as exc:
             raise ShardError(str(exc)) from None
         if held_by_live_run(out.parent):
@@ -529,7 +531,7 @@ def prepare(settings: Settings, out: str | Path, *, progress: bool = False) -> d
     except BaseException:
         # directories this prepare created, if they are empty again; not without the lock
         # (another prepare that holds it may just have created them)
-        for p in made if lock.held else []:
+        for p in made if locked else []:
             try:
                 p.rmdir()
             except OSError:
