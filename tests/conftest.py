@@ -128,6 +128,15 @@ E2E_TESTS: dict[str, frozenset[str]] = {
             "test_a_failed_write_names_the_file_and_publishes_nothing",
         }
     ),
+    "test_inputs.py": frozenset(
+        {  # a prepare or a run in a subprocess, paused or killed; a run, an export
+            "test_a_second_prepare_into_one_out_is_refused_and_the_first_completes",
+            "test_a_prepare_into_data_a_live_run_reads_is_refused",
+            "test_the_start_up_cleanup_removes_every_temporary_a_write_of_the_run_leaves",
+            "test_a_killed_prepare_is_taken_up_again_under_the_lock",
+            "test_init_from_checks_the_tokenizer_and_says_where_it_started",
+        }
+    ),
     "test_hf_train.py": frozenset(
         {
             "test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from",

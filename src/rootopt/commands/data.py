@@ -21,6 +21,26 @@ from rootopt.data import (
     prepare,
     verify_shard,
 )
+from rootopt.data.preparing import MAX_SEED
+
+# The options that only text corpora take, and their defaults.
+_TEXT_OPTIONS = {
+    "--tokenizer": ("tokenizer", "bytes"),
+    "--text-field": ("text_field", "text"),
+    "--seq_len": ("seq_len", 128),
+    "--max_bytes": ("max_bytes", 4_000_000),
+}
+
+
+def _text_only(args: argparse.Namespace) -> list[str]:
+    """The text-corpus options given on the command line."""
+    return [flag for flag, (dest, _) in _TEXT_OPTIONS.items() if getattr(args, dest) is not None]
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    for dest, default in _TEXT_OPTIONS.values():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
 
 
 def main(argv: list[str]) -> int:
@@ -40,7 +60,7 @@ def main(argv: list[str]) -> int:
     )
     pp.add_argument(
         "--tokenizer",
-        default="bytes",
+        default=None,
         help="bytes (one id per byte; default), bpe:N (train a byte-level BPE of N ids on "
         "the corpus) or the path of a tokenizer.json",
     )
@@ -48,7 +68,7 @@ def main(argv: list[str]) -> int:
         "--text-field",
         "--text_field",
         dest="text_field",
-        default="text",
+        default=None,
         help="the field of a .jsonl line that holds the text (default: text)",
     )
     pp.add_argument("--out", required=True, help="output directory")
@@ -57,16 +77,16 @@ def main(argv: list[str]) -> int:
         "--seq-len",
         dest="seq_len",
         type=int,
-        default=128,
-        help="tokens per sample (text)",
+        default=None,
+        help="tokens per sample (text corpora; default 128)",
     )
     pp.add_argument(
         "--max_bytes",
         "--max-bytes",
         dest="max_bytes",
         type=int,
-        default=4_000_000,
-        help="bytes of text to use (text); 0 = all",
+        default=None,
+        help="bytes of text to use (text corpora; default 4000000); 0 = all",
     )
     pp.add_argument(
         "--samples_per_shard",
@@ -104,11 +124,20 @@ def main(argv: list[str]) -> int:
                     n += 1
             print(f"{n} shards OK")
             return 0
+        given = _text_only(args)
+        if args.corpus in CLASS_CORPORA and given:
+            # feature vectors, not text: these would be ignored, so they are refused
+            raise CorpusError(
+                f"{given[0]}: {args.corpus} is a classification corpus (feature vectors, not "
+                f"text) and takes no {given[0]}; leave it out"
+            )
+        _defaults(args)
         for name, value, lo, hi in (
             ("--seq_len", args.seq_len, 2, 1 << 20),
             ("--max_bytes", args.max_bytes, 0, 1 << 40),
             ("--samples_per_shard", args.samples_per_shard, 1, 1 << 30),
             ("--val_fraction", args.val_fraction, 0.0, 0.5),
+            ("--seed", args.seed, 0, MAX_SEED),
         ):
             if not lo <= value <= hi:
                 raise CorpusError(f"{name} must be in [{lo}, {hi}]; got {value}")

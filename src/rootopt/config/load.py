@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -280,7 +281,7 @@ def _model_files(m: Any, problems: list[str]) -> None:
         if not d.is_dir():
             what = "does not exist" if not d.exists() else "is not a directory"
             problems.append(f"model.init_from: {str(d)!r} {what} (a Hugging Face model directory)")
-        elif not any((d / n).is_file() for n in SAFETENSORS_FILES):
+        elif not any(os.path.lexists(d / n) for n in SAFETENSORS_FILES):
             problems.append(
                 f"model.init_from: {str(d)!r} holds no model.safetensors (or "
                 "model.safetensors.index.json); save the model with safetensors"

@@ -160,10 +160,16 @@ def _jsonl_docs(path: Path, field: str) -> Iterator[list[bytes]]:
                 continue
             where = f"{str(path)!r}, line {lineno}"
             try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                msg = getattr(exc, "msg", None) or "not UTF-8"
-                raise CorpusError(f"{where}: not a JSON object ({msg})") from None
+                row = json.loads(line.decode("utf-8-sig"))
+            except UnicodeDecodeError as exc:
+                raise CorpusError(
+                    f"{where}: not UTF-8 text (byte {exc.start + 1} of the line, "
+                    f"0x{line[exc.start]:02x}); a .jsonl line is refused, not repaired"
+                ) from None
+            except json.JSONDecodeError as exc:
+                raise CorpusError(
+                    f"{where}: not a JSON object ({exc.msg} at column {exc.colno})"
+                ) from None
             if not isinstance(row, dict) or field not in row:
                 raise CorpusError(
                     f"{where}: no {field!r} field (name the text field with data.text_field "

@@ -38,10 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from rootopt._atomic import atomic_write, fsync_dir
+from rootopt._atomic import LinkError, atomic_write, fsync_dir, own_dir, refuse_link
 from rootopt.data import corpora, shards
 from rootopt.data import tokenizer as tokenizers
 from rootopt.data.corpora import CLASS_CORPORA, TEXT_CORPORA, CorpusError, Piece
+from rootopt.data.locking import DataInUse, DataLock, held_by_live_run
 from rootopt.data.shards import FORMAT, VERSION, ShardError, ShardWriteError
 
 STAGING = ".rootopt-staging"
@@ -52,6 +53,8 @@ TOKENS = "tokens.bin"
 # text (ids as Python lists, the library's Encoding objects): ~80 MiB at 2 cores, which is
 # what preparing holds besides its imports (benchmarks/bench_prepare.py).
 BATCH_BYTES = max(1 << 20, 4 * corpora.PIECE_BYTES * (os.cpu_count() or 1))
+# The seeds numpy and torch take alike (run.seed's range, rootopt.config.schema).
+MAX_SEED = 2**63 - 1
 _OURS = re.compile(r"^(staging\.json|tokens\.bin|tokenizer\.json|\..+\.tmp)$")
 
 
@@ -95,7 +98,20 @@ class Staged:
 def check(settings: Settings) -> tokenizers.TokenizerSpec:
     """Refuse, reading only, settings that cannot be prepared (one line)."""
     s = settings
+    if isinstance(s.seed, bool) or not isinstance(s.seed, int) or not 0 <= s.seed <= MAX_SEED:
+        raise CorpusError(f"seed: must be an integer in [0, 2**63 - 1] (as run.seed); got {s.seed}")
     if s.corpus in CLASS_CORPORA:
+        # feature vectors, not text: a tokenizer or text field would be ignored, so refused
+        for what, value, unused in (
+            ("tokenizer", s.tokenizer.strip().lower(), tokenizers.BYTES),
+            ("text_field", s.text_field, "text"),
+        ):
+            if value != unused:
+                raise CorpusError(
+                    f"data.{what}: {s.corpus} is a classification corpus (feature vectors, "
+                    f"not text) and takes no {what}; got {str(value)[:60]!r}, leave it at "
+                    f"{unused!r}"
+                )
         return tokenizers.parse_spec(tokenizers.BYTES)
     spec = tokenizers.parse_spec(s.tokenizer)
     if not s.text_field:
@@ -209,15 +225,18 @@ def stage(
     *,
     progress: bool = False,
     spec: tokenizers.TokenizerSpec | None = None,
+    before_write: Callable[[], None] | None = None,
 ) -> Staged:
     """Prepare ``settings`` into ``staging`` (see the module docstring); on any failure the
     staging directory is removed again. The first two batches are read and tokenized
     before anything is written, so an empty or too short corpus (or a bad line among its
-    first MiBs) is refused with nothing written; ``bpe:N`` reads the whole corpus first."""
+    first MiBs) is refused with nothing written; ``bpe:N`` reads the whole corpus first.
+    ``before_write`` runs then, before the first write (:func:`prepare` locks ``--out``
+    there); what it raises leaves ``staging`` as it was."""
     s = settings
     spec = spec or check(s)
     if s.corpus in CLASS_CORPORA:
-        return _stage_classify(s, staging)
+        return _stage_classify(s, staging, before_write)
     tok = _tokenizer(spec, s, progress)
     with _bar(progress, total=_progress_total(s), unit="B", unit_scale=True) as bar:
         bar.set_description("tokenizing")
@@ -225,6 +244,8 @@ def stage(
         head = list(itertools.islice(stream, 2))
         if len(head) < 2:  # the whole corpus
             _count(s, sum(n for n, _ in head), sum(int(ids.size) for _, ids in head))
+        if before_write is not None:
+            before_write()
         try:
             _start(staging)
             return _stage_text(s, tok, staging, itertools.chain(head, stream), progress)
@@ -408,7 +429,9 @@ def _write_all(
     }
 
 
-def _stage_classify(s: Settings, staging: Path) -> Staged:
+def _stage_classify(
+    s: Settings, staging: Path, before_write: Callable[[], None] | None = None
+) -> Staged:
     x, y, names = corpora.classification_arrays(s.corpus)
     rows = shards.classify_samples(x, y)
     meta: dict[str, Any] = {
@@ -418,6 +441,8 @@ def _stage_classify(s: Settings, staging: Path) -> Staged:
         "num_classes": len(names),
         "classes": names,
     }
+    if before_write is not None:
+        before_write()
     try:
         _start(staging)
         return Staged(staging, _write_all(s, staging, len(rows), rows.__getitem__, meta, False))
@@ -464,22 +489,53 @@ def publish(staged: Staged, out: Path, owned: Sequence[str] | None = None) -> di
 
 
 def prepare(settings: Settings, out: str | Path, *, progress: bool = False) -> dict[str, Any]:
-    """Check (reading only), stage into ``out/.rootopt-staging``, publish into ``out``.
+    """Check (reading only), lock ``out``, stage into ``out/.rootopt-staging``, publish
+    into ``out``.
 
     ``out`` must be missing, empty or hold a manifest of ours; only the files that manifest
-    lists are replaced. A refused or failed prepare leaves ``out`` as it was."""
+    lists are replaced. It is locked (:class:`rootopt.data.locking.DataLock`) before the
+    staging directory a killed prepare left is discarded: a second prepare into ``out``, a
+    prepare into a directory a live run reads, and a prepare into the ``data/`` of a live
+    run's directory are refused. A refused or failed prepare leaves ``out`` as it was."""
     out = Path(out)
     spec = check(settings)
+    try:
+        refuse_link(out, "--out")
+    except LinkError as exc:
+        raise ShardError(str(exc)) from None
     owned = shards.owned_files(out)  # refuses a directory that is not ours
     shards.refuse_foreign(out, [], owned)
     made = [p for p in (out, *out.parents) if not p.exists()]
+    lock = DataLock(out)
+    locked = []  # [True] once this prepare may write into out (locked, or no lock support)
+
+    def lock_out() -> None:
+        """Before the first write: ``out`` locked, and still ours under the lock."""
+        try:
+            own_dir(out, "--out")
+            lock.exclusive()
+            locked.append(True)
+        except LinkError as exc:
+            raise ShardError(str(exc)) from None
+        if held_by_live_run(out.parent):
+            raise DataInUse(
+                f"--out {str(out)!r} is the data of the run in {str(out.parent)!r}, which is "
+                "training; wait for it to end, or prepare into another directory"
+            )
+        owned[:] = shards.owned_files(out)  # another prepare may have published meanwhile
+        shards.refuse_foreign(out, [], owned)
+
     try:
-        staged = stage(settings, out / STAGING, progress=progress, spec=spec)
+        staged = stage(settings, out / STAGING, progress=progress, spec=spec, before_write=lock_out)
         return publish(staged, out, owned)
     except BaseException:
-        for p in made:  # directories this prepare created, if they are empty again
+        # directories this prepare created, if they are empty again; not without the lock
+        # (another prepare that holds it may just have created them)
+        for p in made if locked else []:
             try:
                 p.rmdir()
             except OSError:
                 break
         raise
+    finally:
+        lock.release()

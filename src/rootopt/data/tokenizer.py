@@ -266,6 +266,18 @@ def from_json(text: str, where: str) -> HFTokenizer:
     :class:`TokenizerError` naming ``where`` when it is not one."""
     from tokenizers import Tokenizer as HFTok
 
+    try:  # the library's own message for what is not JSON, or JSON of another kind, is serde's
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(
+            f"tokenizer {where[:120]!r} is not a tokenizers JSON file: not valid JSON (line "
+            f"{exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise TokenizerError(
+            f"tokenizer {where[:120]!r} is not a tokenizers JSON file: valid JSON, but "
+            'without the "model" object a tokenizer.json holds'
+        )
     try:
         return HFTok.from_str(text)
     except Exception as exc:  # the library raises a bare Exception with serde's message

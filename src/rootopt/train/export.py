@@ -43,6 +43,7 @@ from rootopt._atomic import LinkError, atomic_write, file_mode, fsync_dir, is_li
 from rootopt.checkpoint import CheckpointError, CheckpointUnreadable
 from rootopt.config import ModelConfig
 from rootopt.train.checkpoint import Checkpointer, Found
+from rootopt.train.hf import SOURCE_FILE
 
 # The run directory's copy of the tokenizer's files, written when a run starts, so an
 # export does not depend on the data directory staying where it was.
@@ -282,6 +283,21 @@ def _from_data(run_dir: Path, state: dict[str, Any]) -> tuple[Path, bytes, dict[
     return Path(where) / FILE_NAME, text.encode("utf-8"), special
 
 
+def _source(run_dir: Path, entry: Any, state: dict[str, Any]) -> bytes:
+    """Where the export comes from (``rootopt.json``): what ``model.init_from`` checks the
+    tokenizer against and names when a run starts from it."""
+    from rootopt.data import identity_tokenizer
+    from rootopt.train.hf import source_record
+
+    try:
+        run_id = str(json.loads((run_dir / "run.json").read_text(encoding="utf-8"))["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        run_id = ""
+    ident = (state.get("data") or {}).get("identity")
+    tok = identity_tokenizer(ident) if isinstance(ident, str) else {"kind": "bytes"}
+    return source_record(run_dir, run_id, entry.name, int(entry.step), tok)
+
+
 def _check_tokenizer(directory: Path, trained: TrainedTokenizer) -> None:
     """The tokenizer ``AutoTokenizer.from_pretrained(directory)`` loads must encode
     :data:`HELD_OUT` to the trained tokenizer's ids and name the same special tokens.
@@ -456,6 +472,7 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
                 atomic_write(tmp / name, data)
             except OSError as exc:
                 raise OSError(exc.errno, exc.strerror, str(out_dir / name)) from None
+        atomic_write(tmp / SOURCE_FILE, _source(run_dir, entry, state))
         hf, ours = _build(mcfg, state, weights, seq_len, trained.ids())
         _save_model(hf, tmp, out_dir)
         vocab = int(hf.get_input_embeddings().weight.shape[0])

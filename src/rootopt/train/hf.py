@@ -16,8 +16,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +130,17 @@ def _causal_lm_types() -> dict[str, str]:
 
 def hf_config_object(spec: dict[str, Any], where: str = "model.hf_config") -> Any:
     """A ``transformers`` config of a causal LM from ``spec``; :class:`ValueError` (one
-    line) when its ``model_type`` is no causal LM or a value is refused."""
-    from transformers import AutoConfig
+    line) when its ``model_type`` is unknown, no causal LM, an encoder-decoder, or a value
+    is refused."""
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     kind = spec["model_type"]
+    if kind not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{where}: model_type {kind!r} is not a model type transformers "
+            f"{transformers.__version__} knows (a misspelling, or a model of another version)"
+        )
     causal = _causal_lm_types()
     if kind not in causal:
         raise ValueError(
@@ -137,16 +149,93 @@ def hf_config_object(spec: dict[str, Any], where: str = "model.hf_config") -> An
         )
     args = {k: v for k, v in spec.items() if k != "model_type"}
     try:
-        return AutoConfig.for_model(kind, **args)
+        config = AutoConfig.for_model(kind, **args)
     except Exception as exc:  # transformers validates fields with its own exception types
         first = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise ValueError(f"{where}: transformers refuses this {kind} config: {first}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{where}: model_type {kind!r} is an encoder-decoder architecture "
+            f"({causal[kind]} is its decoder alone); rootopt trains decoder-only causal "
+            "language models (e.g. llama, gpt2, mistral, qwen2)"
+        )
+    return config
+
+
+def _culprit(spec: dict[str, Any], exc: BaseException) -> str | None:
+    """The one key of ``spec`` an error of ``transformers`` or ``torch`` building the
+    model points at: the value a ``KeyError`` names (an unknown activation, say), or a
+    negative size its message quotes; None when no single key is named."""
+    if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str):
+        keys = [k for k, v in spec.items() if v == exc.args[0]]
+    else:
+        numbers = {int(m) for m in re.findall(r"(?<![\w.])-\d+", str(exc))}
+        keys = [
+            k
+            for k, v in spec.items()
+            if isinstance(v, int) and not isinstance(v, bool) and v in numbers
+        ]
+    return keys[0] if len(keys) == 1 else None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or "out of memory" in text or "not enough memory" in text
+
+
+def check_causal(model: HFCausalLM, where: str, seq_len: int) -> None:
+    """Refuse (one line naming the ``model_type``) a model whose logits at a position change
+    with a later token: an encoder such as BERT or RoBERTa (their ``*LMHeadModel`` is in
+    transformers' causal-LM table, and without ``is_decoder`` attends both ways) would
+    train on the very tokens it is asked to predict. The probe is one forward pass of a
+    short random sequence and the same sequence with its last token changed, in float32,
+    in eval mode and with a generator of its own (the run's random state is untouched);
+    the logits before the last position must not move at all (a causal mask gives them
+    exactly zero weight), while the last position's do."""
+    params = list(model.parameters())
+    if not params or any(p.is_meta for p in params):
+        return
+    vocab = int(model.spec.get("vocab_size") or 0)
+    if vocab < 2:
+        return
+    length = max(2, min(8, seq_len))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (1, length), generator=g, device=params[0].device)
+    other = tokens.clone()
+    other[0, -1] = (other[0, -1] + 1) % vocab
+    kind = model.spec.get("model_type")
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            a, b = model(tokens).float(), model(other).float()
+    except Exception as exc:
+        if _out_of_memory(exc):
+            raise
+        first = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise ValueError(
+            f"{where}: model_type {kind!r} ({type(model.hf).__name__}) fails on a forward "
+            f"pass of token ids alone, as training runs it ({first})"
+        ) from None
+    finally:
+        model.train(was)
+    earlier = float((a[:, :-1] - b[:, :-1]).abs().max())
+    last = float((a[:, -1] - b[:, -1]).abs().max())
+    if earlier > 1e-5 * last:
+        raise ValueError(
+            f"{where}: model_type {kind!r} ({type(model.hf).__name__}) is not a causal "
+            "language model: its logits at a position change with a later token (it attends "
+            "to the future, as an encoder does); rootopt trains decoders with a causal mask "
+            "(e.g. llama, gpt2, mistral, qwen2)"
+        )
 
 
 def build_hf(cfg: ModelConfig, seq_len: int, token_ids: dict[str, int | None]) -> HFCausalLM:
     """The causal LM ``model.hf_config`` describes, with ``cfg.vocab_size`` tokens (already
     resolved) and the tokenizer's ``bos``/``eos``/``pad`` ids, in float32 (mixed precision
-    autocasts the forward pass)."""
+    autocasts the forward pass). A config ``transformers`` accepts but cannot build (an
+    unknown activation, a negative size) and a model that is not causal
+    (:func:`check_causal`) are :class:`ValueError` lines naming ``where`` and the key."""
     from transformers import AutoModelForCausalLM
 
     where = "model.hf_config" if cfg.hf_config else "model.init_from"
@@ -161,7 +250,13 @@ def build_hf(cfg: ModelConfig, seq_len: int, token_ids: dict[str, int | None]) -
             f"data.seq_len: {seq_len} is longer than the {limit} positions of {where} "
             "(max_position_embeddings / n_positions); shorten data.seq_len or raise it there"
         )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    with _held_warnings() as held:  # a refusal below is the one line the user sees
+        model = _from_config(AutoModelForCausalLM, config, spec, where)
+        out = HFCausalLM(model, spec)
+        # on the meta device (a size estimate) the probe cannot run: what transformers
+        # says is said when the model is built for real
+        held["replay"] = not any(p.is_meta for p in out.parameters())
+        check_causal(out, where, seq_len)
     if cfg.activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ValueError(
@@ -176,7 +271,51 @@ def build_hf(cfg: ModelConfig, seq_len: int, token_ids: dict[str, int | None]) -
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-    return HFCausalLM(model, spec)
+    return out
+
+
+@contextlib.contextmanager
+def _held_warnings() -> Iterator[dict[str, bool]]:
+    """Hold back what ``transformers`` logs inside the block, and pass it on only when the
+    block succeeds and leaves ``replay`` set (e.g. BERT's advice to set ``is_decoder``,
+    logged while building a model that is then refused with one line)."""
+    root = logging.getLogger("transformers")
+    records: list[logging.LogRecord] = []
+    held = {"replay": True}
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handlers, propagate = root.handlers[:], root.propagate
+    root.handlers, root.propagate = [Keep()], False
+    try:
+        yield held
+    finally:
+        root.handlers, root.propagate = handlers, propagate
+    for record in records if held["replay"] else ():  # reached only without an exception
+        root.handle(record)
+
+
+def _from_config(auto: Any, config: Any, spec: dict[str, Any], where: str) -> Any:
+    """``auto.from_config(config)`` in float32; an error building it (other than a lack of
+    memory) is a :class:`ValueError` line naming the key it points at (:func:`_culprit`)."""
+    try:
+        return auto.from_config(config, dtype=torch.float32)
+    except Exception as exc:
+        if _out_of_memory(exc):
+            raise
+        kind = spec["model_type"]
+        first = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        culprit = _culprit(spec, exc)
+        if culprit is not None:
+            raise ValueError(
+                f"{where}: {culprit}: transformers cannot build a {kind} model with "
+                f"{culprit}={spec[culprit]!r} ({first})"
+            ) from None
+        raise ValueError(
+            f"{where}: transformers cannot build this {kind} model ({first})"
+        ) from None
 
 
 def _max_positions(config: Any) -> int | None:
@@ -319,40 +458,219 @@ def hf_to_llama(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]
 
 # --------------------------------------------------------------------------- weights in
 
+_WHERE = "model.init_from"
+# float dtypes numpy-free isfinite handles directly (others, e.g. float8, are widened first)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (a link to one is followed: model directories
+    of the Hugging Face cache are links into its blobs), refused past ``limit`` bytes: a
+    link to a device or a huge file is one line, not an endless read."""
+    if not path.is_file():
+        what = "does not exist" if not path.exists() else "is not a regular file"
+        raise ValueError(f"{_WHERE}: {str(path)!r} {what}")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError as exc:
+        raise ValueError(
+            f"{_WHERE}: {str(path)!r} cannot be read ({exc.strerror or exc})"
+        ) from None
+    if len(raw) > limit:
+        raise ValueError(f"{_WHERE}: {str(path)!r} is larger than {limit >> 20} MiB")
+    return raw
+
+
+def _weight_files(d: Path) -> list[Path]:
+    """The safetensors files of a model directory: ``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` lists (plain file names beside it)."""
+    single = d / SAFETENSORS_FILES[0]
+    if os.path.lexists(single):
+        return [single]
+    index = d / SAFETENSORS_FILES[1]
+    raw = _read_capped(index, 64 << 20)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{_WHERE}: {str(index)!r} is not valid JSON ({exc})") from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise ValueError(
+            f"{_WHERE}: {str(index)!r} holds no weight_map of tensor names to file names"
+        )
+    files = sorted(set(wmap.values()))
+    for name in files:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"{_WHERE}: the index names {name!r}, not a file beside it")
+    return [d / name for name in files]
+
 
 def read_safetensors(directory: str | Path) -> dict[str, Tensor]:
     """Every tensor of a Hugging Face model directory's safetensors weights (one file, or
-    the shards its ``model.safetensors.index.json`` lists)."""
-    from safetensors.torch import load_file
+    the shards its ``model.safetensors.index.json`` lists), each checked as it is read:
+    a header ``safetensors`` can read, a floating-point dtype (an integer or boolean tensor
+    is not a weight to cast), each name in one file only. :class:`ValueError` with one line
+    naming the file and the tensor."""
+    from safetensors import SafetensorError, safe_open
 
-    d = Path(directory)
-    if (d / SAFETENSORS_FILES[0]).is_file():
-        return dict(load_file(str(d / SAFETENSORS_FILES[0])))
-    index = json.loads((d / SAFETENSORS_FILES[1]).read_text(encoding="utf-8"))
-    files = sorted(set(index["weight_map"].values()))
     out: dict[str, Tensor] = {}
-    for name in files:
-        if Path(name).name != name:
-            raise ValueError(f"model.init_from: the index names {name!r}, not a file beside it")
-        out.update(load_file(str(d / name)))
+    for path in _weight_files(Path(directory)):
+        if not path.is_file():
+            what = "is missing" if not path.exists() else "is not a regular file"
+            raise ValueError(f"{_WHERE}: {str(path)!r} {what}")
+        try:
+            with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+                names = list(f.keys())
+                for name in names:
+                    dtype = f.get_slice(name).get_dtype()
+                    if dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
+                        raise ValueError(
+                            f"{_WHERE}: tensor {name!r} in {str(path)!r} is {dtype}, not "
+                            "floating point: a model's weights are floats (nothing is cast)"
+                        )
+                    if name in out:
+                        raise ValueError(
+                            f"{_WHERE}: tensor {name!r} is stored twice ({str(path)!r})"
+                        )
+                    out[name] = f.get_tensor(name)
+        except SafetensorError as exc:
+            first = " ".join(str(exc).split())[:160] or type(exc).__name__
+            raise ValueError(
+                f"{_WHERE}: {str(path)!r} is not a readable safetensors file ({first})"
+            ) from None
+        except OSError as exc:
+            raise ValueError(
+                f"{_WHERE}: {str(path)!r} cannot be read ({exc.strerror or exc})"
+            ) from None
     return out
+
+
+# What `rootopt export` records about where a model directory came from (read by
+# model.init_from: the tokenizer check and the "initialised from" line).
+SOURCE_FILE = "rootopt.json"
+SOURCE_FORMAT = "rootopt-export"
+
+
+def source_record(
+    run_dir: Path, run_id: str, checkpoint: str, step: int, tokenizer: dict[str, Any]
+) -> bytes:
+    """The :data:`SOURCE_FILE` of an export: the run, its checkpoint and step, and the
+    tokenizer its data was prepared with (kind, spec, vocabulary, sha256)."""
+    tok = {k: tokenizer.get(k) for k in ("kind", "spec", "vocab_size", "sha256")}
+    data = {
+        "format": SOURCE_FORMAT,
+        "run_dir": str(run_dir),
+        "run_id": run_id,
+        "checkpoint": checkpoint,
+        "step": step,
+        "tokenizer": tok,
+    }
+    return (json.dumps(data, indent=1) + "\n").encode("utf-8")
+
+
+def _read_source(d: Path) -> dict[str, Any] | None:
+    """The export record of model directory ``d``; None when it has none (a model saved
+    by other tools), :class:`ValueError` when one is there and cannot be read."""
+    path = d / SOURCE_FILE
+    if not os.path.lexists(path):
+        return None
+    try:
+        data = json.loads(_read_capped(path, 1 << 20).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{_WHERE}: {str(path)!r} cannot be read ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != SOURCE_FORMAT:
+        return None  # another tool's file of that name
+    if not isinstance(data.get("tokenizer"), dict):
+        raise ValueError(f"{_WHERE}: {str(path)!r} records no tokenizer")
+    return data
+
+
+def _tokenizer_sha(record: dict[str, Any]) -> str:
+    """The sha256 of the ``tokenizer.json`` a tokenizer record stands for: the file's for
+    ``bpe:N`` and tokenizer files, for byte tokens the one ``rootopt export`` writes
+    (:func:`rootopt.data.tokenizer.bytes_tokenizer_json`)."""
+    import hashlib
+
+    from rootopt.data.tokenizer import BYTES, bytes_tokenizer_json
+
+    if record.get("kind", BYTES) == BYTES:
+        return hashlib.sha256(bytes_tokenizer_json().encode("utf-8")).hexdigest()
+    return str(record.get("sha256") or "")
+
+
+def _is_byte_tokenizer(raw: bytes) -> bool:
+    """``raw`` is a ``tokenizer.json`` whose ids are the byte values (byte tokens as an
+    export writes them, whatever the tokenizers version that serialized it): a BPE model
+    over GPT-2's 256 byte symbols in byte order, no merges, no added tokens."""
+    from rootopt.data.tokenizer import _byte_symbols
+
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        model = data["model"]
+        vocab, merges, added = model["vocab"], model.get("merges") or [], data.get("added_tokens")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return False
+    want = {s: b for b, s in enumerate(_byte_symbols())}
+    return model.get("type") == "BPE" and vocab == want and not merges and not added
+
+
+def init_source(cfg: ModelConfig, manifest: dict[str, Any]) -> str:
+    """Where ``model.init_from`` comes from, in words (``DIR (step N of RUN)``), after
+    checking that it was trained with the data's tokenizer: the tokenizer its export
+    recorded (:data:`SOURCE_FILE`), else the sha256 of its ``tokenizer.json``, against the
+    data's. A mismatch is a :class:`ValueError` line (same-sized vocabularies too: a model
+    of another tokenizer reads every id as another piece of text). A directory without
+    either is not checked, and the words say so."""
+    import hashlib
+
+    from rootopt.data.tokenizer import FILE_NAME, MAX_FILE_BYTES, label, record_of
+
+    d = Path(cfg.init_from)
+    data_tok = record_of(manifest)
+    want = _tokenizer_sha(data_tok)
+    source = _read_source(d)
+    if source is not None:
+        theirs, have = label(source["tokenizer"]), _tokenizer_sha(source["tokenizer"])
+        same = have == want
+    elif os.path.lexists(d / FILE_NAME):
+        raw = _read_capped(d / FILE_NAME, MAX_FILE_BYTES)
+        have = hashlib.sha256(raw).hexdigest()
+        theirs = f"the tokenizer.json there (sha256 {have[:12]})"
+        same = have == want or (
+            data_tok.get("kind", "bytes") == "bytes" and _is_byte_tokenizer(raw)
+        )
+    else:
+        return f"{d} (it holds no tokenizer: not checked against the data's)"
+    if not same:
+        raise ValueError(
+            f"{_WHERE}: {str(d)!r} was trained with another tokenizer ({theirs}) than this "
+            f"run's data ({label(data_tok)}): its ids would stand for other text. Prepare the "
+            f"data with its tokenizer (rootopt data prepare --tokenizer {d}), or start "
+            "without model.init_from"
+        )
+    if source is not None:
+        return f"{d} (step {source.get('step')} of {source.get('run_dir')})"
+    return f"{d} (a model directory with the data's tokenizer)"
+
+
+def _non_finite(t: Tensor) -> int:
+    """The number of NaN or infinite values of ``t``."""
+    x = t if t.dtype in _FLOATS else t.float()
+    return int(x.numel() - torch.isfinite(x).sum())
 
 
 def load_init(model: nn.Module, cfg: ModelConfig) -> int:
     """Load ``model.init_from``'s weights into ``model`` (a fresh :class:`HFCausalLM` or
     :class:`~rootopt.train.model.LlamaLM`); returns the number of tensors loaded.
 
-    Every parameter must be present (a tied head may be omitted) with the model's shape,
-    and no weight may be left over: otherwise :class:`ValueError` with one line, before
-    any tensor of the model is changed."""
-    where = "model.init_from"
-    try:
-        state = read_safetensors(cfg.init_from)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise ValueError(
-            f"{where}: cannot read the safetensors weights of {cfg.init_from!r} ({first})"
-        ) from None
+    Every tensor is checked before any tensor of the model is changed, each failure one
+    :class:`ValueError` line naming it: a readable header and a floating-point dtype
+    (:func:`read_safetensors`); every parameter present (a tied head may be omitted) with
+    the model's shape, and none left over; every value finite (a NaN would only show as a
+    divergence steps later)."""
+    where = _WHERE
+    state = read_safetensors(cfg.init_from)
     if isinstance(model, HFCausalLM):
         target: nn.Module = model.hf
     else:
@@ -383,6 +701,14 @@ def load_init(model: nn.Module, cfg: ModelConfig) -> int:
                 f"{where}: {k} has shape {tuple(t.shape)} in {cfg.init_from!r}, the configured "
                 f"model's is {tuple(own[k].shape)}; the model settings (or model.vocab_size) "
                 "must match the weights"
+            )
+    for k in (k for k in own if k in state):
+        bad = _non_finite(state[k])
+        if bad:
+            raise ValueError(
+                f"{where}: {k} in {cfg.init_from!r} holds {bad} non-finite value"
+                f"{'s' if bad > 1 else ''} (NaN or inf) of {state[k].numel()}; a model to "
+                "start from must be finite"
             )
     with torch.no_grad():
         for k, t in state.items():

@@ -85,9 +85,10 @@ def environment() -> dict[str, Any]:
 
 def _model(
     cfg: Config, manifest: dict[str, Any], device: torch.device, *, fresh: bool = True
-) -> torch.nn.Module:
-    """The model of ``cfg`` (vocabulary resolved) on ``device``; a new run (``fresh``)
-    starts from ``model.init_from``'s weights when set. Every refusal is one ConfigError line."""
+) -> tuple[torch.nn.Module, str]:
+    """The model of ``cfg`` (vocabulary resolved) on ``device``, and where its weights come
+    from in words ('' unless a new run, ``fresh``, starts from ``model.init_from``, after
+    its tokenizer and every tensor were checked). Every refusal is one ConfigError line."""
     try:
         need = _training_bytes(cfg, manifest)
         have = _physical_memory()
@@ -100,20 +101,30 @@ def _model(
                     f"this machine has {have / 2**30:.1f} GiB"
                 ]
             )
-        model = build_model(cfg.model, manifest, cfg.data.seq_len)
+        source = ""
         if fresh and cfg.model.init_from:
+            from rootopt.train.hf import init_source
+
+            source = init_source(cfg.model, manifest)  # the tokenizer first: it reads least
+        model = build_model(cfg.model, manifest, cfg.data.seq_len)
+        if source:
             from rootopt.train.hf import load_init
 
             load_init(model, cfg.model)
-        return model.to(device)
+        return model.to(device), source
     except ValueError as exc:
         raise ConfigError([str(exc)]) from None
     except (MemoryError, RuntimeError) as exc:  # e.g. DefaultCPUAllocator: not enough memory
         m = cfg.model
+        what = (
+            f"{m.hf_config or m.init_from}'s config.json"
+            if m.kind == "hf"
+            else f"d_model={m.d_model}, n_layers={m.n_layers}"
+        )
         raise ConfigError(
             [
-                f"model: cannot allocate the model (d_model={m.d_model}, n_layers={m.n_layers}, "
-                f"vocab_size={m.vocab_size}): {str(exc).splitlines()[0][:100]}"
+                f"model: cannot allocate the model ({what}, vocab_size={m.vocab_size}): "
+                f"{str(exc).splitlines()[0][:100]}"
             ]
         ) from None
 
@@ -243,7 +254,7 @@ def _build(
 
     cfg = agreed(info, lambda: _resolved(cfg0, public["meta"]), what="building the model")
 
-    def components() -> tuple[Any, torch.device, torch.nn.Module]:
+    def components() -> tuple[Any, torch.device, tuple[torch.nn.Module, str]]:
         controller = None
         if cfg.optimization.controller:  # loaded (or refused) before anything is created
             if (
@@ -270,7 +281,7 @@ def _build(
 
     if public["prepared"]:  # data that exists already is checked before any write
         agreed(info, lambda: _validate(cfg, data_dir), what="checking the data")
-    controller, device, bare = agreed(info, components, what="building the model")
+    controller, device, (bare, source) = agreed(info, components, what="building the model")
     flops_token = flops_per_token(
         bare, cfg.data.seq_len if public["meta"].get("task") == "lm" else 1
     )
@@ -329,6 +340,7 @@ def _build(
         controller=controller,
         flops_per_token=flops_token,
         peak=peak,
+        initialised_from=source,
     )
     try:
         state = plan.choice.state if plan is not None and plan.choice is not None else None
@@ -440,6 +452,15 @@ def _start(run: Run, evaluation: Evaluate, say: Callable[[str], None]) -> None:
         say(f"{run.precision.description}; data: {run.data_dir} ({run.manifest['corpus']})")
     if run.checkpointer.resumed_from:
         run.monitor.event("resume", step=run.state.step, path=run.checkpointer.resumed_from)
+    if run.initialised_from:
+        if run.info.is_main:
+            say(f"initialised from {run.initialised_from}")
+        run.monitor.event(
+            "init_from",
+            step=run.state.step,
+            path=run.cfg.model.init_from,
+            detail=run.initialised_from,
+        )
     run.monitor.supersede_after(run.state.step)
     Log.recover(run)
     if run.info.is_main:

@@ -134,14 +134,18 @@ def check(cfg: Config, run_dir: Path, data_path: str | None, say: Callable[[str]
     rundir.refuse_links(run_dir, ckpt_dir, own_data=not given)
     rundir.read_run_file(run_dir)  # a foreign directory is refused before the lock file
     _not_a_file(ckpt_dir, "checkpoint.dir")
-    manifest = load_manifest(given) if given else None
     locks = rundir.Locks()
     try:
+        if given:  # read under its lock: no prepare rewrites it from here on
+            locks.read(Path(given))
+        manifest = load_manifest(given) if given else None
         try:
             locks.take(run_dir, "run directory", "wait for it to finish, or use another --log_dir")
             locks.take(
                 ckpt_dir, "checkpoint directory", "wait for it or use another checkpoint.dir"
             )
+            if not given:  # the data/ of an earlier session (see rootopt.data.locking)
+                locks.read(run_dir / "data")
         except rundir.RunDirError as exc:
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 _complete_without_writing(cfg, run_dir, ckpt_dir, given, manifest, say, str(exc))

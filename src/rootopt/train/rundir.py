@@ -36,6 +36,7 @@ from rootopt._atomic import LinkError, own_dir
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import Config, ConfigError, RunConfig, to_dict
 from rootopt.data import STAGING, is_staging
+from rootopt.data.locking import DataLock
 
 RUN_FILE = "run.json"
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
@@ -87,8 +88,14 @@ _PREP_ONLY = (
     "text_field",
 )
 # Temporary files an interrupted atomic write of ours leaves in a run directory or in the
-# data it prepared (rootopt._atomic: ".<name>.<random>.tmp").
-_STALE_RUN = re.compile(r"^\.(run\.json|metrics\.jsonl|summary\.json)\..+\.tmp$")
+# data it prepared (rootopt._atomic: ".<name>.<random>.tmp"): of every file the run
+# writes there whole (RUN_OUTPUTS: config.yaml, env.json, routing.txt, loss_curve.png,
+# ...; metrics.jsonl when a resume drops the records after its checkpoint), and any in
+# its tokenizer/ copy, where every file is the run's.
+_STALE_RUN = re.compile(
+    r"^\.(" + "|".join(re.escape(n) for n in RUN_OUTPUTS if "." in n) + r")\.[A-Za-z0-9_]+\.tmp$"
+)
+_STALE_TOKENIZER = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")
 _STALE_DATA = re.compile(r"^\.(manifest\.json|SHA256SUMS)\..+\.tmp$")
 _DEFAULT_NAME = RunConfig().name
 
@@ -434,6 +441,24 @@ class Locks:
     held: list[checkpoint.DirLock] = field(default_factory=list)
     created: list[Path] = field(default_factory=list)
     committed: bool = False  # the run has written into its directories
+    # the data directory the run reads, locked shared (rootopt.data.locking): no
+    # `rootopt data prepare` rewrites it while the run lives
+    reading: list[DataLock] = field(default_factory=list)
+
+    def read(self, directory: Path) -> None:
+        """Lock the data directory ``directory`` for reading (when it is one), or refuse
+        with one line while a prepare writes it."""
+        if not directory.is_dir():
+            return
+        lock = DataLock(directory)
+        try:
+            lock.shared()
+        except OSError as exc:
+            raise RunDirError(
+                f"data directory {str(directory)!r} cannot be opened ({exc.strerror or exc})",
+                exc.errno,
+            ) from None
+        self.reading.append(lock)
 
     def take(self, directory: Path, what: str, hint: str) -> None:
         """Lock ``directory`` (created when missing), or refuse with one line."""
@@ -474,7 +499,9 @@ class Locks:
     def release(self) -> None:
         for lock in reversed(self.held):
             lock.release()
-        self.held = []
+        for reader in self.reading:
+            reader.release()
+        self.held, self.reading = [], []
 
     def abandon(self) -> None:
         """Release the locks; a launch refused before it wrote anything also removes the
@@ -505,6 +532,9 @@ def stale_files(run_dir: Path, ckpt_dir: Path, data_dir: Path | None) -> list[Pa
     found: list[Path] = []
     if run_dir.is_dir():
         found += [p for p in run_dir.iterdir() if _STALE_RUN.match(p.name) and p.is_file()]
+        tok = run_dir / "tokenizer"
+        if tok.is_dir() and not tok.is_symlink():
+            found += [p for p in tok.iterdir() if _STALE_TOKENIZER.match(p.name) and p.is_file()]
     found += checkpoint.stale_temporaries(ckpt_dir)
     found += dcp.stale_partials(ckpt_dir)
     if data_dir is not None and data_dir.is_dir():

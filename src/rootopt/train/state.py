@@ -104,6 +104,8 @@ class Run:
     # its checkpoint directory, the checkpoints written and resumed from, the last good one
     checkpointer: Checkpointer
     state: TrainState = field(default_factory=TrainState)
+    # a new run started from model.init_from: "DIR (step N of RUN)" (rootopt.train.hf)
+    initialised_from: str = ""
     params: list[torch.Tensor] = field(default_factory=list)  # trainable parameters
     telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
     controller: Any = None  # rootopt.rl.controller.Controller (optimization.controller)

@@ -39,6 +39,8 @@ class Summary:
     # lines in metrics.jsonl when the summary was written (None: no JSONL log); `rootopt
     # report` compares it with the file to tell a complete log from a cut one
     metrics_records: int | None = None
+    # a new run started from model.init_from: where from ("DIR (step N of RUN)")
+    initialised_from: str = ""
 
 
 def write_summary(
@@ -75,6 +77,7 @@ def write_summary(
         max_steps=run.cfg.run.max_steps,
         detail=detail,
         metrics_records=run.monitor.records if run.cfg.monitoring.jsonl else None,
+        initialised_from=run.initialised_from,
     )
     if run.info.is_main:
         text = json.dumps(strict(summary.__dict__), indent=1, allow_nan=False) + "\n"
