@@ -26,6 +26,7 @@ PROMETHEUS_METRICS: dict[str, str] = {
     "rootopt_mfu": "model FLOPs utilisation: training FLOPs/s of the model over the devices' peak (last logging window)",
     "rootopt_loss": "training loss (mean over the last logging window)",
     "rootopt_val_loss": "validation loss (last evaluation)",
+    "rootopt_val_bits_per_byte": "validation bits per UTF-8 byte of the text (last evaluation; absent when the data does not count its bytes)",
     "rootopt_learning_rate": "current learning rate of the first parameter group",
     "rootopt_grad_norm": "global gradient norm before clipping (histogram)",
     "rootopt_update_param_ratio": "||Δθ|| / ||θ|| per tensor at the last logged step",
@@ -101,6 +102,7 @@ class PrometheusExporter:
             ("mfu", "rootopt_mfu"),
             ("loss", "rootopt_loss"),
             ("val_loss", "rootopt_val_loss"),
+            ("val_bits_per_byte", "rootopt_val_bits_per_byte"),
             ("lr", "rootopt_learning_rate"),
             ("loss_scale", "rootopt_loss_scale"),
         ):

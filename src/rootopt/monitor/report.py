@@ -327,6 +327,9 @@ def check_run(
         extra = ""
         if "val_accuracy" in val[-1]:
             extra = f"; accuracy {val[0]['val_accuracy']:.3f} → {val[-1]['val_accuracy']:.3f}"
+        bpb = [v.get("val_bits_per_byte") for v in (val[0], val[-1])]
+        if all(isinstance(x, (int, float)) for x in bpb):
+            extra += f"; bits per byte {bpb[0]:.4f} → {bpb[1]:.4f}"
         rep.criteria.append(
             Criterion(
                 "validation improving",
