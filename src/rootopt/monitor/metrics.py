@@ -23,7 +23,7 @@ PROMETHEUS_METRICS: dict[str, str] = {
     "rootopt_step": "optimizer steps completed",
     "rootopt_steps_per_second": "optimizer steps per second (last logging window)",
     "rootopt_tokens_per_second": "training tokens (or samples) per second (last logging window)",
-    "rootopt_mfu": "model FLOPs utilisation: training FLOPs/s of the model over the devices' peak (last logging window)",
+    "rootopt_mfu": "model FLOPs utilisation: training FLOPs/s of the model over the devices' peak (last logging window); on a CPU an estimate against a peak measured at start (env.json)",
     "rootopt_loss": "training loss (mean over the last logging window)",
     "rootopt_val_loss": "validation loss (last evaluation)",
     "rootopt_val_bits_per_byte": "validation bits per UTF-8 byte of the text (last evaluation; absent when the data does not count its bytes)",

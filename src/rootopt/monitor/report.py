@@ -191,7 +191,11 @@ def _utilisation(run_dir: Path, train: list[dict[str, Any]]) -> Criterion:
     m = _median(values)
     tflops = peak.get("tflops")
     of = f"{tflops:.4g} TFLOP/s {peak.get('dtype', '')} peak, {source}" if tflops else source
-    said = f"median MFU {m:.1%} of {len(values)} records ({of})"
+    if peak.get("estimate") or source == "measured":  # a CPU: no datasheet peak
+        of += f" on {peak['machine']}" if peak.get("machine") else ""
+        said = f"median MFU {m:.1%} of {len(values)} records, an estimate ({of})"
+    else:
+        said = f"median MFU {m:.1%} of {len(values)} records ({of})"
     if peak.get("device") != "cuda":
         return Criterion(name, "SKIP", f"no GPU in this run; {said}; MFU is not GPU utilisation")
     if m >= UTILISATION:
