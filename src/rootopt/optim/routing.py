@@ -518,7 +518,7 @@ def param_groups(
                     if tied
                     else info.head or f"name '{canon.rsplit('.', 1)[-1] or name}'"
                 )
-            fused, split, rows = fused_projection(canon, module, p_name, tuple(p.shape), config)
+            fused, split, laid = fused_projection(canon, module, p_name, tuple(p.shape), config)
             routes.append(
                 Route(
                     name,
@@ -531,7 +531,7 @@ def param_groups(
                     transposed=transposed,
                     fused=fused,
                     split=split,
-                    rows=rows,
+                    rows=laid,
                     head=why,
                     trainable=p.requires_grad,
                 )
