@@ -216,6 +216,33 @@ def test_report_update_band_and_baseline(tmp_path: Path) -> None:
     assert _status(check_run(base, baseline=base), "step time vs baseline") == "PASS"
 
 
+def test_report_does_not_judge_warmup_records_as_steady_state(tmp_path: Path) -> None:
+    """A healthy GPT-NeoX or Phi run peaks just over the band inside the lr warmup (0.105)
+    and settles in it: the warmup records (steps <= optimization.warmup_steps of the run's
+    config.yaml) are shown, not judged; the same value after the warmup still fails, and
+    a run without its config.yaml is judged whole."""
+    losses = [3.0 - 0.02 * i for i in range(20)]
+
+    def run(name: str, at: int, config: bool = True) -> Path:
+        d = _write_run(tmp_path / name, losses, ratio=0.05)
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            if r["step"] == at:
+                r["update_ratio_median"] = 0.105
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if config:
+            (d / "config.yaml").write_text("optimization:\n  warmup_steps: 30\n")
+        return d
+
+    crit = {c.name: c for c in check_run(run("warm", at=10)).criteria}["update magnitudes in range"]
+    assert crit.status == "PASS", crit.evidence
+    assert "max 5.00e-02" in crit.evidence and "0 of 17 outside" in crit.evidence
+    assert "3 warmup record(s) (steps <= 30) not judged, max 1.05e-01" in crit.evidence
+    assert _status(check_run(run("after", at=40)), "update magnitudes in range") == "FAIL"
+    bare = run("bare", at=10, config=False)
+    assert _status(check_run(bare), "update magnitudes in range") == "FAIL"
+
+
 def test_report_on_missing_run_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

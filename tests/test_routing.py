@@ -234,3 +234,42 @@ def test_peft_naming_routes() -> None:
     assert r["proj.weight"].algorithm == "root"
     lora = next(g for g in groups if "emb.lora_embedding_A.default" in g["param_names"])
     assert lora["lr"] == pytest.approx(4e-3)
+
+
+def test_interleaved_fused_qkv_is_described_and_never_split_by_blocks() -> None:
+    """GPT-NeoX's ``query_key_value`` holds each head's q, k, v rows in turn
+    (``view(..., heads, 3 * head_size)`` in its attention): three blocks of 64 rows would mix
+    heads, so the report describes the layout and gives no split that ``fused_splits`` would
+    apply. Falcon's new decoder architecture groups each key/value head's queries with it;
+    Falcon's multi-query layout is three blocks and keeps its split."""
+    transformers = pytest.importorskip("transformers")
+    from rootopt.optim.root import fused_splits
+
+    neox = transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=128,
+        )
+    )
+    groups, report = param_groups(neox)
+    qkv = report.by_name()["gpt_neox.layers.0.attention.query_key_value.weight"]
+    assert (qkv.fused, qkv.split) == ("qkv", ())
+    assert "fused qkv, interleaved per head: 4×[16+16+16] (q, k, v)" in str(report)
+    assert not any("ns_split" in g for g in fused_splits(groups, report))
+
+    def falcon(**kw: object) -> object:
+        cfg = transformers.FalconConfig(
+            hidden_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=128, **kw
+        )
+        _, rep = param_groups(transformers.FalconForCausalLM(cfg))
+        return rep.by_name()["transformer.h.0.self_attention.query_key_value.weight"]
+
+    grouped = falcon(new_decoder_architecture=True, num_kv_heads=2)
+    assert grouped.split == () and grouped.notes() == (
+        "fused qkv, grouped per key/value head: 2×[32+16+16] (its queries, k, v)"
+    )
+    mqa = falcon(multi_query=True)
+    assert mqa.split == (64, 16, 16) and mqa.notes() == "fused qkv [64+16+16]"

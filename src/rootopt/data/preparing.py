@@ -238,9 +238,10 @@ def stage(
     if s.corpus in CLASS_CORPORA:
         return _stage_classify(s, staging, before_write)
     tok = _tokenizer(spec, s, progress)
+    counter = _ByteCount(tok)
     with _bar(progress, total=_progress_total(s), unit="B", unit_scale=True) as bar:
         bar.set_description("tokenizing")
-        stream = _tokenized(tok, _batches(_text_stream(s, bar), BATCH_BYTES))
+        stream = _tokenized(tok, _batches(_text_stream(s, bar), BATCH_BYTES), counter)
         head = list(itertools.islice(stream, 2))
         if len(head) < 2:  # the whole corpus
             _count(s, sum(n for n, _ in head), sum(int(ids.size) for _, ids in head))
@@ -248,7 +249,7 @@ def stage(
             before_write()
         try:
             _start(staging)
-            return _stage_text(s, tok, staging, itertools.chain(head, stream), progress)
+            return _stage_text(s, tok, staging, itertools.chain(head, stream), counter, progress)
         except BaseException:
             _quietly_discard(staging)
             raise
@@ -259,14 +260,37 @@ def _quietly_discard(staging: Path) -> None:
         discard(staging)
 
 
+class _ByteCount:
+    """The UTF-8 bytes of text each sample's tokens encode (a shard's ``text_bytes``, what
+    bits per byte divides by: docs/monitoring.md), from the bytes each id stands for
+    (:meth:`rootopt.data.tokenizer.Tokenizer.byte_lengths`). Every batch checks that its
+    ids add up to the bytes of its text; one that does not (a tokenizer whose tokens are
+    not fixed bytes, a literal special token in the text) turns the count off for the whole
+    dataset, so that a count is exact or absent, never an estimate."""
+
+    def __init__(self, tok: tokenizers.Tokenizer) -> None:
+        self.tok, self.lengths = tok, tok.byte_lengths()
+
+    def check(self, batch: list[Piece], ids: np.ndarray) -> None:
+        if self.lengths is None or self.tok.kind == tokenizers.BYTES:  # bytes: one id, one byte
+            return
+        if int(self.lengths[ids].sum()) != self.tok.text_bytes(batch):
+            self.lengths = None
+
+    def of(self, sample: dict[str, Any]) -> int:
+        assert self.lengths is not None
+        return int(self.lengths[np.frombuffer(sample["tokens.bin"], self.tok.dtype)].sum())
+
+
 def _tokenized(
-    tok: tokenizers.Tokenizer, batches: Iterator[list[Piece]]
+    tok: tokenizers.Tokenizer, batches: Iterator[list[Piece]], counter: _ByteCount
 ) -> Iterator[tuple[int, np.ndarray]]:
     """``(text bytes, token ids)`` of each batch, ids in the tokenizer's storage dtype."""
     for batch in batches:
         ids = tok.pack(batch)
         if ids.dtype != tok.dtype:
             raise CorpusError(f"tokenizer returned {ids.dtype} ids, expected {tok.dtype}")
+        counter.check(batch, ids)
         yield sum(len(p.data) + len(p.sep) for p in batch), ids
 
 
@@ -285,6 +309,7 @@ def _stage_text(
     tok: tokenizers.Tokenizer,
     staging: Path,
     stream: Iterator[tuple[int, np.ndarray]],
+    counter: _ByteCount,
     progress: bool,
 ) -> Staged:
     dtype = tok.dtype
@@ -319,7 +344,8 @@ def _stage_text(
         def sample(i: int) -> dict[str, Any]:
             return {"tokens.bin": os.pread(fd, width, i * width)}
 
-        manifest = _write_all(s, staging, n, sample, meta, progress)
+        measure = counter.of if counter.lengths is not None else None
+        manifest = _write_all(s, staging, n, sample, meta, progress, measure)
     finally:
         os.close(fd)
     text = tok.to_json()
@@ -391,10 +417,12 @@ def _write_all(
     sample: Callable[[int], dict[str, Any]],
     meta: dict[str, Any],
     progress: bool,
+    measure: Callable[[dict[str, Any]], int] | None = None,
 ) -> dict[str, Any]:
     """Shuffle ``n`` samples (seeded), hold out ``val_fraction`` of them, write the shards
     into ``staging`` one at a time; return the complete manifest (as
-    :func:`rootopt.data.shards.plan_shards` then ``write_plan`` would write it)."""
+    :func:`rootopt.data.shards.plan_shards` then ``write_plan`` would write it, and with
+    ``measure`` each shard's ``text_bytes``: the sum over its samples)."""
     order = _order(n, s.seed)
     n_val = math.ceil(n * s.val_fraction) if s.val_fraction > 0 else 0
     if n - n_val < 1:
@@ -410,8 +438,10 @@ def _write_all(
             for i in range(math.ceil(len(rows) / per)):
                 name = f"{split}-{i:06d}.tar"
                 chunk = [sample(int(j)) for j in rows[i * per : (i + 1) * per]]
-                entry = {"name": name, "samples": len(chunk)}
+                entry: dict[str, Any] = {"name": name, "samples": len(chunk)}
                 entry["content"] = shards.content_digest(chunk)
+                if measure is not None:
+                    entry["text_bytes"] = sum(measure(x) for x in chunk)
                 entry["sha256"] = _guard(
                     lambda: shards.write_shard(staging / name, split, i, chunk),  # noqa: B023
                     staging / name,

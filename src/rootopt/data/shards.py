@@ -3,7 +3,7 @@
 Layout of a prepared directory::
 
     manifest.json          format, task, seq_len, tokenizer, token_dtype,
-                           per-shard {name, samples, content, sha256}
+                           per-shard {name, samples, content, text_bytes, sha256}
     SHA256SUMS             the same checksums, ``sha256sum -c`` compatible
     tokenizer.json         the tokenizer (not for byte tokens; rootopt.data.tokenizer)
     train-000000.tar ...   WebDataset shards (samples: tokens.bin | x.npy + cls)
@@ -330,6 +330,9 @@ def _manifest_problem(m: Any) -> str | None:
                 return f"{where} ({name}) has no valid 'samples' count"
             if "content" in e and not isinstance(e["content"], str):
                 return f"{where} ({name}) has a 'content' digest that is not a string"
+            b = e.get("text_bytes", 0)
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                return f"{where} ({name}) has a 'text_bytes' count that is not an integer >= 0"
     if not splits.get("train"):
         return "lists no train shards"
     if m.get("token_dtype", "uint8") not in _DTYPES:

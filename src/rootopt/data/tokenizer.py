@@ -189,6 +189,18 @@ class Tokenizer:
         """The ``tokenizer.json`` stored beside the shards (None for ``bytes``)."""
         return None
 
+    def text_bytes(self, pieces: list[Piece]) -> int:
+        """The UTF-8 bytes of the text :meth:`pack` encodes for ``pieces`` (a separator
+        written as text counts, an end-of-document id does not)."""
+        raise NotImplementedError
+
+    def byte_lengths(self) -> np.ndarray | None:
+        """The UTF-8 bytes each id stands for, indexed by id (int64); None when the ids do
+        not each stand for fixed bytes of the text (see :func:`token_byte_lengths`). The
+        end-of-document id counts 0: :meth:`pack` puts it between documents, where the text
+        has no bytes."""
+        return None
+
     def record(self) -> dict[str, Any]:
         """``manifest["tokenizer"]``."""
         return {
@@ -214,6 +226,12 @@ class ByteTokenizer(Tokenizer):
 
     def pack(self, pieces: list[Piece]) -> np.ndarray:
         return np.frombuffer(b"".join(p.data + p.sep for p in pieces), dtype=np.uint8)
+
+    def text_bytes(self, pieces: list[Piece]) -> int:
+        return sum(len(p.data) + len(p.sep) for p in pieces)
+
+    def byte_lengths(self) -> np.ndarray:
+        return np.ones(256, dtype=np.int64)
 
 
 class FileTokenizer(Tokenizer):
@@ -242,10 +260,24 @@ class FileTokenizer(Tokenizer):
         encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)
         return [e.ids for e in encs]
 
+    def _texts(self, pieces: list[Piece]) -> list[str]:
+        """What :meth:`pack` encodes: each piece's text, and without an end-of-document id
+        the separator as text after a document's last piece."""
+        sep = "" if self.eos_id is not None else DOC_SEPARATOR.decode()
+        return [piece_text(p) + (sep if p.sep else "") for p in pieces]
+
+    def text_bytes(self, pieces: list[Piece]) -> int:
+        return sum(len(t.encode("utf-8")) for t in self._texts(pieces))
+
+    def byte_lengths(self) -> np.ndarray | None:
+        out = token_byte_lengths(self.tok, self.vocab_size)
+        if out is not None and self.eos_id is not None:
+            out[self.eos_id] = 0
+        return out
+
     def pack(self, pieces: list[Piece]) -> np.ndarray:
         eos, dtype = self.eos_id, self.dtype
-        sep = DOC_SEPARATOR.decode()
-        texts = [piece_text(p) + ("" if eos is not None or not p.sep else sep) for p in pieces]
+        texts = self._texts(pieces)
         ids = self.encode_batch(texts)
         if len(ids) != len(pieces):
             raise TokenizerError(f"tokenizer returned {len(ids)} encodings for {len(pieces)}")
@@ -259,6 +291,33 @@ class FileTokenizer(Tokenizer):
 
     def to_json(self) -> str:
         return self._json
+
+
+def token_byte_lengths(tok: HFTokenizer, vocab_size: int) -> np.ndarray | None:
+    """The UTF-8 bytes each id of a byte-level BPE stands for (int64, ``vocab_size``
+    entries): a token of its model is a string over GPT-2's 256 byte symbols
+    (:func:`_byte_symbols`), one symbol per byte; a special added token stands for no text
+    (0), another added token for its content. None for any other tokenizer (no ByteLevel
+    decoder, or a token outside the byte alphabet): a SentencePiece ``▁``, a WordPiece
+    ``##`` or a normalizer make a token's bytes depend on its context. A tokenizer that
+    passes here can still encode a text into ids whose lengths do not add up to the text's
+    bytes (a ByteLevel pre-tokenizer that adds a prefix space, a literal special token in
+    the text); :func:`rootopt.data.preparing.stage` checks every batch."""
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)]
+    if "ByteLevel" not in kinds:
+        return None
+    alphabet = set(_byte_symbols())
+    out = np.zeros(vocab_size, dtype=np.int64)
+    for token, i in tok.get_vocab(with_added_tokens=False).items():
+        if not set(token) <= alphabet:
+            return None
+        if 0 <= i < vocab_size:
+            out[i] = len(token)
+    for i, added in tok.get_added_tokens_decoder().items():
+        if 0 <= i < vocab_size:
+            out[i] = 0 if added.special else len(added.content.encode("utf-8"))
+    return out
 
 
 def from_json(text: str, where: str) -> HFTokenizer:
@@ -624,6 +683,41 @@ def hf_files(data_dir: Path, manifest: dict[str, Any]) -> dict[str, bytes]:
     whose ids are the byte values). The stored ``tokenizer.json`` is checked against its
     sha256 in the manifest."""
     return transformers_files(*dataset_tokenizer(data_dir, manifest))
+
+
+def counts_bytes(manifest: dict[str, Any], split: str) -> bool:
+    """Every shard of ``split`` records the UTF-8 bytes of its text (``text_bytes``):
+    ``rootopt data prepare`` checked that the tokenizer's ids add up to the text's bytes.
+    Byte tokens always do (one id, one byte), also in manifests from before the count."""
+    if record_of(manifest).get("kind", BYTES) == BYTES:
+        return True
+    entries = manifest.get("splits", {}).get(split) or []
+    return bool(entries) and all(
+        isinstance(e.get("text_bytes"), int) and not isinstance(e.get("text_bytes"), bool)
+        for e in entries
+    )
+
+
+def byte_lengths_of(data_dir: Path, manifest: dict[str, Any], split: str) -> np.ndarray | None:
+    """The UTF-8 bytes each id of a prepared text dataset stands for
+    (:meth:`Tokenizer.byte_lengths`), for bits per byte on ``split``; None when its shards
+    do not record their bytes (:func:`counts_bytes`: another tokenizer, or prepared before
+    the count)."""
+    if manifest.get("task") != "lm" or not counts_bytes(manifest, split):
+        return None
+    tok = record_of(manifest)
+    if tok.get("kind", BYTES) == BYTES:
+        return ByteTokenizer().byte_lengths()
+    raw = hf_files(data_dir, manifest)[FILE_NAME]  # read and checked against its sha256
+    where = str(Path(data_dir) / FILE_NAME)
+    eos = tok.get("eos_id")
+    loaded = FileTokenizer(
+        from_json(raw.decode("utf-8"), where),
+        kind="file",
+        spec=where,
+        eos_id=eos if isinstance(eos, int) and not isinstance(eos, bool) else None,
+    )
+    return loaded.byte_lengths()
 
 
 def _json_bytes(data: dict[str, Any]) -> bytes:

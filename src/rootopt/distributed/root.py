@@ -41,6 +41,7 @@ from rootopt.distributed.owners import ns_cost
 from rootopt.distributed.replicated import Replicated
 from rootopt.optim._coefficients import group_matrices
 from rootopt.optim._finite import finite_flags
+from rootopt.optim._norm import sum_of_squares
 from rootopt.optim.root import DEFAULT_BUCKET_BYTES, ROOT, NonFiniteGradientError, algorithm_of
 
 # Options of earlier releases and what replaced them (one line each when one is passed).
@@ -269,8 +270,9 @@ class DistributedROOT(ROOT):
             flags.index_add_(0, idx, (~ok).to(dev, torch.float64))
         full = [g for _, g in of if g.numel()]
         if full:
-            norms = torch._foreach_norm(full, 2.0)
-            flags[2 * n + 1] = torch.stack([x.to(dev, torch.float64) for x in norms]).square().sum()
+            # in chunks: float32 norms of long tensors are off by up to 1e-4 and depend on
+            # where the owned parts are cut (rootopt.optim._norm)
+            flags[2 * n + 1] = sum_of_squares(full).to(dev)
         late = rep.changed(self) if info.world_size > 1 else ""
         flags[2 * n] = float(bool(late))
         if info.world_size > 1:

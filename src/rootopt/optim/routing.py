@@ -189,24 +189,76 @@ def find_output_layers(model: nn.Module) -> dict[str, str]:
     return found
 
 
+# transformers models whose ``query_key_value`` rows hold each head's query, key and value
+# in turn (``view(..., num_heads, 3, head_dim)`` in their attention): GPT-NeoX, GPT-NeoX
+# Japanese, BLOOM, Persimmon, and Falcon without multi-query or the new decoder architecture.
+PER_HEAD_QKV = frozenset({"gpt_neox", "gpt_neox_japanese", "bloom", "persimmon", "falcon"})
+
+
+def _int(config: Any, name: str) -> int | None:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _qkv_rows(module_name: str, out: int, config: Any) -> tuple[tuple[int, ...], str] | None:
+    """``(split, rows)`` of a ``query_key_value`` or ``wqkv`` weight whose rows are not three
+    blocks: ``split`` ``()`` and ``rows`` how they are laid out. None for a layout of three
+    contiguous blocks (handled by :func:`fused_projection`)."""
+    leaf = module_name.rsplit(".", 1)[-1]
+    model_type = str(getattr(config, "model_type", "") or "")
+    heads = _int(config, "num_attention_heads") or _int(config, "n_head")
+    hidden = _int(config, "hidden_size")
+    head_dim = _int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    if leaf == "wqkv" and model_type.startswith("internlm"):
+        # InternLM2: "b q (h gs d)" with gs = queries per key/value head + 2
+        kv = _int(config, "num_key_value_heads") or heads
+        if heads and kv and head_dim and heads % kv == 0:
+            g = heads // kv
+            unit = f"{g * head_dim}+{head_dim}+{head_dim}"
+            return (), f"grouped per key/value head: {kv}×[{unit}] (its queries, k, v)"
+        return (), "grouped per key/value head"
+    if leaf != "query_key_value":
+        return None
+    if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
+        kv = _int(config, "num_kv_heads") or heads
+        if heads and kv and head_dim and heads % kv == 0:
+            g = heads // kv
+            unit = f"{g * head_dim}+{head_dim}+{head_dim}"
+            return (), f"grouped per key/value head: {kv}×[{unit}] (its queries, k, v)"
+        return (), "grouped per key/value head"
+    if model_type == "falcon" and getattr(config, "multi_query", False):
+        return None  # all queries, then one key and one value head: three blocks
+    if model_type in PER_HEAD_QKV:
+        if heads and head_dim and 3 * heads * head_dim == out:
+            return (), f"interleaved per head: {heads}×[{head_dim}+{head_dim}+{head_dim}] (q, k, v)"
+        return (), "interleaved per head (q, k, v)"
+    return (), f"row layout unknown (model type {model_type or '?'!r})"
+
+
 def fused_projection(
     module_name: str, module: nn.Module, param_name: str, shape: Sequence[int], config: Any
-) -> tuple[str, tuple[int, ...]]:
-    """``(kind, output split sizes)`` of a fused projection weight, or ``("", ())``.
+) -> tuple[str, tuple[int, ...], str]:
+    """``(kind, output split sizes, rows)`` of a fused projection weight, or ``("", (), "")``.
 
     Recognised by ``nn.MultiheadAttention.in_proj_weight`` and by the leaf names in
     :data:`FUSED_NAMES`. Split sizes follow the output dimension (dim 0, or dim 1 for a
     transposed weight); for QKV they come from the model config's head counts when it
-    has them (grouped-query attention), else three equal parts; ``()`` when unknown."""
+    has them (grouped-query attention), else three equal parts; ``()`` when unknown.
+    ``rows`` says how the rows are laid out where they are not contiguous blocks
+    (GPT-NeoX's ``query_key_value`` holds each head's q, k, v in turn); the split is then
+    ``()``, because a split into three blocks would mix heads."""
     if param_name == "in_proj_weight" and isinstance(module, nn.MultiheadAttention):
         kind = "qkv"
     else:
         kind = FUSED_NAMES.get(module_name.rsplit(".", 1)[-1], "")
     if not kind or len(shape) != 2 or not param_name.endswith("weight"):
-        return "", ()
+        return "", (), ""
     out = int(shape[1] if is_transposed_linear(module) else shape[0])
     if kind == "gate_up":
-        return kind, (out // 2, out // 2) if out % 2 == 0 else ()
+        return kind, (out // 2, out // 2) if out % 2 == 0 else (), ""
+    laid = _qkv_rows(module_name, out, config)
+    if laid is not None:
+        return kind, laid[0], laid[1]
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
     hidden = getattr(config, "hidden_size", None)
@@ -216,10 +268,10 @@ def fused_projection(
     if isinstance(heads, int) and isinstance(kv, int) and isinstance(head_dim, int):
         split = (heads * head_dim, kv * head_dim, kv * head_dim)
         if sum(split) == out:
-            return kind, split
+            return kind, split, ""
     if out % 3 == 0:
-        return kind, (out // 3,) * 3
-    return kind, ()
+        return kind, (out // 3,) * 3, ""
+    return kind, (), ""
 
 
 def default_rules(
@@ -289,7 +341,8 @@ class Route:
     ``transposed``: the weight is stored ``(in, out)`` (``transformers`` ``Conv1D``); its
     group carries ``"transposed": True`` and ``lr_scale`` here is computed with rows =
     fan-out. ``fused``/``split``: a fused projection (``"qkv"``, ``"gate_up"``) and its
-    block sizes along the output dimension. ``trainable``: False only for frozen
+    block sizes along the output dimension; ``rows``: how its rows are laid out where they
+    are not contiguous blocks (then ``split`` is ``()``). ``trainable``: False only for frozen
     parameters kept with ``include_frozen=True``."""
 
     name: str
@@ -302,6 +355,7 @@ class Route:
     transposed: bool = False
     fused: str = ""
     split: tuple[int, ...] = ()
+    rows: str = ""  # a fused weight's row layout when it is not contiguous blocks
     head: str = ""  # why the output_head rule matched ("tied to embedding", "name", ...)
     trainable: bool = True
 
@@ -316,7 +370,9 @@ class Route:
             parts.append(f"head: {self.head}")
         if self.transposed:
             parts.append("stored (in,out)")
-        if self.fused:
+        if self.fused and self.rows:
+            parts.append(f"fused {self.fused}, {self.rows}")
+        elif self.fused:
             sizes = "+".join(map(str, self.split)) if self.split else "?"
             parts.append(f"fused {self.fused} [{sizes}]")
         if not self.trainable:
@@ -462,7 +518,7 @@ def param_groups(
                     if tied
                     else info.head or f"name '{canon.rsplit('.', 1)[-1] or name}'"
                 )
-            fused, split = fused_projection(canon, module, p_name, tuple(p.shape), config)
+            fused, split, laid = fused_projection(canon, module, p_name, tuple(p.shape), config)
             routes.append(
                 Route(
                     name,
@@ -475,6 +531,7 @@ def param_groups(
                     transposed=transposed,
                     fused=fused,
                     split=split,
+                    rows=laid,
                     head=why,
                     trainable=p.requires_grad,
                 )

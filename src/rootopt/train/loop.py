@@ -294,6 +294,9 @@ def _build(
     if plan is not None:
         plan.locks.committed = True  # from here on the run's directory holds its files
     manifest = agreed(info, lambda: load_manifest(data_dir), what="reading the data")
+    token_bytes = agreed(
+        info, lambda: _token_bytes(data_dir, manifest, device), what="reading the data"
+    )
     o = cfg.optimization
     schedule = LRMultiplier(
         o.schedule, warmup=o.warmup_steps, total=cfg.run.max_steps, min_ratio=o.min_lr_ratio
@@ -341,6 +344,7 @@ def _build(
         flops_per_token=flops_token,
         peak=peak,
         initialised_from=source,
+        token_bytes=token_bytes,
     )
     try:
         state = plan.choice.state if plan is not None and plan.choice is not None else None
@@ -355,6 +359,16 @@ def _build(
             monitor.close()
         raise
     return run
+
+
+def _token_bytes(data_dir: Path, manifest: dict[str, Any], device: torch.device) -> Any:
+    """The UTF-8 bytes each token id stands for, on ``device``, for ``val_bits_per_byte``
+    (:func:`rootopt.data.tokenizer.byte_lengths_of`); None when the validation shards do
+    not count their bytes."""
+    from rootopt.data.tokenizer import byte_lengths_of
+
+    lengths = byte_lengths_of(data_dir, manifest, "val")
+    return None if lengths is None else torch.as_tensor(lengths, device=device)
 
 
 def _validate(cfg: Config, data_dir: Path) -> int:

@@ -12,16 +12,23 @@ not counted: MFU measures the model's work, not the hardware's.
 
 The peak is one device's dense peak in the training dtype: ``run.peak_tflops`` when set,
 else a table of data-centre GPUs from their vendor datasheets (dense, i.e. without the
-2:4 sparsity factor the datasheets also quote), else, on a CPU, the best rate of a short
-float matmul measured once at start in the run's dtype and thread count. A GPU missing
-from the table has no peak (``mfu`` is then not recorded; set ``run.peak_tflops``).
+2:4 sparsity factor the datasheets also quote), else, on a CPU, an estimate: the run's
+threads times the best rate one thread reaches on square matmuls in the training dtype
+(:func:`measure_cpu_peak`). A CPU has no datasheet peak torch can look up, and a timing
+with all threads is at the mercy of the machine's load (one late thread holds the others
+at the barrier: a loaded 2-core machine timed a bf16 512² matmul 13× below its one-thread
+rate); one thread's best of repeated timings is not, and a core's peak times the cores is
+how a CPU's peak is defined. A GPU missing from the table has no peak (``mfu`` is then not
+recorded; set ``run.peak_tflops``). A window above the peak (possible only when the peak is
+wrong) records no ``mfu``, never more than 100 %.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +58,13 @@ class Peak:
     source: str  # "run.peak_tflops" | "table: <pattern>" | "measured" | "unknown: ..."
     dtype: str
     device: str = "cpu"  # torch device type
+    # how a measured peak was obtained (machine, threads, method): it is an estimate
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def estimate(self) -> bool:
+        """Measured on this machine, not a datasheet's or the user's number."""
+        return self.source == "measured"
 
     def record(self) -> dict[str, Any]:
         return {
@@ -58,6 +72,8 @@ class Peak:
             "source": self.source,
             "dtype": self.dtype,
             "device": self.device,
+            "estimate": self.estimate,
+            **self.measured,
         }
 
 
@@ -120,18 +136,64 @@ def gpu_peak(name: str, dtype: str) -> Peak:
     return Peak(0.0, f"unknown: {name} is not in the table; set run.peak_tflops", key, "cuda")
 
 
-def measure_cpu_peak(dtype: torch.dtype, *, size: int = 512, repeats: int = 5) -> float:
-    """The best FLOP/s of a ``size``² matmul in ``dtype`` over ``repeats`` timings, with
-    the threads torch uses now (a short, one-off measurement: about 0.1-0.5 s)."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    torch.mm(a, b)  # warm-up: first-call allocation and kernel choice
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * size**3 / max(best, 1e-9)
+# One-thread matmuls timed for the CPU estimate: sizes at which one core's kernel reaches its
+# best rate (fp32 and bf16 alike within a few % of 2048² here), each timed ROUNDS × REPEATS
+# times, the rounds interleaved so that a burst of load spoils one of them, not all.
+CPU_SIZES = (256, 512)
+ROUNDS, REPEATS = 3, 3
+
+
+def measure_one_thread(dtype: torch.dtype, *, sizes: tuple[int, ...] = CPU_SIZES) -> float:
+    """The best FLOP/s one thread reaches on a square matmul in ``dtype`` (about 30 ms in
+    float32, more where the dtype is emulated)."""
+    from rootopt._threads import one_thread
+
+    with one_thread():
+        pairs = {n: (torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)) for n in sizes}
+        for a, b in pairs.values():
+            torch.mm(a, b)  # warm-up: first-call allocation and kernel choice
+        best = 0.0
+        for _ in range(ROUNDS):
+            for n, (a, b) in pairs.items():
+                for _ in range(REPEATS):
+                    t0 = time.perf_counter()
+                    torch.mm(a, b)
+                    best = max(best, 2.0 * n**3 / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
+@functools.lru_cache(maxsize=8)
+def _one_thread_rate(dtype: torch.dtype) -> float:
+    # a property of the machine: measured once per process and dtype
+    return measure_one_thread(dtype)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak(dtype: str, threads: int) -> Peak:
+    """The CPU estimate (see the module docstring): ``threads`` × one thread's best rate."""
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    one = _one_thread_rate(tdt)
+    sizes = " and ".join(f"{n}²" for n in CPU_SIZES)
+    how = {
+        "machine": cpu_name(),
+        "threads": threads,
+        "method": f"{threads} threads × the best one-thread {dtype} matmul "
+        f"({one / 1e9:.1f} GFLOP/s; {sizes}, best of {ROUNDS * REPEATS} each)",
+    }
+    return Peak(threads * one, "measured", dtype, "cpu", how)
 
 
 def device_peak(device: torch.device, dtype: str, *, configured_tflops: float = 0.0) -> Peak:
@@ -143,15 +205,25 @@ def device_peak(device: torch.device, dtype: str, *, configured_tflops: float = 
         p = gpu_peak(torch.cuda.get_device_name(device), dtype)
         return Peak(p.flops, p.source, p.dtype, "cuda")
     if device.type == "cpu":
-        tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-        return Peak(measure_cpu_peak(tdt), "measured", key, "cpu")
+        return cpu_peak(key, torch.get_num_threads())
     return Peak(0.0, f"unknown: no peak for device type {device.type}", key, device.type)
+
+
+def achieved(flops_token: float, tokens_per_s: float | None, world_size: int) -> float | None:
+    """The model FLOP/s one device reached in a logging window (None when unknown)."""
+    if tokens_per_s is None or flops_token <= 0:
+        return None
+    return flops_token * tokens_per_s / world_size
 
 
 def mfu(
     flops_token: float, tokens_per_s: float | None, world_size: int, peak: Peak
 ) -> float | None:
-    """Model FLOPs utilisation of a logging window; None when a term is unknown."""
-    if tokens_per_s is None or peak.flops <= 0 or flops_token <= 0:
+    """Model FLOPs utilisation of a logging window; None when a term is unknown, and None
+    above 1: a device does not run above its peak, so the peak (or the FLOPs count) is
+    wrong there, and the record says nothing rather than something impossible."""
+    rate = achieved(flops_token, tokens_per_s, world_size)
+    if rate is None or peak.flops <= 0:
         return None
-    return flops_token * tokens_per_s / (world_size * peak.flops)
+    value = rate / peak.flops
+    return value if value <= 1.0 else None

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rootopt.monitor import memory_bytes
-from rootopt.train.mfu import mfu
+from rootopt.train.mfu import achieved, mfu
 
 if TYPE_CHECKING:
     from rootopt.train.state import Run, TrainState
@@ -91,6 +91,27 @@ def group_label(i: int, group: dict[str, Any]) -> str:
     return f"{i}.{group.get('algorithm', 'group')}"
 
 
+def _mfu(run: Run, tokens_per_s: float | None) -> float | None:
+    """The window's MFU (rank 0, which holds the peak). A window above the peak records
+    none, and the first one in a session says so in ``events.jsonl``: the peak is wrong
+    there (docs/monitoring.md, "Throughput and MFU")."""
+    if run.peak is None:
+        return None
+    value = mfu(run.flops_per_token, tokens_per_s, run.world_size, run.peak)
+    rate = achieved(run.flops_per_token, tokens_per_s, run.world_size)
+    if value is None and rate is not None and run.peak.flops > 0 and not run.above_peak:
+        run.above_peak = True
+        run.monitor.event(
+            "mfu_above_peak",
+            step=run.state.step,
+            achieved_tflops=rate / 1e12,
+            peak=run.peak.record(),
+            detail="the model ran above the peak mfu divides by: the peak is too low "
+            "(set run.peak_tflops); mfu is not recorded for such windows",
+        )
+    return value
+
+
 def build_record(
     run: Run, out: StepResult, seconds: float, steps_here: int
 ) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
@@ -115,9 +136,7 @@ def build_record(
         "grad_norm": out.grad_norm,
         "steps_per_s": steps_here / dt,
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu(run.flops_per_token, tokens_per_s, run.world_size, run.peak)
-        if run.peak is not None
-        else None,
+        "mfu": _mfu(run, tokens_per_s),
         "step_time_s": dt / max(steps_here, 1),
         "loss_scale": run.precision.scale,
         "nonfinite_steps": st.health.nonfinite_steps,

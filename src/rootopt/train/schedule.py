@@ -34,11 +34,24 @@ class LRMultiplier:
 
 
 def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
-    """L2 norm over all gradients, in float32 (inf/nan propagate)."""
-    grads = [p.grad.float() for p in params if p.grad is not None]
+    """L2 norm over all gradients, a float32 0-d tensor (inf/nan propagate), summed in
+    chunks (:func:`rootopt.optim._norm.sum_of_squares`) so that it is accurate to float32
+    and the same however the gradients are cut across ranks; FSDP2's sharded gradients
+    (DTensors) through ``torch.nn.utils.get_total_norm``."""
+    from rootopt.optim._norm import sum_of_squares
+
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads, 2.0)
+    if any(_is_dtensor(g) for g in grads):
+        return torch.nn.utils.get_total_norm([g.float() for g in grads], 2.0)
+    return sum_of_squares(grads).sqrt().float()
+
+
+def _is_dtensor(t: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 class GradClipper:

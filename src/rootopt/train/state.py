@@ -123,6 +123,10 @@ class Run:
     # device's peak (rank 0 measures or looks it up; None elsewhere)
     flops_per_token: float = 0.0
     peak: Any = None
+    above_peak: bool = False  # a window ran above the peak (said once per session)
+    # val_bits_per_byte: the UTF-8 bytes each token id stands for (an int64 tensor on the
+    # device, rootopt.data.tokenizer.byte_lengths_of); None when the data does not count them
+    token_bytes: Any = None
 
     @property
     def world_size(self) -> int:

@@ -311,7 +311,8 @@ def evaluate(run: Run, interrupt: Callable[[], bool] | None) -> dict[str, float]
 
 @torch.no_grad()
 def evaluate(run: Run, interrupt: Callable[[], bool] | None = None) -> dict[str, float] | None:
-    """Validation loss (and bits per byte, or accuracy) over ``run.eval_batches`` batches;
+    """Validation loss (and bits per byte where the data counts the bytes of its tokens,
+    or accuracy) over ``run.eval_batches`` batches;
     ``{}`` without a validation split; None when ``interrupt()`` turned true between
     batches (the model is back in training mode either way)."""
     stream = val_stream(run)
@@ -329,7 +330,8 @@ def _evaluate(
 ) -> dict[str, float] | None:
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     correct = torch.zeros((), dtype=torch.int64, device=run.device)
-    count = 0
+    text_bytes = torch.zeros((), dtype=torch.int64, device=run.device)
+    count = tokens = 0
     for i, batch in enumerate(stream):
         if i >= run.cfg.run.eval_batches:
             break
@@ -342,11 +344,17 @@ def _evaluate(
         count += y.size(0)
         if logits.ndim == 2:
             correct += (logits.argmax(-1) == y).sum()
+        elif run.token_bytes is not None:
+            text_bytes += run.token_bytes[y].sum()
+            tokens += y.numel()
     if count == 0:
         return {}
     out = {"val_loss": float(total) / count}
     if run.manifest["task"] == "classify":
         out["val_accuracy"] = int(correct) / count
-    else:
-        out["val_bits_per_byte"] = out["val_loss"] / math.log(2)
+    elif tokens and int(text_bytes) > 0:
+        # lm-evaluation-harness's bits_per_byte: the summed loss of the scored tokens in
+        # bits over the UTF-8 bytes of the text they encode (every batch has the same
+        # tokens per sample, so the mean loss times the tokens is the sum)
+        out["val_bits_per_byte"] = out["val_loss"] * tokens / (math.log(2) * int(text_bytes))
     return out
