@@ -13,7 +13,11 @@
 Only the generated blocks between their markers are rewritten; the rest of each page is kept
 as it is, and a page without its markers stops the script before anything is written.
 
-Usage: python benchmarks/study_publish.py [--import DIR]
+With ``--protocol v3`` the record is docs/study-v3/ (``--import DIR``: where ``rootopt bench
+study --protocol v3 --out DIR`` runs), the summary docs/study_results_v3.json and the block
+v3's of docs/benchmarks.md; README.md keeps v2's headline until v3's report runs are in.
+
+Usage: python benchmarks/study_publish.py [--protocol v2|v3] [--import DIR]
 """
 
 from __future__ import annotations
@@ -82,11 +86,36 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
     return {"runs": summary["index"]["runs"], "complete": summary["complete"], "plots": plots}
 
 
+def publish_v3(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
+    """v3's record into the repository at ``root``: docs/study-v3/, its summary and block."""
+    from rootopt_analysis.bench import study_v3
+
+    record, results = root / "docs" / "study-v3", root / "docs" / "study_results_v3.json"
+    page_path = root / "docs" / "benchmarks.md"
+    page = page_path.read_text(encoding="utf-8")
+    if page.count(study_v3.BEGIN) != 1 or page.count(study_v3.END) != 1:
+        raise SystemExit(f"study_publish: {page_path.name} must hold v3's block markers once")
+    record.mkdir(exist_ok=True)
+    argv = ["study", "--protocol", "v3", "--out", str(record), "--finished-only", "--no-progress"]
+    argv += ["--earlier", str(root / "docs" / "study")]
+    if import_dir is not None:
+        argv += ["--import", str(import_dir)]
+    if bench_main(argv) != 0:
+        raise SystemExit("study_publish: rootopt bench study --protocol v3 failed")
+    summary = json.loads((record / "study.json").read_text(encoding="utf-8"))
+    atomic_write(results, study_report.dump_summary(summary).encode())
+    block = study_v3.markdown(summary)
+    atomic_write(page_path, study_report.splice(page, block, study_v3.BEGIN, study_v3.END).encode())
+    return {"runs": summary["index"]["runs"], "complete": summary["complete"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--protocol", choices=("v2", "v3"), default="v2")
     ap.add_argument("--import", dest="import_dir", default="", metavar="DIR")
     args = ap.parse_args()
-    got = publish(ROOT, Path(args.import_dir) if args.import_dir else None)
+    fn = publish_v3 if args.protocol == "v3" else publish
+    got = fn(ROOT, Path(args.import_dir) if args.import_dir else None)
     print(json.dumps(got))
     return 0
 

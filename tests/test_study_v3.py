@@ -189,3 +189,17 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     assert "default − torch.optim.Muon" in page and "Real-model cell" in page
     rows = {r["label"]: r for r in summary["comparisons"]}
     assert set(rows["default − torch.optim.Muon"]["cells"]) >= {*v3.LM_CELLS, "stdlib@2400"}
+
+
+def test_the_page_carries_the_block_rendered_from_the_committed_summary() -> None:
+    """docs/benchmarks.md's v3 block is docs/study_results_v3.json rendered, and that summary
+    names the CPU and instruction set of every record."""
+    import json
+
+    from rootopt_analysis.bench.study_report import splice
+
+    summary = json.loads((REPO / "docs" / "study_results_v3.json").read_text(encoding="utf-8"))
+    page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert splice(page, v3.markdown(summary), v3.BEGIN, v3.END) == page
+    assert summary["meta"]["cpus"] and all("(" in c for c in summary["meta"]["cpus"])
+    assert summary["index"]["runs"] > 0
