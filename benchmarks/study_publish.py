@@ -27,6 +27,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from rootopt._atomic import atomic_write
 from rootopt_analysis.bench import study_report
@@ -34,6 +35,21 @@ from rootopt_analysis.commands.bench import main as bench_main
 
 ROOT = Path(__file__).resolve().parents[1]
 PLOTS = ("study_lr.png", "study_long.png", "study_tail.png")
+
+
+def _render(
+    record: Path, results: Path, import_dir: Path | None, extra: list[str]
+) -> dict[str, Any]:
+    """``rootopt bench study --finished-only`` on ``record`` (after importing ``import_dir``);
+    its summary, also written to ``results``."""
+    argv = ["study", *extra, "--out", str(record), "--finished-only", "--no-progress"]
+    if import_dir is not None:
+        argv += ["--import", str(import_dir)]
+    if bench_main(argv) != 0:
+        raise SystemExit(f"study_publish: rootopt bench {' '.join(argv[:3])} failed")
+    summary: dict[str, Any] = json.loads((record / "study.json").read_text(encoding="utf-8"))
+    atomic_write(results, study_report.dump_summary(summary).encode())
+    return summary
 
 
 def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
@@ -52,13 +68,7 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
     ):
         if doc.count(begin) != 1 or doc.count(end) != 1:
             raise SystemExit(f"study_publish: {name} must hold its generated block's markers once")
-    argv = ["study", "--out", str(record), "--finished-only", "--no-progress"]
-    if import_dir is not None:
-        argv += ["--import", str(import_dir)]
-    if bench_main(argv) != 0:
-        raise SystemExit("study_publish: rootopt bench study failed")
-    summary = json.loads((record / "study.json").read_text(encoding="utf-8"))
-    atomic_write(results, study_report.dump_summary(summary).encode())
+    summary = _render(record, results, import_dir, [])
     block = study_report.markdown(summary)
     page = study_report.splice(page, block)
     atomic_write(page_path, page.encode())
@@ -96,14 +106,8 @@ def publish_v3(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, o
     if page.count(study_v3.BEGIN) != 1 or page.count(study_v3.END) != 1:
         raise SystemExit(f"study_publish: {page_path.name} must hold v3's block markers once")
     record.mkdir(exist_ok=True)
-    argv = ["study", "--protocol", "v3", "--out", str(record), "--finished-only", "--no-progress"]
-    argv += ["--earlier", str(root / "docs" / "study")]
-    if import_dir is not None:
-        argv += ["--import", str(import_dir)]
-    if bench_main(argv) != 0:
-        raise SystemExit("study_publish: rootopt bench study --protocol v3 failed")
-    summary = json.loads((record / "study.json").read_text(encoding="utf-8"))
-    atomic_write(results, study_report.dump_summary(summary).encode())
+    earlier = ["--protocol", "v3", "--earlier", str(root / "docs" / "study")]
+    summary = _render(record, results, import_dir, earlier)
     block = study_v3.markdown(summary)
     atomic_write(page_path, study_report.splice(page, block, study_v3.BEGIN, study_v3.END).encode())
     return {"runs": summary["index"]["runs"], "complete": summary["complete"]}

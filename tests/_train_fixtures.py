@@ -37,13 +37,56 @@ def quiet(msg: str) -> None:
     """A ``say`` for in-process training that prints nothing."""
 
 
-def prepare_tiny(out: Path) -> Path:
+def prepare_tiny(out: Path, tokenizer: str = "bytes") -> Path:
+    """150 KB of the KJV in samples of 32 tokens (``tokenizer``: e.g. ``bpe:512``)."""
     from rootopt.data import prepare
 
     prepare(
-        "kjv", out, seq_len=32, max_bytes=150_000, samples_per_shard=400, val_fraction=0.05, seed=0
+        "kjv",
+        out,
+        seq_len=32,
+        max_bytes=150_000,
+        samples_per_shard=400,
+        val_fraction=0.05,
+        seed=0,
+        tokenizer=tokenizer,
     )
     return out
+
+
+class PrometheusScraper:
+    """Scrapes the exporter a training run starts (``monitoring.prometheus.port=0``) after
+    step ``at``: use ``with PrometheusScraper(at) as s:`` around ``train(...,
+    hooks=Hooks(after_step=s.after_step))``; ``s.pages`` holds what was served."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.pages, self.ports = at, list[str](), list[int]()
+
+    def after_step(self, step: int) -> bool:
+        import urllib.request
+
+        if step == self.at:
+            url = f"http://127.0.0.1:{self.ports[0]}/metrics"
+            self.pages.append(urllib.request.urlopen(url, timeout=10).read().decode())
+        return False
+
+    def __enter__(self) -> PrometheusScraper:
+        import rootopt.monitor.metrics as metrics
+
+        self._original = original = metrics.PrometheusExporter.__init__
+        ports = self.ports
+
+        def spy(exporter: metrics.PrometheusExporter, host: str, port: int) -> None:
+            original(exporter, host, port)
+            ports.append(exporter.port)
+
+        metrics.PrometheusExporter.__init__ = spy  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import rootopt.monitor.metrics as metrics
+
+        metrics.PrometheusExporter.__init__ = self._original  # type: ignore[method-assign]
 
 
 def final_params(run_dir: Path) -> dict[str, object]:

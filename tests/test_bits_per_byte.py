@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import math
 import tarfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from _train_fixtures import TINY, quiet
+from _train_fixtures import TINY, PrometheusScraper, prepare_tiny, quiet
 from rootopt.config import load_config
 from rootopt.data import ShardStream, load_manifest, prepare
 from rootopt.data.corpora import Piece
@@ -30,18 +29,7 @@ BPE = "bpe:512"
 @pytest.fixture(scope="module")
 def bpe_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """150 KB of the KJV (ASCII text) tokenized by a BPE of 512 ids trained on it."""
-    out = tmp_path_factory.mktemp("bpb") / "d"
-    prepare(
-        "kjv",
-        out,
-        seq_len=32,
-        max_bytes=150_000,
-        samples_per_shard=400,
-        val_fraction=0.05,
-        seed=0,
-        tokenizer=BPE,
-    )
-    return out
+    return prepare_tiny(tmp_path_factory.mktemp("bpb") / "d", BPE)
 
 
 def _decoder(data: Path) -> Any:
@@ -81,22 +69,6 @@ def test_bpe_run_logs_bits_per_byte_of_the_text_it_scores(bpe_data: Path, tmp_pa
     is about half of ``val_loss / ln 2`` (bits per token, what was logged before) at this
     BPE's 2.2 bytes per token; TensorBoard, Prometheus and ``rootopt report`` show the
     same number."""
-    scraped: list[str] = []
-    ports: list[int] = []
-    import rootopt.monitor.metrics as metrics
-
-    original = metrics.PrometheusExporter.__init__
-
-    def spy(self: metrics.PrometheusExporter, host: str, port: int) -> None:
-        original(self, host, port)
-        ports.append(self.port)
-
-    def scrape(step: int) -> bool:
-        if step == 8:  # after the step-5 evaluation
-            url = f"http://127.0.0.1:{ports[0]}/metrics"
-            scraped.append(urllib.request.urlopen(url, timeout=10).read().decode())
-        return False
-
     over = [
         *TINY,
         "model.vocab_size=512",
@@ -106,12 +78,12 @@ def test_bpe_run_logs_bits_per_byte_of_the_text_it_scores(bpe_data: Path, tmp_pa
         "monitoring.prometheus.enabled=true",
         "monitoring.prometheus.port=0",
     ]
-    metrics.PrometheusExporter.__init__ = spy  # type: ignore[method-assign]
-    try:
-        cfg = load_config(None, over)
-        train(cfg, tmp_path / "run", str(bpe_data), say=quiet, hooks=Hooks(after_step=scrape))
-    finally:
-        metrics.PrometheusExporter.__init__ = original  # type: ignore[method-assign]
+    cfg = load_config(None, over)
+    with PrometheusScraper(at=8) as prom:  # after the step-5 evaluation
+        train(
+            cfg, tmp_path / "run", str(bpe_data), say=quiet, hooks=Hooks(after_step=prom.after_step)
+        )
+    scraped = prom.pages
     val = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "val_loss" in r]
     assert [r["step"] for r in val] == [5, 10]
 

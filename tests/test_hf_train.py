@@ -64,20 +64,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def bpe_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny corpus with a byte-level BPE of 512 ids trained on it (bpe:512)."""
-    from rootopt.data import prepare
-
-    out = tmp_path_factory.mktemp("hf-bpe") / "d"
-    prepare(
-        "kjv",
-        out,
-        seq_len=32,
-        max_bytes=150_000,
-        samples_per_shard=400,
-        val_fraction=0.05,
-        seed=0,
-        tokenizer="bpe:512",
-    )
-    return out
+    return prepare_tiny(tmp_path_factory.mktemp("hf-bpe") / "d", "bpe:512")
 
 
 @pytest.fixture(scope="module")

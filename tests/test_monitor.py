@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _train_fixtures import TINY, prepare_tiny
+from _train_fixtures import TINY, PrometheusScraper, prepare_tiny
 from rootopt.commands.diagnose import main as diagnose_main
 from rootopt.commands.report import main as report_main
 from rootopt.config import load_config
@@ -79,41 +79,19 @@ def test_prometheus_endpoint_serves_the_dashboard_metrics(tmp_path: Path) -> Non
 
 def test_training_serves_prometheus_when_enabled(tmp_path: Path) -> None:
     shards = prepare_tiny(tmp_path / "shards")
-    scraped: list[str] = []
-    import rootopt.monitor.metrics as metrics
-
-    ports: list[int] = []
-    original = metrics.PrometheusExporter.__init__
-
-    def spy(self: metrics.PrometheusExporter, host: str, port: int) -> None:
-        original(self, host, port)
-        ports.append(self.port)
-
-    def scrape(step: int) -> bool:
-        if step == 10:
-            scraped.append(
-                urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=10)
-                .read()
-                .decode()
-            )
-        return False
-
-    metrics.PrometheusExporter.__init__ = spy  # type: ignore[method-assign]
-    try:
-        cfg = load_config(
-            None,
-            [
-                *TINY,
-                "run.max_steps=12",
-                "monitoring.prometheus.enabled=true",
-                "monitoring.prometheus.port=0",
-            ],
-        )
-        train(
-            cfg, tmp_path / "run", str(shards), say=lambda _: None, hooks=Hooks(after_step=scrape)
-        )
-    finally:
-        metrics.PrometheusExporter.__init__ = original  # type: ignore[method-assign]
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "run.max_steps=12",
+            "monitoring.prometheus.enabled=true",
+            "monitoring.prometheus.port=0",
+        ],
+    )
+    with PrometheusScraper(at=10) as prom:
+        hooks = Hooks(after_step=prom.after_step)
+        train(cfg, tmp_path / "run", str(shards), say=lambda _: None, hooks=hooks)
+    scraped = prom.pages
     body = scraped[0]
     for name in (
         "rootopt_step 10.0",

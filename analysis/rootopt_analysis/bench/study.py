@@ -1185,6 +1185,57 @@ def open_store(out: Path) -> Store:
     return Store(out, run_format=FORMAT)
 
 
+def drive(
+    replan: Callable[[], Any],
+    run_job: Callable[[Any, str], Result],
+    finished: Callable[[Any, Result], str],
+    out: Path,
+    *,
+    workers: int,
+    progress: bool,
+    say: Callable[[str], None],
+    label: str = "study",
+) -> Any:
+    """Keep ``workers`` processes busy with the jobs ``replan()`` lists (``.jobs``, highest
+    priority first), re-planning after each finished one; ``finished(job, result)`` records a
+    result and returns its progress line. Returns the last plan (no jobs left)."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+    from rootopt_analysis.bench.runner import _worker_init
+
+    w = replan()
+    if not w.jobs:
+        return w
+    done, t0 = 0, time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
+        pending: dict[Future[Result], Any] = {}
+        while True:
+            ids = {j.run_id for j in pending.values()}
+            for _, job in w.jobs:
+                if len(pending) >= workers + 1:
+                    break
+                if job.run_id not in ids:
+                    pending[pool.submit(run_job, job, str(out))] = job
+                    ids.add(job.run_id)
+            if not pending:
+                break
+            ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in ready:
+                job = pending.pop(fut)
+                line = finished(job, fut.result())
+                done += 1
+                if progress:
+                    el = time.perf_counter() - t0
+                    say(
+                        f"[{label} {done} done, {len(pending)} running, {len(w.jobs)} ready, "
+                        f"{el:.0f}s] {line}"
+                    )
+            w = replan()
+    return w
+
+
 def run_study(
     proto: Protocol,
     out: Path,
@@ -1198,11 +1249,6 @@ def run_study(
     """Run every job the protocol still needs (highest priority first, re-planning after each
     finished job) and return the final :class:`Walk` and the store. ``compute=False`` runs
     nothing. ``commit``: recorded with every run this call finishes (the run index)."""
-    import multiprocessing as mp
-    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-
-    from rootopt_analysis.bench.runner import _worker_init
-
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "timing").mkdir(parents=True, exist_ok=True)
@@ -1211,57 +1257,30 @@ def run_study(
     def lookup(spec: RunSpec) -> Result | None:
         return store.runs.get(spec.run_id)
 
-    w = walk(proto, lookup, store.timing.get)
-    if not compute or not w.jobs:
-        return w, store
-    done = 0
-    t0 = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
-        pending: dict[Future[Result], Job] = {}
-        while True:
-            ids = {j.run_id for j in pending.values()}
-            for _, job in w.jobs:
-                if len(pending) >= workers + 1:
-                    break
-                if job.run_id not in ids:
-                    assert isinstance(job, RunSpec | TimingSpec | FlopSpec)  # v2 queues these
-                    pending[pool.submit(_run_job, job, str(out))] = job
-                    ids.add(job.run_id)
-            if not pending:
-                break
-            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for fut in finished:
-                job = pending.pop(fut)
-                r = fut.result()
-                done += 1
-                if isinstance(job, TimingSpec | FlopSpec):
-                    store.add_timings([r])
-                    what = (
-                        f"×{r['ratio']:.3f} of AdamW" if "ratio" in r else f"{r['flops']:.3g} FLOP"
-                    )
-                    line = f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
-                else:
-                    store.add_runs([r], commit=commit)
-                    status = (
-                        f"DIVERGED ({r['error'][:60]})"
-                        if r["diverged"]
-                        else f"val {r['final_val_loss']:.4f}"
-                    )
-                    line = (
-                        f"{job.suite} {job.task}@{job.steps}{'-amp' if job.precision != 'fp32' else ''} "
-                        f"{job.optimizer} "
-                        f"{','.join(f'{k}={v}' for k, v in job.options if k != 'ortho_method')} "
-                        f"lr {job.lr:.3g} side ×{job.side_lr_mult:g} wd {job.weight_decay:g} "
-                        f"clip {job.clip} {job.corruption.tag} seed {job.seed}: {status} "
-                        f"({r['wall_s']:.0f}s)"
-                    )
-                if progress:
-                    el = time.perf_counter() - t0
-                    say(
-                        f"[study {done} done, {len(pending)} running, {len(w.jobs)} ready, {el:.0f}s] {line}"
-                    )
-            w = walk(proto, lookup, store.timing.get)
+    def replan() -> Walk:
+        return walk(proto, lookup, store.timing.get)
+
+    def finished(job: Job, r: Result) -> str:
+        if isinstance(job, TimingSpec | FlopSpec):
+            store.add_timings([r])
+            what = f"×{r['ratio']:.3f} of AdamW" if "ratio" in r else f"{r['flops']:.3g} FLOP"
+            return f"{r['kind']} {job.task} {job.arm.optimizer} {dict(job.arm.options)}: {what}"
+        store.add_runs([r], commit=commit)
+        status = (
+            f"DIVERGED ({r['error'][:60]})" if r["diverged"] else f"val {r['final_val_loss']:.4f}"
+        )
+        return (
+            f"{job.suite} {job.task}@{job.steps}{'-amp' if job.precision != 'fp32' else ''} "
+            f"{job.optimizer} "
+            f"{','.join(f'{k}={v}' for k, v in job.options if k != 'ortho_method')} "
+            f"lr {job.lr:.3g} side ×{job.side_lr_mult:g} wd {job.weight_decay:g} "
+            f"clip {job.clip} {job.corruption.tag} seed {job.seed}: {status} "
+            f"({r['wall_s']:.0f}s)"
+        )
+
+    if not compute:
+        return replan(), store
+    w = drive(replan, _run_job, finished, out, workers=workers, progress=progress, say=say)
     return w, store
 
 

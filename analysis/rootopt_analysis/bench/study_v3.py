@@ -781,50 +781,27 @@ def run_study(
     log: Callable[[str], None] | None = None,
 ) -> tuple[WalkV3, Store]:
     """Run every job v3 still needs, highest priority first, re-planning after each."""
-    import multiprocessing as mp
-    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-
-    from rootopt_analysis.bench.runner import _worker_init
-
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "timing").mkdir(parents=True, exist_ok=True)
     store = open_store(out)
-    olds = [v2.open_store(e) for e in earlier]
-    lookup = reused_lookup(store, olds)
-    w = walk(lookup, store.timing.get)
-    if not compute or not w.jobs:
-        return w, store
-    done, t0 = 0, time.perf_counter()
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
-        pending: dict[Future[Result], Any] = {}
-        while True:
-            ids = {j.run_id for j in pending.values()}
-            for _, job in w.jobs:
-                if len(pending) >= workers + 1:
-                    break
-                if job.run_id not in ids:
-                    pending[pool.submit(_run_job, job, str(out))] = job
-                    ids.add(job.run_id)
-            if not pending:
-                break
-            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for fut in finished:
-                job = pending.pop(fut)
-                r = fut.result()
-                done += 1
-                if isinstance(job, RunSpec):
-                    store.add_runs([r], commit=commit)
-                else:  # every other record: timing.jsonl
-                    store.add_timings([{**r, "commit": commit}])
-                line = _job_line(job, r)
-                if progress:
-                    el = time.perf_counter() - t0
-                    say(
-                        f"[v3 {done} done, {len(pending)} running, {len(w.jobs)} ready, {el:.0f}s] {line}"
-                    )
-            w = walk(lookup, store.timing.get)
+    lookup = reused_lookup(store, [v2.open_store(e) for e in earlier])
+
+    def replan() -> WalkV3:
+        return walk(lookup, store.timing.get)
+
+    def finished(job: Any, r: Result) -> str:
+        if isinstance(job, RunSpec):
+            store.add_runs([r], commit=commit)
+        else:  # every other record: timing.jsonl
+            store.add_timings([{**r, "commit": commit}])
+        return _job_line(job, r)
+
+    if not compute:
+        return replan(), store
+    w = v2.drive(
+        replan, _run_job, finished, out, workers=workers, progress=progress, say=say, label="v3"
+    )
     return w, store
 
 
