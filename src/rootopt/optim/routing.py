@@ -200,6 +200,15 @@ def _int(config: Any, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _grouped(heads: int | None, kv: int | None, head_dim: int | None) -> str:
+    """The row layout of a QKV fused per key/value head: each group holds its queries,
+    then its key and its value."""
+    if heads and kv and head_dim and heads % kv == 0:
+        unit = f"{heads // kv * head_dim}+{head_dim}+{head_dim}"
+        return f"grouped per key/value head: {kv}×[{unit}] (its queries, k, v)"
+    return "grouped per key/value head"
+
+
 def _qkv_rows(module_name: str, out: int, config: Any) -> tuple[tuple[int, ...], str] | None:
     """``(split, rows)`` of a ``query_key_value`` or ``wqkv`` weight whose rows are not three
     blocks: ``split`` ``()`` and ``rows`` how they are laid out. None for a layout of three
@@ -211,21 +220,11 @@ def _qkv_rows(module_name: str, out: int, config: Any) -> tuple[tuple[int, ...],
     head_dim = _int(config, "head_dim") or (hidden // heads if hidden and heads else None)
     if leaf == "wqkv" and model_type.startswith("internlm"):
         # InternLM2: "b q (h gs d)" with gs = queries per key/value head + 2
-        kv = _int(config, "num_key_value_heads") or heads
-        if heads and kv and head_dim and heads % kv == 0:
-            g = heads // kv
-            unit = f"{g * head_dim}+{head_dim}+{head_dim}"
-            return (), f"grouped per key/value head: {kv}×[{unit}] (its queries, k, v)"
-        return (), "grouped per key/value head"
+        return (), _grouped(heads, _int(config, "num_key_value_heads") or heads, head_dim)
     if leaf != "query_key_value":
         return None
     if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
-        kv = _int(config, "num_kv_heads") or heads
-        if heads and kv and head_dim and heads % kv == 0:
-            g = heads // kv
-            unit = f"{g * head_dim}+{head_dim}+{head_dim}"
-            return (), f"grouped per key/value head: {kv}×[{unit}] (its queries, k, v)"
-        return (), "grouped per key/value head"
+        return (), _grouped(heads, _int(config, "num_kv_heads") or heads, head_dim)
     if model_type == "falcon" and getattr(config, "multi_query", False):
         return None  # all queries, then one key and one value head: three blocks
     if model_type in PER_HEAD_QKV:
