@@ -15,9 +15,18 @@ from rootopt.optim import functional
 SHAPES = {"a": (24, 40), "b": (16, 12), "stack": (3, 8, 20)}
 
 
-def _params() -> list[tuple[str, nn.Parameter]]:
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+
+
+def _params(device: str = "cpu") -> list[tuple[str, nn.Parameter]]:
     g = torch.Generator().manual_seed(0)
-    return [(n, nn.Parameter(torch.randn(*s, generator=g))) for n, s in SHAPES.items()]
+    return [(n, nn.Parameter(torch.randn(*s, generator=g).to(device))) for n, s in SHAPES.items()]
 
 
 def _grads(params: list[tuple[str, nn.Parameter]], seed: int) -> None:
@@ -25,7 +34,7 @@ def _grads(params: list[tuple[str, nn.Parameter]], seed: int) -> None:
     for _, p in params:
         grad = torch.randn(p.shape, generator=g)
         grad.view(-1)[:: max(1, p.numel() // 9)] *= 40  # outliers: some entry is always clipped
-        p.grad = grad
+        p.grad = grad.to(p.device)
 
 
 def _clipped_at(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, int], list[Tensor]]:
@@ -45,18 +54,20 @@ def _clipped_at(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, int], list[T
     return seen
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("offset", [None, 1.0], ids=["as-shipped", "offset-1"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "reference"])
 def test_telemetry_reports_the_threshold_the_step_used(
-    monkeypatch: pytest.MonkeyPatch, batched: bool, offset: float | None
+    monkeypatch: pytest.MonkeyPatch, batched: bool, offset: float | None, device: str
 ) -> None:
     """The reported ``eps`` is the threshold the step clipped at, bit for bit, on the batched
-    and the reference path; with the threshold's constant changed (``offset``), telemetry
-    follows the step: there is one definition, not a recomputation beside it."""
+    and the reference path (on the CPU the batched clip takes Python bounds, on CUDA tensor
+    bounds); with the threshold's constant changed (``offset``), telemetry follows the step:
+    there is one definition, not a recomputation beside it."""
     if offset is not None:
         monkeypatch.setattr(functional, "THRESHOLD_EPS", offset)
     seen = _clipped_at(monkeypatch)
-    params = _params()
+    params = _params(device)
     opt = ROOT(params, lr=0.02, batched=batched, telemetry=True)
     for step in range(2):
         seen.clear()
