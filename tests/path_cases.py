@@ -36,7 +36,8 @@ SHAPES: dict[str, tuple[int, ...]] = {
 # name -> (ROOT options, parameter dtype). Default coefficients everywhere (the default path
 # is what is compared), and AdaNewton's per-shape schedules once.
 OPTION_SETS: dict[str, tuple[dict[str, Any], torch.dtype]] = {
-    "default": ({}, torch.float32),  # bfloat16 iterations (the default ns_dtype)
+    # ns_dtype "auto": bfloat16 iterations on a CPU with bf16 units, float32 on others
+    "default": ({}, torch.float32),
     "bf16_params": ({}, torch.bfloat16),
     # float32 iterations from here on, so that the paths are compared to float32 rounding
     "fp32_iteration": ({"ns_dtype": "float32"}, torch.float32),

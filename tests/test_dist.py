@@ -426,7 +426,7 @@ def test_four_ranks_match_single_process(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
 def test_nccl_one_gpu_sharded_path_matches_single_process(tmp_path: Path) -> None:
     """FSDP2 at world size 1 on NCCL: the sharded path's collectives on CUDA (the flag
-    all-reduce and one round's two all-to-alls), bfloat16 Newton–Schulz (the default) with
+    all-reduce and one round's two all-to-alls), bfloat16 Newton–Schulz (the default on a GPU with bf16 units) with
     the updates returned in bfloat16, equal to single-process ROOT on the same
     GPU. Written without a GPU to run it on; its logic ran on gloo/CPU."""
     rc, out = finish(torchrun("nccl_one.py", 1, str(tmp_path)))

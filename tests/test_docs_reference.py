@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import importlib
 import importlib.util
 import inspect
+import io
 import re
 import tempfile
+import tokenize
 import types
 from pathlib import Path
 from typing import Any
@@ -215,6 +219,209 @@ def test_the_default_checks_catch_stale_text() -> None:
     ]
     for sentence in fine:
         assert stale_defaults(sentence) == [], sentence
+
+
+# ---------------------------------------------------------- statements that went stale
+
+# The study's page is dated text (protocols written before their runs): only what it calls
+# current is checked there. The changelog and a superseded page record what was.
+DATED = {"benchmarks.md"}
+CURRENT = [
+    p for p in PAGES if p.name != "CHANGELOG.md" and "(superseded)" not in _text(p).split("\n")[0]
+]
+# true the day it was written, stale when the default moves: name the setting and its time
+CURRENT_DEFAULT = re.compile(r"\bthe current default\b", re.I)
+# ns_dtype="auto" picks by the device's bf16 units, not by its type (docs/optimizer.md)
+DEVICE_DEFAULT = re.compile(r"\bthe (?:CUDA|GPU|CPU) default\b", re.I)
+# a dtype called the default without saying where ("auto" is bfloat16 only with bf16 units)
+DTYPE_DEFAULT = re.compile(
+    r"\b(?:bfloat16|bf16|float32|fp32)\b[^.;()]{0,40}\((?:the )?default\b([^)]*)\)"
+    r"|\bthe default (?:bfloat16|bf16|float32|fp32)\b",
+    re.I,
+)
+WHERE = re.compile(r"\b(?:on|where|with|units|device|CPU|CUDA|GPU|auto)\b", re.I)
+# "... does not ... yet": a promise, stale the day it is kept; a page says what the code does
+PROMISE = re.compile(r"\b(?:does|do|is|are|can|has|have)(?: not|n't)\b[^.;:]{0,60}\byet\b", re.I)
+# `rootopt.a.b` given in full, and in-place functions (`name_`): each must exist, unless
+# its sentence says it is gone
+FULL_NAME = re.compile(r"`(rootopt(?:\.\w+)+)")
+INPLACE_NAME = re.compile(r"`((?:\w+\.)*[A-Za-z]\w*[A-Za-z0-9]_)(?:\(\))?`")
+FILE_SUFFIXES = {"json", "jsonl", "yaml", "yml", "pt", "md", "py", "txt", "toml", "csv"}
+GONE = re.compile(r"\b(?:removed|renamed|no longer)\b", re.I)
+
+
+@functools.cache
+def _defined_in_rootopt() -> frozenset[str]:
+    names = set()
+    for path in (REPO / "src" / "rootopt").rglob("*.py"):
+        for node in ast.walk(ast.parse(_text(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+    return frozenset(names)
+
+
+@functools.cache
+def _torch_names() -> frozenset[str]:
+    import torch
+
+    owners = (torch, torch.Tensor, torch.nn.Module, torch.nn.utils, torch.amp.GradScaler)
+    return frozenset(n for owner in owners for n in dir(owner))
+
+
+def _resolves(dotted: str) -> bool | None:
+    """Whether ``dotted`` names an object (None: no leading part of it is a module)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return None
+
+
+def _sentence(flat: str, at: int) -> str:
+    start = flat.rfind(". ", 0, at) + 1
+    end = flat.find(". ", at)
+    return flat[start : end if end >= 0 else len(flat)]
+
+
+def _unknown_names(flat: str) -> list[str]:
+    out = []
+    for m in FULL_NAME.finditer(flat):
+        name = m.group(1)
+        if name.rsplit(".", 1)[-1] in FILE_SUFFIXES or GONE.search(_sentence(flat, m.start())):
+            continue
+        if not _resolves(name):
+            out.append(f"`{name}`: no such name in rootopt")
+    for m in INPLACE_NAME.finditer(flat):
+        name = m.group(1)
+        found = _resolves(name) if "." in name else None
+        if found is None:
+            found = name.rsplit(".", 1)[-1] in _defined_in_rootopt() | _torch_names()
+        if not found and not GONE.search(_sentence(flat, m.start())):
+            out.append(f"`{name}`: no such function in rootopt or torch")
+    return out
+
+
+def stale_statements(text: str, scope: str = "page") -> list[str]:
+    """Statements of ``text`` that were true once, as one line each. ``scope``: ``page``
+    (today's reference: every check), ``dated`` (text written at one time: what it calls
+    current, and the names it gives), ``comment`` (a test's docstrings and comments: what it
+    calls the default)."""
+    flat = " ".join(text.split())
+    out = [
+        f"{m.group(0)!r}: a default as of writing; name the setting and its time"
+        for m in CURRENT_DEFAULT.finditer(flat)
+    ]
+    if scope in ("page", "comment"):
+        out += [
+            f"{m.group(0)!r}: ns_dtype='auto' picks by bf16 units, not by device type"
+            for m in DEVICE_DEFAULT.finditer(flat)
+        ]
+        out += [
+            f"{m.group(0)!r}: the default dtype is 'auto'; say where it is this one"
+            for m in DTYPE_DEFAULT.finditer(flat)
+            if not WHERE.search(m.group(1) or "")
+        ]
+    if scope == "page":
+        out += [
+            f"{m.group(0)!r}: a promise, not what the code does" for m in PROMISE.finditer(flat)
+        ]
+    if scope in ("page", "dated"):
+        out += _unknown_names(flat)
+    return out
+
+
+@pytest.mark.parametrize("page", CURRENT, ids=lambda p: p.name)
+def test_pages_make_no_stale_statements(page: Path) -> None:
+    assert stale_statements(_text(page), "dated" if page.name in DATED else "page") == []
+
+
+def _comments_and_docstrings(path: Path) -> str:
+    source = _text(path)
+    parts = [
+        tok.string.lstrip("#")
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            parts.append(ast.get_docstring(node) or "")
+    return "\n".join(parts)
+
+
+# this file quotes stale sentences on purpose
+TEST_SOURCES = sorted(p for p in (REPO / "tests").rglob("*.py") if p.name != Path(__file__).name)
+
+
+@pytest.mark.parametrize("path", TEST_SOURCES, ids=lambda p: str(p.relative_to(REPO / "tests")))
+def test_tests_call_only_todays_defaults_the_default(path: Path) -> None:
+    text = _comments_and_docstrings(path)
+    assert stale_defaults(text) + stale_statements(text, "comment") == []
+
+
+def test_the_statement_checks_catch_stale_text() -> None:
+    """The checks fail on the sentences the pages and tests carried after ``ns_dtype="auto"``
+    came to mean bfloat16 by bf16 units, Polar Express became the default coefficients, the
+    per-matrix reference was renamed and ``ROOT`` began to read the ``transposed`` flag."""
+    stale = {
+        "page": [
+            # docs/distributed.md
+            "in the dtype the update is exact in (bfloat16 when every matrix of the round "
+            "iterated in it — the CUDA default — float32 otherwise",
+            # docs/optimizer.md and docs/operations.md
+            "The per-matrix reference implementation is "
+            "`rootopt.optim.functional.root_update_`; the fast paths are tested equal to it.",
+            "4. `optim/`: the per-matrix reference `root_update_`, `ROOT`, routing and the "
+            "optimizer registry.",
+            # docs/integrations.md
+            'With `lr_scale="muon"` (`sqrt(max(1, fan_out/fan_in))`) it does: today\'s `ROOT` '
+            "does not read the flag yet, so for Conv1D weights it applies the inverted factor",
+        ],
+        "dated": [
+            # docs/benchmarks.md, the v2 protocol
+            "Coefficient candidates at `outlier_quantile=0.9`, float32 iterations, the current "
+            "default first: `root-muon`, `root-adanewton`, `root-polar`.",
+        ],
+        "comment": [
+            '"default": ({}, torch.float32),  # bfloat16 iterations (the default ns_dtype)',
+            "bfloat16 Newton–Schulz (the default) with the updates returned in bfloat16",
+            "# float32 iterations (not the default bfloat16): the ranks are compared",
+            "# a power of two: bfloat16 iterations (the default) round the scaled input exactly",
+            "# float32 iterations: the world sizes are compared to float32 rounding (with the "
+            "default bfloat16 they agree to bfloat16 rounding: tests/test_parity.py)",
+        ],
+    }
+    for scope, sentences in stale.items():
+        for sentence in sentences:
+            assert stale_statements(sentence, scope), sentence
+    # and the docstring naming Muon's coefficients, by the defaults check
+    assert stale_defaults(
+        "every option set of ``tests/path_cases.py`` — the default coefficients (Muon's tuple)"
+    )
+    fine = {
+        "page": [
+            "bfloat16 when every matrix of the round iterated in it — what "
+            '`ns_dtype="auto"` picks on a device with bf16 units — float32 otherwise',
+            "The per-matrix reference implementation is "
+            "`rootopt.optim.functional._single_tensor_root`.",
+            "`momentum_` and `apply_`; torch's `clip_grad_norm_` and `GradScaler.unscale_`",
+            "The package was `rootopt.dist` until the previous release; its deprecated import "
+            "alias is removed. A `dcp-*` directory's marker `rootopt.json`.",
+            'With bfloat16 iterations (the default, `ns_dtype="auto"`, on CUDA and on CPUs '
+            "with bf16 units); with float32 iterations (the default on other CPUs)",
+            "Not yet measured on a GPU.",
+        ],
+        "dated": ["float32 iterations, the default at the time first: `root-muon`"],
+    }
+    for scope, sentences in fine.items():
+        for sentence in sentences:
+            assert stale_statements(sentence, scope) == [], sentence
 
 
 # ------------------------------------------------------------- reference, not a log

@@ -32,8 +32,9 @@ CFG = [
     "run.eval_every=0",
     "checkpoint.every=4",
     "optimization.schedule=constant",
-    # float32 iterations: the world sizes are compared to float32 rounding (with the default
-    # bfloat16 they agree to bfloat16 rounding: tests/test_parity.py)
+    # float32 iterations: the world sizes are compared to float32 rounding (with bfloat16
+    # iterations, the default on a CPU with bf16 units, they agree to bfloat16 rounding:
+    # tests/test_parity.py)
     "optimization.ns_dtype=float32",
 ]
 

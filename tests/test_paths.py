@@ -9,7 +9,7 @@ world size 1 (no process group), and at world size 2 replicated (``dist2``: the 
 design on gradients averaged by DDP; ``avg2``: the owner design reduce-scattering them
 itself) and sharded (``DTensor``
 parameters, as FSDP2 holds them; gloo, launched once by torchrun). Every path runs every
-option set of ``tests/path_cases.py`` — the default coefficients (Muon's tuple) and
+option set of ``tests/path_cases.py`` — the default coefficients (Polar Express's) and
 AdaNewton, float64 and bfloat16 parameters, Nesterov off, robust scaling, a bfloat16
 iteration — on a model with fused QKV weights (``ns_split``, one of them stored transposed).
 """

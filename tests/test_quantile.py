@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rootopt import abs_quantile, soft_threshold_split
+from rootopt import abs_quantile
+from rootopt.coeffs import resolve
 from rootopt.optim import quantile as fn
-from rootopt.optim.functional import clip_outliers
+from rootopt.optim.functional import outlier_threshold, root_direction
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 9), (9, 1), (7, 13), (64, 33), (256, 256)])
@@ -59,13 +60,13 @@ def test_beyond_torch_quantile_limit() -> None:
     assert got == pytest.approx(expected, rel=1e-6)
 
 
-def test_soft_threshold_split_is_clamp_plus_outliers() -> None:
+def test_the_threshold_splits_off_the_outliers() -> None:
     M = torch.randn(30, 40)
-    B, eps = clip_outliers(M, 0.9)
-    assert eps is not None
-    B2, O = soft_threshold_split(M, eps)
-    torch.testing.assert_close(B, B2)
-    torch.testing.assert_close(B + O, M)
+    eps = outlier_threshold(M, 0.9)
+    assert eps.shape == (1, 1) and eps.dtype == torch.float32
+    assert eps.item() == (abs_quantile(M, 0.9) + 1e-9).item()  # the official code's offset
+    B = M.clamp(-eps, eps)
+    O = M - B
     torch.testing.assert_close(O, torch.sign(M) * torch.relu(M.abs() - eps))
     assert B.abs().max() <= eps.item()
     # about 10% of entries are clipped at q = 0.9
@@ -73,9 +74,14 @@ def test_soft_threshold_split_is_clamp_plus_outliers() -> None:
 
 
 def test_no_suppression_when_q_is_none() -> None:
-    M = torch.randn(5, 5)
-    B, eps = clip_outliers(M, None)
-    assert eps is None and B is M
+    V = torch.randn(2, 5, 5)
+    V[0, 0, 0] = 100.0  # an outlier any threshold would clip
+    before, thresholds = V.clone(), []
+    root_direction(V, resolve("polar_express", 5, 5, 5), quantile=None, thresholds=thresholds)
+    assert torch.equal(V, before) and thresholds == []
+    root_direction(V, resolve("polar_express", 5, 5, 5), quantile=0.9, thresholds=thresholds)
+    assert len(thresholds) == 1 and thresholds[0].shape == (2, 1, 1)
+    assert V[0, 0, 0].item() == thresholds[0][0].item() < 100.0
 
 
 @pytest.mark.parametrize("shape", [(256, 256), (300, 700), (2, 256, 512)])

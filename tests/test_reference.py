@@ -15,6 +15,7 @@ from torch import nn
 from rootopt import ROOT
 from rootopt.coeffs import resolve
 from rootopt.optim import functional
+from rootopt.optim._options import ns_dtype_name
 from rootopt.optim.functional import RootOptions, _single_tensor_root
 
 # tall, wide, square, odd, conv 4-D, 3-D stack sharing a bucket with two 2-D params,
@@ -31,9 +32,9 @@ SHAPES: list[tuple[int, ...]] = [
 ]
 
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# ROOT's default iteration dtype, written out: the reference does not
-# read it from the class.
-DEFAULT_NS_DTYPE = "bfloat16"
+# The dtype ROOT's default ns_dtype ("auto") iterates in on this CPU: bfloat16 with bf16
+# units, float32 without (rootopt.optim._options). The reference is handed it explicitly.
+DEFAULT_NS_DTYPE = ns_dtype_name("auto", torch.device("cpu"))
 
 
 def _params(param_dtype: torch.dtype, seed: int = 0) -> list[nn.Parameter]:

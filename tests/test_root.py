@@ -215,8 +215,8 @@ def test_scale_invariance(form: str) -> None:
     gradient's scale (so of the momentum convention too)."""
     shape = (12, 30)
     p0, grads = torch.randn(*shape), _grads(shape, 3)
-    # a power of two: bfloat16 iterations (the default) round the scaled input exactly
-    # as the unscaled one
+    # a power of two: the iterations (bfloat16 or float32, as "auto" picks on this CPU) round
+    # the scaled input exactly as the unscaled one
     c = 1.0 if form == "sum" else 1024.0
     a, _ = _run(lambda ps: ROOT(ps, lr=0.01), p0, grads)
     b, _ = _run(lambda ps: ROOT(ps, lr=0.01), p0, [g * c for g in grads])

@@ -66,7 +66,6 @@ if TYPE_CHECKING:
         make_optimizer,
         param_groups,
     )
-    from rootopt.optim.functional import soft_threshold_split
     from rootopt.optim.quantile import abs_quantile
     from rootopt.ortho import orthogonalize
 
@@ -79,7 +78,6 @@ _WHERE = {
     "make_optimizer": "rootopt.optim",
     "param_groups": "rootopt.optim",
     "abs_quantile": "rootopt.optim.quantile",
-    "soft_threshold_split": "rootopt.optim.functional",
     "orthogonalize": "rootopt.ortho",
 }
 
@@ -130,5 +128,4 @@ __all__ = [
     "make_optimizer",
     "orthogonalize",
     "param_groups",
-    "soft_threshold_split",
 ]

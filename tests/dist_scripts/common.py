@@ -38,8 +38,8 @@ class Net(nn.Module):
 
 
 ROOT_NAMES = ("w4", "w1", "w3", "w2", "w5", "unused")
-# float32 iterations (not the default bfloat16): the ranks are compared with one process to
-# float32 rounding, and the counted bytes assume float32 updates
+# float32 iterations (not bfloat16, the default on a device with bf16 units): the ranks are
+# compared with one process to float32 rounding, and the counted bytes assume float32 updates
 HYPER: dict[str, Any] = dict(
     lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9, ns_dtype="float32"
 )

@@ -30,7 +30,7 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     res: dict[str, Any] = {"world": dist.get_world_size(), "backend": dist.get_backend()}
     ref = make_model().to(dev)
-    bf16 = {**HYPER, "ns_dtype": "bfloat16"}  # ROOT's default
+    bf16 = {**HYPER, "ns_dtype": "bfloat16"}  # what ROOT's "auto" picks on a GPU with bf16 units
     ref_opt = rootopt.ROOT(groups(ref), **bf16)
     model = wrap_model(make_model().to(dev), "fsdp")
     opt = DistributedROOT(groups(model), **bf16)

@@ -25,8 +25,8 @@ import rootopt.optim.functional as F
 from rootopt.distributed import DistributedROOT, finish, init_distributed
 from rootopt_analysis.counters import CollectiveCounter, TrafficCounter, bytes_written
 
-# float32 iterations (not the default bfloat16): the ranks are compared with one process to
-# float32 rounding, and the counted bytes assume float32 updates
+# float32 iterations (not bfloat16, the default on a device with bf16 units): the ranks are
+# compared with one process to float32 rounding, and the counted bytes assume float32 updates
 HYPER: dict[str, Any] = dict(
     lr=0.02, weight_decay=0.1, outlier_quantile=0.9, momentum=0.9, ns_dtype="float32"
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rootopt.optim.functional import clip_outliers, lr_scale_factor, soft_threshold_split
+from rootopt.optim.functional import lr_scale_factor
 from rootopt.optim.quantile import abs_quantile
 from rootopt.optim.registry import REGISTRY, make_optimizer
 from rootopt.optim.root import ROOT, NonFiniteGradientError
@@ -19,10 +19,8 @@ __all__ = [
     "RoutingReport",
     "Rule",
     "abs_quantile",
-    "clip_outliers",
     "default_rules",
     "lr_scale_factor",
     "make_optimizer",
     "param_groups",
-    "soft_threshold_split",
 ]

@@ -11,7 +11,8 @@ docs/performance.md, "One update, every path"), per weight matrix::
     p    = p (1 - lr wd) - lr * s(rows, cols) * U
 
 Three units do it, on lists and stacks: :func:`momentum_`, :func:`root_direction`
-(threshold → Newton–Schulz, or SVD / QR) and
+(threshold → Newton–Schulz, or SVD / QR; the threshold is :func:`outlier_threshold`, the one
+definition every path and the telemetry use) and
 :func:`apply_` (decay and scaled step). :func:`_single_tensor_root` writes the update
 plainly for one parameter, one matrix at a time: the reference. :func:`_multi_tensor_root`
 stacks matrices of one shape (a fused projection's Q/K/V blocks are just more entries of a
@@ -217,6 +218,14 @@ def robust_scale(
     return scaled
 
 
+def outlier_threshold(M: Tensor, quantile: float) -> Tensor:
+    """ROOT's threshold per matrix of ``M`` (``(rows, cols)`` or a stack ``(batch, rows,
+    cols)``): ``eps = quantile(|M|, q) + 1e-9`` (the official code's), float32, shaped
+    ``(1, 1)`` / ``(batch, 1, 1)``. The clip is ``clamp(M, -eps, eps)``: the kept part ``B``
+    of ``M = B + O``, the outliers ``O = sign(M) relu(|M| - eps)`` dropped."""
+    return abs_quantile(M, quantile).add_(THRESHOLD_EPS)
+
+
 def root_direction(
     V: Tensor,
     schedule: Sequence[Coeff],
@@ -225,15 +234,20 @@ def root_direction(
     method: OrthoMethod = "newton_schulz",
     dtype: torch.dtype = torch.float32,
     gram: GramMode = None,
+    thresholds: list[Tensor] | None = None,
 ) -> Tensor:
     """``U`` for a matrix or a stack ``(batch, rows, cols)``: each matrix clipped at its own
-    threshold ``quantile(|v|, q) + 1e-9`` (in place on ``V``; ``quantile=None``: no clip),
+    threshold (:func:`outlier_threshold`; in place on ``V``; ``quantile=None``: no clip),
     then :func:`rootopt.ortho.direction` — Newton–Schulz with ``schedule`` in ``dtype``, or
     the SVD / QR factor (float32). Returns ``V``'s shape,
     contiguous, in the iteration dtype. ``rootopt.orthogonalize`` is this without the clip.
+    ``thresholds``: where given, the thresholds the clip used are appended to it (the
+    values telemetry reports).
     """
     if quantile is not None:  # the clamp is V - sign(V) relu(|V| - eps), in one pass
-        eps = abs_quantile(V, quantile).add_(THRESHOLD_EPS)
+        eps = outlier_threshold(V, quantile)
+        if thresholds is not None:
+            thresholds.append(eps)
         if V.device.type == "cpu" and not torch.compiler.is_compiling():
             # Python bounds per matrix: several times faster than broadcast tensor bounds
             # on the CPU, where reading eps is no synchronisation.
@@ -278,8 +292,9 @@ def apply_(
 # ---------------------------------------------------------------------------------------
 # the reference: one parameter, one matrix at a time
 # ---------------------------------------------------------------------------------------
-# (param index, matrix, M before the clip, U), as (batch, rows, cols); for telemetry
-Record = Callable[[int, "Matrix", Tensor, Tensor], None]
+# (param index, matrix, M before the clip, its thresholds eps as (batch, 1, 1) or None
+# without a clip, U), M and U as (batch, rows, cols); for telemetry
+Record = Callable[[int, "Matrix", Tensor, Tensor | None, Tensor], None]
 
 
 def _single_tensor_root(
@@ -308,15 +323,15 @@ def _single_tensor_root(
     for m in matrices(view, o, blocks):
         for j in range(m.batch):  # one matrix at a time
             M = m.of(v, view)[j]
-            B = M
+            B, eps = M, None
             if o.quantile is not None:  # 2. threshold: clamp at the per-matrix quantile
-                eps = abs_quantile(M, o.quantile) + THRESHOLD_EPS
+                eps = outlier_threshold(M, o.quantile)
                 B = M.clamp(-eps, eps)
             schedule = coefficients(m.rows, m.cols)
             dtype = o.ns_dtype if o.method == "newton_schulz" else torch.float32
             U = direction(B, schedule, method=o.method, dtype=dtype, gram=o.gram)
             if record is not None:
-                record(0, m, M[None], U[None])
+                record(0, m, M[None], None if eps is None else eps[None], U[None])
             if robust is not None:  # (option) robust per-element scaling
                 U = robust_scale(
                     U[None],
@@ -422,10 +437,12 @@ def _directions(
             parts = [m.of(vs[i], views[i]) for i, m in bucket]
             V = parts[0] if len(parts) == 1 and private else torch.cat(parts)
         M = V.clone() if record is not None else None
+        thresholds: list[Tensor] = []
         U = root_direction(
             V, coefficients(rows, cols), quantile=o.quantile, method=o.method,
-            dtype=o.ns_dtype, gram=o.gram,
+            dtype=o.ns_dtype, gram=o.gram, thresholds=thresholds if record else None,
         )  # fmt: skip
+        eps = thresholds[0] if thresholds else None
         if U.dtype != dtypes[first] and U.device.type != "cpu":
             # one cast per stack keeps the step's _foreach calls on their fused path
             U = U.to(dtypes[first])
@@ -436,7 +453,8 @@ def _directions(
         for i, m in bucket:
             Um = U.narrow(0, off, m.batch)
             if record is not None and M is not None:
-                record(i, m, M.narrow(0, off, m.batch), Um)
+                e = None if eps is None else eps.narrow(0, off, m.batch)
+                record(i, m, M.narrow(0, off, m.batch), e, Um)
             off += m.batch
             remaining[i] -= 1
             whole = m.block is None and m.batch == views[i].batch
@@ -514,22 +532,3 @@ def _robust(U: Tensor, mean: Tensor, sq: Tensor, step: Tensor, o: RootOptions) -
         lam=o.robust_lambda,
     )  # fmt: skip
     return out.reshape(U.shape)
-
-
-# ---------------------------------------------------------------------------------------
-# the threshold on its own (public helpers)
-# ---------------------------------------------------------------------------------------
-def soft_threshold_split(M: Tensor, eps: Tensor) -> tuple[Tensor, Tensor]:
-    """Split ``M`` into the kept part ``B = clamp(M, -eps, eps)`` and the outliers
-    ``O = sign(M) relu(|M| - eps) = M - B``. ``eps`` broadcasts per matrix."""
-    B = torch.minimum(torch.maximum(M, -eps), eps)
-    return B, M - B
-
-
-def clip_outliers(M: Tensor, q: float | None) -> tuple[Tensor, Tensor | None]:
-    """``(B, eps)``: the soft-threshold residual of ``M`` at its ``q``-quantile
-    (``q=None``: no suppression, ``B = M``)."""
-    if q is None:
-        return M, None
-    eps = abs_quantile(M, q) + THRESHOLD_EPS
-    return torch.clamp(M, -eps, eps), eps

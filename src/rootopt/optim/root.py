@@ -416,7 +416,7 @@ class ROOT(Optimizer):
         if rec is not None:
             self.telemetry.update(
                 rec.finish(
-                    [name for _, _, name in part], params, quantile=o.quantile,
-                    lr=float(o.lr), spectra=self.record_spectra,
+                    [name for _, _, name in part], params, lr=float(o.lr),
+                    spectra=self.record_spectra,
                 )
             )  # fmt: skip
