@@ -312,11 +312,9 @@ def main() -> int:
         print(render(json.loads(args.render.read_text(encoding="utf-8"))), end="")
         return 0
     if args.json and os.path.lexists(args.json):
-        print(f"bench_llama_impl: {args.json} exists; choose another path", file=sys.stderr)
-        return 2
+        ap.error(f"{args.json}: the file exists; name a new one")  # before measuring anything
     if min(args.rounds, args.steps, *args.threads) < 1 or args.launch_rounds < 0:
-        print("bench_llama_impl: --rounds, --steps and --threads must be >= 1", file=sys.stderr)
-        return 2
+        ap.error("--rounds, --steps and --threads must be >= 1, --launch-rounds >= 0")
     data = run(args)
     if args.json:
         args.json.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
