@@ -714,6 +714,10 @@ def page_train_overhead() -> str:
     return str(_benchmark("bench_train_overhead").render(_json("docs/results/train_overhead.json")))
 
 
+def page_llama_impl() -> str:
+    return str(_benchmark("bench_llama_impl").render(_json("docs/results/llama_impl.json")))
+
+
 def page_distributed() -> str:
     dist = _benchmark("render_dist_results")
     bench, sync, plan = (f"docs/results/distributed-{n}.json" for n in ("bench", "sync", "plan"))
@@ -741,6 +745,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "benchmarks-family.md": page_benchmarks_family,
     "distributed.md": page_distributed,
     "integrations.md": page_integrations,
+    "llama_impl.md": page_llama_impl,
     "ns_dtype.md": page_ns_dtype,
     "outlook.md": page_outlook,
     "performance.md": page_performance,

@@ -13,7 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
-    "script", ["bench_step", "bench_gram", "bench_memory", "bench_quantile", "paired_spectral"]
+    "script",
+    [
+        "bench_step",
+        "bench_gram",
+        "bench_memory",
+        "bench_quantile",
+        "paired_spectral",
+        "bench_llama_impl",
+    ],
 )
 def test_a_bench_refuses_an_existing_json_before_running(tmp_path: Path, script: str) -> None:
     out = tmp_path / "bench.json"
