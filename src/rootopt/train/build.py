@@ -69,20 +69,7 @@ def process_info(cfg: Config) -> ProcessInfo:
             int(os.environ.get("LOCAL_RANK", 0)),
         )
     elif "WORLD_SIZE" in os.environ:
-        info = ProcessInfo(_env_int("RANK"), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK"))
-        if info.world_size < 1 or not 0 <= info.rank < info.world_size:
-            raise ConfigError(
-                [f"environment: RANK={info.rank} is not in [0, WORLD_SIZE={info.world_size})"]
-            )
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-        if info.world_size > 1 and d.init_method == "env://" and missing:
-            raise ConfigError(
-                [
-                    f"environment: WORLD_SIZE={info.world_size} is set but {' and '.join(missing)} "
-                    f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
-                    "(it sets them), or set both to rank 0's host and a free port"
-                ]
-            )
+        info = _launched(d.init_method)
     elif d.world_size > 1 and d.init_method == "env://":
         info = ProcessInfo(
             0,
@@ -108,6 +95,25 @@ def process_info(cfg: Config) -> ProcessInfo:
             )
         except ValueError as exc:
             raise ConfigError([str(exc)]) from None
+    return info
+
+
+def _launched(init_method: str) -> ProcessInfo:
+    """Rank and world size from a launcher's environment, checked."""
+    info = ProcessInfo(_env_int("RANK"), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK"))
+    if info.world_size < 1 or not 0 <= info.rank < info.world_size:
+        raise ConfigError(
+            [f"environment: RANK={info.rank} is not in [0, WORLD_SIZE={info.world_size})"]
+        )
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if info.world_size > 1 and init_method == "env://" and missing:
+        raise ConfigError(
+            [
+                f"environment: WORLD_SIZE={info.world_size} is set but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
+                "(it sets them), or set both to rank 0's host and a free port"
+            ]
+        )
     return info
 
 

@@ -441,16 +441,7 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
     _check_target(out_dir)
     checkpointer, found = _newest(run_dir, say)
     entry, state = found.entry, found.state
-    try:
-        saved = state["config"]
-        mcfg = _model_config(saved["model"])
-        seq_len = int(saved["data"]["seq_len"])
-    except (KeyError, TypeError, ValueError):
-        raise ExportError(f"{entry.name}: holds no model or data settings") from None
-    if mcfg.kind == "mlp":
-        raise ExportError(
-            f"{entry.name}: a classifier (model.kind=mlp) has no Hugging Face causal-LM form"
-        )
+    mcfg, seq_len = _saved_model(entry.name, state)
     trained = trained_tokenizer(run_dir, state, entry.name)
     weights = _weights(checkpointer, found)
     _quiet_transformers()
@@ -458,21 +449,11 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
         files = transformers_files(trained.text, trained.special)
     except TokenizerError as exc:
         raise ExportError(f"cannot export: {trained.where!r}: {exc}") from None
+    files[SOURCE_FILE] = _source(run_dir, entry, state)
     made = _missing_parents(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp = _staging_dir(out_dir, made)
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    except OSError as exc:
-        _remove_made(made)
-        raise ExportError(f"cannot create {str(out_dir)!r} ({exc.strerror or exc})") from None
-    try:
-        for name, data in files.items():
-            try:
-                atomic_write(tmp / name, data)
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, str(out_dir / name)) from None
-        atomic_write(tmp / SOURCE_FILE, _source(run_dir, entry, state))
+        _write_files(tmp, out_dir, files)
         hf, ours = _build(mcfg, state, weights, seq_len, trained.ids())
         _save_model(hf, tmp, out_dir)
         vocab = int(hf.get_input_embeddings().weight.shape[0])
@@ -483,21 +464,7 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
                 f"by {diff:.3g} in the logits (allowed {LOGIT_TOLERANCE:g}); nothing was published"
             )
         _check_tokenizer(tmp, trained)
-        for p in tmp.iterdir():
-            # safetensors creates model.safetensors 0600: a reader running as another user
-            # could not load the weights; every file gets the mode the umask gives
-            os.chmod(p, file_mode())
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        _check_target(out_dir)  # still missing or empty (another process may have written)
-        try:
-            os.rename(tmp, out_dir)
-        except OSError as exc:
-            raise ExportError(
-                f"cannot publish {str(out_dir)!r} ({exc.strerror or exc}); nothing was written there"
-            ) from None
-        fsync_dir(out_dir.parent)
+        _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_made(made)
@@ -511,6 +478,60 @@ def export(run_dir: Path, out_dir: Path, *, say: Callable[[str], None] = print) 
         f"AutoTokenizer.from_pretrained({str(out_dir)!r})"
     )
     return out_dir
+
+
+def _saved_model(name: str, state: dict[str, Any]) -> tuple[ModelConfig, int]:
+    """The checkpoint's model settings and sequence length; a classifier is refused."""
+    try:
+        saved = state["config"]
+        mcfg = _model_config(saved["model"])
+        seq_len = int(saved["data"]["seq_len"])
+    except (KeyError, TypeError, ValueError):
+        raise ExportError(f"{name}: holds no model or data settings") from None
+    if mcfg.kind == "mlp":
+        raise ExportError(
+            f"{name}: a classifier (model.kind=mlp) has no Hugging Face causal-LM form"
+        )
+    return mcfg, seq_len
+
+
+def _staging_dir(out_dir: Path, made: list[Path]) -> Path:
+    """The hidden sibling ``.OUT_DIR.partial-<id>/`` the export is written into."""
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        _remove_made(made)
+        raise ExportError(f"cannot create {str(out_dir)!r} ({exc.strerror or exc})") from None
+    return tmp
+
+
+def _write_files(tmp: Path, out_dir: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        try:
+            atomic_write(tmp / name, data)
+        except OSError as exc:  # named as the file the user will look for
+            raise OSError(exc.errno, exc.strerror, str(out_dir / name)) from None
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Every file at the umask's mode and on disk, then ``tmp`` renamed to ``out_dir``."""
+    for p in tmp.iterdir():
+        # safetensors creates model.safetensors 0600: a reader running as another user
+        # could not load the weights; every file gets the mode the umask gives
+        os.chmod(p, file_mode())
+        with open(p, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    _check_target(out_dir)  # still missing or empty (another process may have written)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError as exc:
+        raise ExportError(
+            f"cannot publish {str(out_dir)!r} ({exc.strerror or exc}); nothing was written there"
+        ) from None
+    fsync_dir(out_dir.parent)
 
 
 def _remove_made(made: list[Path]) -> None:

@@ -179,23 +179,9 @@ def _interrupted(exc: BaseException) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-    if args.log_dir is not None and not args.log_dir.strip():
-        return _fail(
-            2,
-            [
-                "--log_dir: empty path; omit it for the default runs/<name>-<key>, or name a directory"
-            ],
-            speak=_speaks_alone(),
-        )
-    if args.data_path is not None and not args.data_path.strip():
-        return _fail(
-            2,
-            [
-                "--data_path: empty path; omit it to prepare data.corpus into the run "
-                "directory, or name a prepared shard directory"
-            ],
-            speak=_speaks_alone(),
-        )
+    empty = _empty_paths(args)
+    if empty:
+        return _fail(2, empty, speak=_speaks_alone())
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -216,14 +202,9 @@ def _main(argv: list[str] | None) -> int:
     if _speaks_alone():
         for note in _environment_notes(cfg):
             print(note)
-
     try:
-        summary = train(
-            cfg,
-            Path(args.log_dir) if args.log_dir else None,
-            args.data_path,
-            config_path=args.config,
-        )
+        log_dir = Path(args.log_dir) if args.log_dir else None
+        summary = train(cfg, log_dir, args.data_path, config_path=args.config)
     except Exception as exc:
         known = exit_status(exc)
         if known is None:
@@ -241,6 +222,21 @@ def _main(argv: list[str] | None) -> int:
 
         finish(_status(summary))  # every file of the run is closed; see dist.finish
     return _status(summary)
+
+
+def _empty_paths(args: argparse.Namespace) -> list[str]:
+    """One line for an empty ``--log_dir`` or ``--data_path`` (none when both are unset or
+    name something)."""
+    if args.log_dir is not None and not args.log_dir.strip():
+        return [
+            "--log_dir: empty path; omit it for the default runs/<name>-<key>, or name a directory"
+        ]
+    if args.data_path is not None and not args.data_path.strip():
+        return [
+            "--data_path: empty path; omit it to prepare data.corpus into the run "
+            "directory, or name a prepared shard directory"
+        ]
+    return []
 
 
 def _speaks_for(exc: BaseException, line: str) -> bool:
