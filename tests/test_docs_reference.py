@@ -185,7 +185,7 @@ def stale_defaults(text: str) -> list[str]:
         named = {v for k, v in COEFFICIENT_NAMES.items() if re.search(rf"\b{k}\b", inside, re.I)}
         for coeffs in named - {root["ns_coefficients"]}:
             out.append(f"default ({inside}) names {coeffs}; ROOT's is {root['ns_coefficients']}")
-    for value in re.findall(r'ns_coefficients="\w+"\)[^\n]*the default is "(\w+)"', text):
+    for value in re.findall(r'ns_coefficients="\w+"\)[^\n]*the default(?: is|:) "(\w+)"', text):
         if value != root["ns_coefficients"]:
             out.append(f'the default is "{value}"; ROOT\'s is {root["ns_coefficients"]}')
     return out
@@ -198,14 +198,15 @@ def test_pages_name_only_defaults_the_code_has(page: Path) -> None:
 
 def test_the_default_checks_catch_stale_text() -> None:
     """The checker fails on the sentences the pages carried when AdaNewton, then Muon's
-    coefficients, then bfloat16 iterations on every device stopped being the default, and
-    on a changed config default."""
+    coefficients, then bfloat16 iterations on every device, then Polar Express stopped being
+    the default, and on a changed config default."""
     stale = [
         "`tests/test_paths.py` runs every path with every option set — default coefficients "
         "(AdaNewton), float64 and bfloat16 parameters",
         "| ROOT default (fp32 iteration, AdaNewton, threshold) | 7,656 |",
         'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default is "adanewton")',
-        'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default is "muon")',
+        'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default: "polar_express")',
+        "every option set of ``tests/path_cases.py`` — the default coefficients (Polar Express's)",
         'iterates with `ns_dtype="bfloat16"` (the default) on the CPU',
         "loses at most `checkpoint.every` steps (default 1000)",
         "`outlier_quantile=0.8` (the default)",
@@ -213,7 +214,8 @@ def test_the_default_checks_catch_stale_text() -> None:
     for sentence in stale:
         assert stale_defaults(sentence), sentence
     fine = [
-        'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default: "polar_express")',
+        'opt = rootopt.ROOT(groups, ns_coefficients="adanewton")  # opt in (the default: "muon")',
+        "every option set of ``tests/path_cases.py`` — the default coefficients (Muon's tuple)",
         "`run.max_nonfinite` (default 20) steps in a row",
         '`ns_dtype="auto"` (the default) resolves per device',
     ]
@@ -400,9 +402,9 @@ def test_the_statement_checks_catch_stale_text() -> None:
     for scope, sentences in stale.items():
         for sentence in sentences:
             assert stale_statements(sentence, scope), sentence
-    # and the docstring naming Muon's coefficients, by the defaults check
+    # and the docstring naming Polar Express's coefficients, by the defaults check
     assert stale_defaults(
-        "every option set of ``tests/path_cases.py`` — the default coefficients (Muon's tuple)"
+        "every option set of ``tests/path_cases.py`` — the default coefficients (Polar Express's)"
     )
     fine = {
         "page": [

@@ -9,7 +9,7 @@ world size 1 (no process group), and at world size 2 replicated (``dist2``: the 
 design on gradients averaged by DDP; ``avg2``: the owner design reduce-scattering them
 itself) and sharded (``DTensor``
 parameters, as FSDP2 holds them; gloo, launched once by torchrun). Every path runs every
-option set of ``tests/path_cases.py`` — the default coefficients (Polar Express's) and
+option set of ``tests/path_cases.py`` — the default coefficients (Muon's tuple) and
 AdaNewton, float64 and bfloat16 parameters, Nesterov off, robust scaling, a bfloat16
 iteration — on a model with fused QKV weights (``ns_split``, one of them stored transposed).
 """
@@ -33,16 +33,18 @@ from path_cases import LR, OPTION_SETS, SHAPES, gradients, groups, iteration_dty
 from rootopt import ROOT
 from rootopt.coeffs.cache import CoefficientCache
 from rootopt.distributed import DistributedROOT
+from rootopt.optim._options import ns_dtype_name
 from rootopt.optim.functional import RootOptions, _single_tensor_root
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 Result = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]
 
-# ROOT's defaults, written out: the reference does not read them from the class.
+# ROOT's defaults, written out: the reference does not read them from the class (the
+# iteration dtype is what ns_dtype="auto" resolves to on this CPU).
 DEFAULTS: dict[str, Any] = dict(
     momentum=0.95, nesterov=True, weight_decay=0.1, outlier_quantile=0.9, ns_steps=5,
-    ns_coefficients="polar_express", ns_dtype="bfloat16", robust_scaling=False, robust_window=100,
-    robust_lambda=0.1,
+    ns_coefficients="muon", ns_dtype=ns_dtype_name("auto", torch.device("cpu")),
+    robust_scaling=False, robust_window=100, robust_lambda=0.1,
 )  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -234,6 +236,6 @@ def test_orthogonalize_is_the_step_direction() -> None:
             U3 = orthogonalize(G[None], dtype=DTYPES[dtype])[0]
             assert torch.equal(-p.detach(), U3.float()), shape
             # A 2-D matrix runs mm instead of bmm: equal up to their float32 rounding
-            # (about 70 ulps after K = 5 Polar Express steps on 7x13).
+            # (tens of ulps after K = 5 steps on 7x13).
             U = orthogonalize(G, dtype=DTYPES[dtype])
             torch.testing.assert_close(-p.detach(), U.float(), atol=1e-5, rtol=0, msg=str(shape))

@@ -488,25 +488,28 @@ def headline(s: dict[str, Any]) -> str:
             f"| {label} | {_pm(r0['test_loss_ci'])} | {_pm(r1['test_loss_ci'])} | {diff} | {adamw} |"
         )
     size_text = ", ".join(f"`{t}` {n:,}" for t, n in sizes.items())
+    dtype = s["arms"].get(arm, {}).get("options", {}).get("ns_dtype")
+    where = "with" if dtype == "bfloat16" else "without"
     intro = (
         "Test loss at the end of training (lower is better; mean ± half the 95 % interval, "
         f"{len(s['protocol']['report_seeds'])} seeds) from the defaults study on a 2-core CPU: "
         "byte-level Llama LMs and, for `digits`, a CNN"
         + (f" (parameters: {size_text})" if size_text else "")
         + ". Tuned on other seeds: the learning rate per cell; the AdamW-side lr and the "
-        "weight decay on the 150/200-step cells, inherited by the longer ones. ROOT iterates in "
-        'bfloat16 (`ns_dtype="auto"` on a CPU with bf16 units); every run clips the gradient '
-        "norm at 1. ROOT − Muon: paired difference (same initialisation and batches), 95 % "
-        "interval, bold where its t test, Holm-corrected over the table, rejects 0 at 5 %."
+        f"weight decay on the 150/200-step cells, inherited by the longer ones. ROOT (`{arm}`) "
+        f'iterates in {dtype} (`ns_dtype="auto"` on a CPU {where} bf16 units); every run clips '
+        "the gradient norm at 1. ROOT − Muon: paired difference (same initialisation and "
+        "batches), 95 % interval, bold where its t test, Holm-corrected over the table, rejects "
+        "0 at 5 %."
         + (
             ""
             if decided and arm == decision
             else (
-                f" ROOT is the shipped setting (`{arm}`). The study's decision on validation is "
-                f"`{decision}`, a change of the library's defaults not yet made."
+                f" This study's own decision, `{decision}`, was overturned by the next study "
+                "(docs/benchmarks.md)."
             )
             if decided
-            else " ROOT is the shipped setting; the study has not finished deciding the defaults."
+            else " The study has not finished deciding the defaults."
         )
     )
     lines = [HEADLINE_BEGIN, "", *_wrap(intro), ""]

@@ -210,7 +210,7 @@ class OptimizationConfig:
     nesterov: bool = _f(True, "Nesterov momentum (ROOT)")
     ns_steps: int = _f(5, "Newton–Schulz iterations (ROOT)", min=1, max=20)
     ns_coefficients: str = _f(
-        "polar_express",
+        "muon",
         "Newton–Schulz coefficient preset (ROOT; default chosen in docs/benchmarks.md)",
     )
     ns_dtype: Literal["auto", "bfloat16", "float32"] = _f(

@@ -63,8 +63,8 @@ class ROOT(Optimizer):
             ``"algorithm"`` routes per parameter: ``ndim >= 2`` ROOT, the rest AdamW
             (:func:`rootopt.param_groups` builds safe groups from a model).
         lr, momentum, nesterov, weight_decay: as in the update above.
-        ns_steps, ns_coefficients: K iterations; ``"polar_express"`` (the default,
-            chosen by the defaults study, docs/benchmarks.md), ``"muon"`` (Muon's tuple), ``"adanewton"``
+        ns_steps, ns_coefficients: K iterations; ``"muon"`` (the default: Muon's tuple,
+            chosen by the defaults study, docs/benchmarks.md), ``"polar_express"``, ``"adanewton"``
             (shape-specific, certified stable; ``"adanewton-static"`` is an alias of it),
             ``"official"`` (the paper's table + Muon fallback), ``"you"``, ``"cans"``,
             ``"cubic"``, ``"quintic"``, an ``(a, b, c)`` tuple, K tuples or ``(rows, cols, K) -> tuples``.
@@ -109,7 +109,7 @@ class ROOT(Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.1,
         ns_steps: int = 5,
-        ns_coefficients: CoefficientSpec = "polar_express",
+        ns_coefficients: CoefficientSpec = "muon",
         ns_dtype: str | torch.dtype = "auto",
         ortho_method: OrthoMethod = "newton_schulz",
         outlier_quantile: float | None = 0.9,

@@ -73,7 +73,7 @@ def orthogonalize(
     G: Tensor,
     *,
     steps: int = 5,
-    coefficients: CoefficientSpec | Tensor = "polar_express",
+    coefficients: CoefficientSpec | Tensor = "muon",
     method: Method = "newton_schulz",
     dtype: torch.dtype = torch.float32,
     eps: float = NORM_EPS,
@@ -84,7 +84,7 @@ def orthogonalize(
     ``G`` is 2-D ``(m, n)`` or a batch ``(B, m, n)``. For Newton–Schulz, ``coefficients``
     is resolved for the shape ``(m, n)``, ``steps`` iterations and ``dtype`` (see
     :func:`rootopt.coeffs.resolve`), or given as a ``(K, 3)`` / ``(K, B, 3)`` tensor; the
-    default is the optimizer's (``"polar_express"``). ``"adanewton"`` is certified for the iteration dtype as in the optimizer, so the result
+    default is the optimizer's (``"muon"``). ``"adanewton"`` is certified for the iteration dtype as in the optimizer, so the result
     is exactly the direction :class:`rootopt.ROOT` computes for ``G`` with the threshold
     off (``outlier_quantile=None``). ``gram``: run the iteration in Gram space (``True``), spectrally
     (``"spectral"``), plainly (``False``), or where measured to pay and hold (``None``). ``dtype`` is the iteration dtype (float32
