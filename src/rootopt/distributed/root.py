@@ -56,6 +56,11 @@ REMOVED = {
     "(the 'gram' design was 2x slower where measured)",
     "gpus_per_node": "it sized the removed fsdp_design='gram' groups",
 }
+# Options of earlier releases that have a new name here (one line each when one is passed).
+RENAMED = {
+    "bucket_bytes": "comm_bucket_bytes=... (the bytes of one communication bucket); ROOT's "
+    "stacking budget bucket_bytes is a parameter group option here",
+}
 
 
 @dataclass
@@ -70,6 +75,14 @@ class _Synced:
     start: float
     blocked: float
     pieces: list[Tensor] = field(default_factory=list)  # every tensor above, once
+
+
+def _compile_refused(where: str) -> str:
+    return (
+        f"compile_step is not supported by DistributedROOT {where}: its step runs "
+        "collectives between the owners' updates; leave it off (it is ROOT's own step, "
+        "compiled, in one process with plain tensors)"
+    )
 
 
 def _is_dtensor(t: object) -> bool:
@@ -88,9 +101,10 @@ class DistributedROOT(ROOT):
         params, **kwargs: as :class:`rootopt.ROOT`.
         process_group: the group to work in (default: the default group; none started →
             the plain single-process step).
-        bucket_bytes: bounds the extra memory of a step (default 32 MiB): the bytes of one
-            owner bucket (plain tensors); of whole float32 matrices one owner receives in
-            one sharded round.
+        comm_bucket_bytes: bounds the extra memory of a step's communication (default
+            32 MiB): the bytes of one owner bucket (plain tensors); of whole float32
+            matrices one owner receives in one sharded round. (ROOT's ``bucket_bytes``, the
+            stacking budget, is a parameter group option here.)
         average_grads: the optimizer synchronises the gradients of plain parameters:
             reduce-scatters them to their owners, each bucket starting during backward
             once its gradients are complete (no DDP wrapper: DDP AdamW's bytes). Leave
@@ -100,6 +114,9 @@ class DistributedROOT(ROOT):
             all but the last backward, and unscale / clip with :meth:`sync_grads` and
             :meth:`clip_grad_norm_`; a gradient changed after its bucket started is
             refused at the step on every rank with one line, nothing updated.
+        compile_step: as :class:`rootopt.ROOT` where the step *is* ROOT's (one process,
+            plain tensors); refused across ranks and for sharded parameters, whose step runs
+            collectives between the owners' updates.
 
     ``self.stats`` (:class:`~rootopt.distributed.flat.StepStats`) describes this rank's
     last step.
@@ -110,22 +127,29 @@ class DistributedROOT(ROOT):
         params: Iterable[Any],
         *,
         process_group: dist.ProcessGroup | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        comm_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         average_grads: bool = False,
         **kwargs: Any,
     ) -> None:
         for key, why in REMOVED.items():
             if key in kwargs:
                 raise ValueError(f"DistributedROOT({key}=...) was removed: {why}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (must be an integer >= 1)")
+        for key, new in RENAMED.items():
+            if key in kwargs:
+                raise ValueError(f"DistributedROOT({key}=...) is now {new}")
+        n = comm_bucket_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Invalid comm_bucket_bytes: {n!r} (must be an integer >= 1)")
         if not isinstance(average_grads, bool):
             raise ValueError(f"Invalid average_grads: {average_grads!r} (must be True or False)")
+        size = world(process_group).world_size
+        if kwargs.get("compile_step") and size > 1:
+            raise ValueError(_compile_refused(f"at world size {size}"))
         self.process_group = process_group
-        self.bucket_bytes = bucket_bytes
+        self.comm_bucket_bytes = comm_bucket_bytes
         self.average_grads = average_grads
         self.stats = StepStats()
-        self._replicated = Replicated(average_grads, bucket_bytes)
+        self._replicated = Replicated(average_grads, comm_bucket_bytes)
         self._synced: _Synced | None = None
         self._ready = False
         super().__init__(params, **kwargs)
@@ -146,6 +170,8 @@ class DistributedROOT(ROOT):
                         "robust_scaling is not supported for sharded (FSDP2) parameters; "
                         "turn it off or use DDP"
                     )
+                if self.compile_step and _is_dtensor(p):
+                    raise ValueError(_compile_refused("for sharded (FSDP2) parameters"))
                 self._init_state(group, p)  # ROOT's own: the same dtypes and keys
         if self._ready:
             self._replicated.plan(self)
