@@ -41,7 +41,7 @@ from rootopt.distributed.owners import ns_cost
 from rootopt.distributed.replicated import Replicated
 from rootopt.optim._coefficients import group_matrices
 from rootopt.optim._finite import finite_flags
-from rootopt.optim._norm import sum_of_squares
+from rootopt.optim._norm import clip_grads_, sum_of_squares
 from rootopt.optim.root import DEFAULT_BUCKET_BYTES, ROOT, NonFiniteGradientError, algorithm_of
 
 # Options of earlier releases and what replaced them (one line each when one is passed).
@@ -340,10 +340,7 @@ class DistributedROOT(ROOT):
         norm from :meth:`sync_grads` (one all-reduce), each rank scaling what it owns by
         ``min(1, max_norm / (norm + 1e-6))``. Returns the norm before clipping."""
         norm = self.sync_grads()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        pieces = self.owned_grads()
-        if pieces:
-            torch._foreach_mul_(pieces, coef.to(pieces[0].device))
+        clip_grads_(self.owned_grads(), max_norm, norm)
         return norm
 
     # ----------------------------------------------------------------------------- step

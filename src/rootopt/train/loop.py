@@ -54,6 +54,7 @@ from rootopt.train.signals import interruptible
 from rootopt.train.state import Hooks, Run, TrainState
 from rootopt.train.step import evaluate, train_step
 from rootopt.train.summary import Summary, already_complete, write_summary
+from rootopt.train.sync import grad_sync
 
 __all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "setup", "train"]
 
@@ -334,6 +335,7 @@ def _build(
         scheduler=scheduler,
         clipper=clipper,
         precision=precision,
+        sync=grad_sync(cfg, model, optimizer, info.world_size),
         monitor=monitor,
         routing=routing,
         run_id=str(public["run_id"]),
