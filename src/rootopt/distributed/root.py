@@ -241,13 +241,7 @@ class DistributedROOT(ROOT):
         info = world(self.process_group)
         flat = self._flat()
         entries = [i for i, (_, _, p) in enumerate(flat) if p.numel() > 0]
-        for i in entries:
-            gi, pi, p = flat[i]
-            g = p.grad
-            if g is not None and (g.is_sparse or g.is_complex()):
-                kind = "sparse" if g.is_sparse else "complex"
-                name = self._name(gi, self.param_groups[gi], pi)
-                raise RuntimeError(f"ROOT does not support {kind} gradients ({name})")
+        self._check_kinds(entries)
         rep = self._replicated
         owned: dict[int, Tensor] = {}
         if info.world_size > 1:
@@ -255,11 +249,41 @@ class DistributedROOT(ROOT):
                 rep.plan(self)
             if rep.layout is not None:
                 owned = rep.reduce(self, info.rank)
-        # the gradient tensors this rank answers for: what it owns, its shards, or (one
-        # process, plain tensors) every gradient
-        of: list[tuple[int, Tensor]] = []
-        if rep.layout is not None and info.world_size > 1:
-            of += [(rep.layout.items[li].index, g) for li, g in owned.items()]
+        answered, shards = self._answered(entries, owned, info.world_size)
+        pieces = [g for _, g in answered]
+        if inv_scale is not None and pieces:
+            torch._foreach_mul_(pieces, inv_scale)
+        flags, late = self._flags(entries, answered, info.world_size)
+        values = self._agree(flags, len(entries), late, info.world_size)
+        n = len(entries)
+        names = [self._name(flat[i][0], self.param_groups[flat[i][0]], flat[i][1]) for i in entries]
+        bad = [names[k] for k in range(n) if values[n + k] > 0]
+        active = {i for k, i in enumerate(entries) if values[k] > 0 and values[n + k] == 0}
+        norm = flags[2 * n + 1].sqrt().float()
+        self._synced = _Synced(norm, active, bad, owned, shards, start, blocked, pieces)
+        return norm
+
+    def _check_kinds(self, entries: list[int]) -> None:
+        """ROOT's refusal of sparse and complex gradients, before anything is sent."""
+        flat = self._flat()
+        for i in entries:
+            gi, pi, p = flat[i]
+            g = p.grad
+            if g is not None and (g.is_sparse or g.is_complex()):
+                kind = "sparse" if g.is_sparse else "complex"
+                name = self._name(gi, self.param_groups[gi], pi)
+                raise RuntimeError(f"ROOT does not support {kind} gradients ({name})")
+
+    def _answered(
+        self, entries: list[int], owned: dict[int, Tensor], world_size: int
+    ) -> tuple[list[tuple[int, Tensor]], dict[int, Tensor]]:
+        """The gradient tensors this rank answers for, by optimizer position: what it owns
+        (``owned``, by layout position), its shards, or (one process, plain tensors) every
+        gradient; and the shards alone (a zero shard where a sharded parameter has none)."""
+        flat, layout = self._flat(), self._replicated.layout
+        answered: list[tuple[int, Tensor]] = []
+        if layout is not None and world_size > 1:
+            answered += [(layout.items[li].index, g) for li, g in owned.items()]
         shards: dict[int, Tensor] = {}
         for i in entries:
             p = flat[i][2]
@@ -268,12 +292,19 @@ class DistributedROOT(ROOT):
                 shards[i] = (
                     sharded.local(g) if g is not None else torch.zeros_like(sharded.local(p))
                 )
-                of.append((i, shards[i]))
-            elif info.world_size == 1 and p.grad is not None:
-                of.append((i, p.grad))
-        pieces = [g for _, g in of]
-        if inv_scale is not None and pieces:
-            torch._foreach_mul_(pieces, inv_scale)
+                answered.append((i, shards[i]))
+            elif world_size == 1 and p.grad is not None:
+                answered.append((i, p.grad))
+        return answered, shards
+
+    def _flags(
+        self, entries: list[int], answered: list[tuple[int, Tensor]], world_size: int
+    ) -> tuple[Tensor, str]:
+        """This rank's float64 flags, summed over the ranks by :meth:`_agree`: per entry
+        "has a gradient" (n), then "non-finite here" (n), "changed after its reduce-scatter
+        started" (1) and the sum of squares of what it answers for (1); and the name of
+        the parameter whose gradient changed here ("" if none)."""
+        flat, rep = self._flat(), self._replicated
         n = len(entries)
         dev = sharded.local(flat[entries[0]][2]).device if entries else torch.device("cpu")
         flags = torch.zeros(2 * n + 2, dtype=torch.float64, device=dev)
@@ -282,9 +313,9 @@ class DistributedROOT(ROOT):
         where = {i: k for k, i in enumerate(entries)}
         # checked for NaN/Inf: what this rank answers for; under DDP (gradients not reduced
         # here) every local gradient, so that one rank's bad copy stops every rank
-        checked = of
-        if rep.layout is not None and info.world_size > 1 and not rep.average_grads:
-            checked = [(i, g) for i, g in of if _is_dtensor(flat[i][2])] + [
+        checked = answered
+        if rep.layout is not None and world_size > 1 and not rep.average_grads:
+            checked = [(i, g) for i, g in answered if _is_dtensor(flat[i][2])] + [
                 (i, cast(Tensor, flat[i][2].grad))
                 for i in entries
                 if not _is_dtensor(flat[i][2]) and flat[i][2].grad is not None
@@ -294,36 +325,37 @@ class DistributedROOT(ROOT):
             idx = torch.tensor([n + where[i] for i, _ in checked], device=dev)
             ok = finite_flags([g for _, g in checked])
             flags.index_add_(0, idx, (~ok).to(dev, torch.float64))
-        full = [g for _, g in of if g.numel()]
+        full = [g for _, g in answered if g.numel()]
         if full:
             # in chunks: float32 norms of long tensors are off by up to 1e-4 and depend on
             # where the owned parts are cut (rootopt.optim._norm)
             flags[2 * n + 1] = sum_of_squares(full).to(dev)
-        late = rep.changed(self) if info.world_size > 1 else ""
+        late = rep.changed(self) if world_size > 1 else ""
         flags[2 * n] = float(bool(late))
-        if info.world_size > 1:
+        return flags, late
+
+    def _agree(self, flags: Tensor, n: int, late: str, world_size: int) -> list[float]:
+        """Sum ``flags`` over the ranks (one all-reduce) and read them (the one host
+        synchronisation); a gradient changed after its reduce-scatter started on any rank
+        is refused on every rank, nothing updated."""
+        if world_size > 1:
             nbytes = flags.numel() * flags.element_size()
             collective(
                 "all_reduce gradient flags", dist.all_reduce, flags, group=self.process_group
             )
             self.stats.count("all_reduce", nbytes, nbytes)
-        values = flags[: 2 * n + 1].tolist()  # the one host synchronisation
+        values: list[float] = flags[: 2 * n + 1].tolist()
         if values[2 * n] > 0:
-            if rep.backward is not None:
-                rep.backward.reset()
+            if self._replicated.backward is not None:
+                self._replicated.backward.reset()
             raise ValueError(
-                f"the gradient of {late or 'a parameter on another rank'} changed after its "
-                "bucket's reduce-scatter had started (a second backward outside "
+                f"the gradient of {late or 'a parameter on another rank'} changed after "
+                "its bucket's reduce-scatter had started (a second backward outside "
                 "`with opt.no_sync():`, or p.grad changed after backward: unscale and clip "
                 "with opt.sync_grads(inv_scale=...) / opt.clip_grad_norm_(...)); nothing was "
                 "updated"
             )
-        names = [self._name(flat[i][0], self.param_groups[flat[i][0]], flat[i][1]) for i in entries]
-        bad = [names[k] for k in range(n) if values[n + k] > 0]
-        active = {i for k, i in enumerate(entries) if values[k] > 0 and values[n + k] == 0}
-        norm = flags[2 * n + 1].sqrt().float()
-        self._synced = _Synced(norm, active, bad, owned, shards, start, blocked, pieces)
-        return norm
+        return values
 
     def owned_grads(self) -> list[Tensor]:
         """The synchronised gradients this rank answers for (the parts it owns, its
