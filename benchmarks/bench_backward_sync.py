@@ -80,7 +80,7 @@ def main() -> None:
             rest = [p for p in inner.parameters() if p.ndim != 2]
             opt = DistributedROOT(
                 [{"params": mats, "algorithm": "root"}, {"params": rest, "algorithm": "adamw"}],
-                lr=0.01, average_grads=arm != "ddp", bucket_bytes=a.bucket_kib << 10,
+                lr=0.01, average_grads=arm != "ddp", comm_bucket_bytes=a.bucket_kib << 10,
             )  # fmt: skip
             x = torch.randn(a.batch, a.width, device=dev)
             steps = []

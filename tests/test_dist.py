@@ -215,12 +215,96 @@ def test_state_is_created_eagerly_and_lr0_is_a_noop() -> None:
         ({"sync_in_backward": True}, "sync_in_backward=...\\) was removed: with average_grads"),
         ({"fsdp_design": "gram"}, "fsdp_design=...\\) was removed: sharded matrices are"),
         ({"gpus_per_node": 8}, "gpus_per_node=...\\) was removed"),
+        # the communication bucket has its own name; ROOT's bucket_bytes is a group option
+        ({"comm_bucket_bytes": 0}, "Invalid comm_bucket_bytes: 0"),
+        ({"comm_bucket_bytes": 1.5}, "Invalid comm_bucket_bytes: 1.5"),
+        ({"bucket_bytes": 1 << 20}, "bucket_bytes=...\\) is now comm_bucket_bytes=..."),
     ],
 )
 def test_bad_options(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match) as exc:
         DistributedROOT(common.make_model().parameters(), **kwargs)
     assert "\n" not in str(exc.value)
+
+
+def test_comm_bucket_bytes_and_roots_bucket_bytes_are_two_options() -> None:
+    """comm_bucket_bytes cuts the communication buckets; ROOT's bucket_bytes (the stacking
+    budget) reaches the step as a parameter group option, validated as ROOT validates it."""
+    model = common.make_model()
+    groups = common.groups(model)
+    groups[0]["bucket_bytes"] = 4096
+    opt = DistributedROOT(groups, **common.HYPER, comm_bucket_bytes=1 << 16)
+    assert opt.comm_bucket_bytes == 1 << 16
+    assert opt.param_groups[0]["bucket_bytes"] == 4096
+    assert opt.param_groups[1]["bucket_bytes"] == "auto"  # ROOT's default
+    bad = common.groups(common.make_model())
+    bad[0]["bucket_bytes"] = -1
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        DistributedROOT(bad, **common.HYPER)
+
+
+def test_compile_step_is_refused_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At world size > 1 the step runs collectives between the owners' updates: compile_step
+    is refused with one line before anything is built (it was silently ignored)."""
+    import rootopt.distributed.root as droot
+    from rootopt.distributed import WorldInfo
+
+    monkeypatch.setattr(droot, "world", lambda group=None: WorldInfo(0, 2, 0, 2, "gloo"))
+    for mode in (True, "reduce-overhead"):
+        with pytest.raises(ValueError) as exc:
+            DistributedROOT(common.groups(common.make_model()), compile_step=mode)
+        assert str(exc.value) == (
+            "compile_step is not supported by DistributedROOT at world size 2: its step runs "
+            "collectives between the owners' updates; leave it off (it is ROOT's own step, "
+            "compiled, in one process with plain tensors)"
+        )
+
+
+def test_compile_step_is_refused_for_sharded_parameters(tmp_path: Path) -> None:
+    """DTensor parameters (FSDP2) take the sharded step even in one process: refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        with pytest.raises(ValueError, match="^compile_step is not supported by "
+                           "DistributedROOT for sharded \\(FSDP2\\) parameters"):  # fmt: skip
+            DistributedROOT([w], compile_step=True)
+        DistributedROOT([w])  # without it: fine
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compile_step_is_roots_compiled_step_in_one_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No process group, plain tensors: DistributedROOT(compile_step=...) compiles ROOT's
+    step from the second step on, with the mode given, and updates as ROOT does."""
+    compiled: list[Any] = []
+
+    def fake_compile(fn: Any, mode: Any = None) -> Any:  # the traced step, run eagerly
+        compiled.append(mode)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    a, b = common.make_model(), common.make_model()
+    opt_a = rootopt.ROOT(common.groups(a), **common.HYPER)
+    opt_b = DistributedROOT(common.groups(b), **common.HYPER, compile_step="reduce-overhead")
+    for step in range(3):
+        ids, x, y = common.global_batch(step)
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(ids, x), y).backward()
+            o.step()
+    assert compiled == ["reduce-overhead"]
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
 
 
 def test_agreed_loss_scale_follows_torchs_gradscaler() -> None:
@@ -296,6 +380,9 @@ def _check_parity(res: list[dict[str, Any]], world: int) -> None:
         assert r["fsdp_vs_ddp"] < TOL  # FSDP2 equals DDP
         # NaN on rank 0 only: all ranks agree to refuse, nothing is updated anywhere
         assert r["nan_refused"].startswith("non-finite gradient (NaN/Inf) in parameter w1")
+        assert r["compile_refused"].startswith(
+            f"compile_step is not supported by DistributedROOT at world size {world}:"
+        )
         assert r["nan_change"] == 0.0
     # every matrix orthogonalized exactly once per step, by exactly one rank, cost-balanced
     assert sum(r["ns_matrices"] for r in res) == 6

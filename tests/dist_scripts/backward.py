@@ -54,7 +54,7 @@ def owner_model(early: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Model(6)
     opt = DistributedROOT(
-        owner_groups(model), **HYPER, average_grads=True, bucket_bytes=SMALL_BUCKETS
+        owner_groups(model), **HYPER, average_grads=True, comm_bucket_bytes=SMALL_BUCKETS
     )
     x = torch.randn(BATCH, 48, generator=torch.Generator().manual_seed(1))
     sl = torch.tensor_split(torch.arange(BATCH), world)[rank]
@@ -142,7 +142,7 @@ def net_run(
 ) -> tuple[Any, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    opt = DistributedROOT(groups(model), **HYPER, average_grads=True, bucket_bytes=256)
+    opt = DistributedROOT(groups(model), **HYPER, average_grads=True, comm_bucket_bytes=256)
     for step in range(steps):
         opt.zero_grad()
         if before_step is not None:
@@ -187,7 +187,7 @@ def net_cases() -> dict[str, Any]:
     # by hand): refused on every rank, nothing updated, the next step fine
     for case in ("late", "scaled"):
         model = make_model()
-        opt = DistributedROOT(groups(model), **HYPER, average_grads=True, bucket_bytes=256)
+        opt = DistributedROOT(groups(model), **HYPER, average_grads=True, comm_bucket_bytes=256)
         parts = net_batches(0, 2, world)
         before = [p.detach().clone() for p in model.parameters()]
         state_before = {k: dict(v) for k, v in opt.state_dict()["state"].items()}
@@ -224,7 +224,7 @@ def unscale_and_clip() -> dict[str, Any]:
     averaged gradients with torch's clip_grad_norm_ (3 steps, the norm clipped each)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    opt = DistributedROOT(groups(model), **HYPER, average_grads=True, bucket_bytes=256)
+    opt = DistributedROOT(groups(model), **HYPER, average_grads=True, comm_bucket_bytes=256)
     ref = make_model()
     ref_opt = rootopt.ROOT(groups(ref), **HYPER)
     norms, ref_norms = [], []

@@ -164,7 +164,7 @@ def mismatch() -> str:
     torch.manual_seed(0)
     model = Model(1)
     bucket = 1024 if rank == world - 1 else 32 << 20
-    return refused(lambda: DistributedROOT(groups(model), **HYPER, bucket_bytes=bucket))
+    return refused(lambda: DistributedROOT(groups(model), **HYPER, comm_bucket_bytes=bucket))
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import HYPER, global_batch, groups, make_model, write
+from common import HYPER, global_batch, groups, make_model, refused, write
 from torch.distributed.tensor import DTensor, Shard
 
 import rootopt
@@ -117,7 +117,7 @@ def main() -> None:
     # backward on), parameters all-gathered; one bucket, then tiny buckets
     for key, kw in (
         ("owner", {"average_grads": True}),
-        ("owner_buckets", {"average_grads": True, "bucket_bytes": 256}),
+        ("owner_buckets", {"average_grads": True, "comm_bucket_bytes": 256}),
     ):
         model, opt = train("plain", STEPS, **kw)
         res[f"{key}_param_diff"] = max_diff(model, ref_params)
@@ -147,7 +147,7 @@ def main() -> None:
     res["fsdp_param_diff"] = max_diff(model, ref_params)
     res["fsdp_vs_ddp"] = max_diff(model, ddp_params)
     # tiny rounds: at most 256 B (one matrix) received per owner and round
-    model, opt = train("fsdp", STEPS, bucket_bytes=256)
+    model, opt = train("fsdp", STEPS, comm_bucket_bytes=256)
     res["fsdp_rounds_param_diff"] = max_diff(model, ref_params)
     res["fsdp_rounds"] = opt.stats.collectives.get("all_to_all", 0) // 2
     res["fsdp_state_diff"] = state_diff(opt, model, ref_state)
@@ -199,6 +199,10 @@ def main() -> None:
         res["nan_refused"] = str(exc)
     res["nan_change"] = max(
         float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
+    )
+    # compile_step across ranks: refused on every rank before any collective (no hang)
+    res["compile_refused"] = refused(
+        lambda: DistributedROOT(groups(make_model()), **HYPER, compile_step=True)
     )
     write(out_dir, "parity", res)
     finish(0)

@@ -106,9 +106,9 @@ def state_keys(group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
 class Replicated:
     """The owner design's layout, its backward hooks and its step (one per optimizer)."""
 
-    def __init__(self, average_grads: bool, bucket_bytes: int) -> None:
+    def __init__(self, average_grads: bool, comm_bucket_bytes: int) -> None:
         self.average_grads = average_grads
-        self.bucket_bytes = bucket_bytes
+        self.comm_bucket_bytes = comm_bucket_bytes
         self.layout: OwnerLayout | None = None
         self.backward: _Backward | None = None
         self.hooks: list[Any] = []
@@ -133,7 +133,7 @@ class Replicated:
             flat = opt._flat()
             for index, st in self.gather_state(opt).items():
                 opt.state[flat[index][2]].update(st)
-        layout = owner_layout(items, info.world_size, self.bucket_bytes)
+        layout = owner_layout(items, info.world_size, self.comm_bucket_bytes)
         self._check(opt, layout, info.rank)
         self.layout = layout
         self.prune_state(opt, info.rank)
@@ -182,7 +182,7 @@ class Replicated:
                 f"rank {rank}/{W}: the owner plan (digest {digest[:12]}) differs from "
                 f"that of rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))}; "
                 "build DistributedROOT with the same parameters (names, shapes, dtypes), "
-                "groups, bucket_bytes and average_grads on every rank"
+                "groups, comm_bucket_bytes and average_grads on every rank"
             )
 
     # ------------------------------------------------------------------- backward hooks

@@ -41,7 +41,7 @@ from rootopt.distributed.owners import ns_cost
 from rootopt.distributed.replicated import Replicated
 from rootopt.optim._coefficients import group_matrices
 from rootopt.optim._finite import finite_flags
-from rootopt.optim._norm import sum_of_squares
+from rootopt.optim._norm import clip_grads_, sum_of_squares
 from rootopt.optim.root import DEFAULT_BUCKET_BYTES, ROOT, NonFiniteGradientError, algorithm_of
 
 # Options of earlier releases and what replaced them (one line each when one is passed).
@@ -55,6 +55,11 @@ REMOVED = {
     "fsdp_design": "sharded matrices are orthogonalized whole on their owner "
     "(the 'gram' design was 2x slower where measured)",
     "gpus_per_node": "it sized the removed fsdp_design='gram' groups",
+}
+# Options of earlier releases that have a new name here (one line each when one is passed).
+RENAMED = {
+    "bucket_bytes": "comm_bucket_bytes=... (the bytes of one communication bucket); ROOT's "
+    "stacking budget bucket_bytes is a parameter group option here",
 }
 
 
@@ -70,6 +75,14 @@ class _Synced:
     start: float
     blocked: float
     pieces: list[Tensor] = field(default_factory=list)  # every tensor above, once
+
+
+def _compile_refused(where: str) -> str:
+    return (
+        f"compile_step is not supported by DistributedROOT {where}: its step runs "
+        "collectives between the owners' updates; leave it off (it is ROOT's own step, "
+        "compiled, in one process with plain tensors)"
+    )
 
 
 def _is_dtensor(t: object) -> bool:
@@ -88,9 +101,10 @@ class DistributedROOT(ROOT):
         params, **kwargs: as :class:`rootopt.ROOT`.
         process_group: the group to work in (default: the default group; none started →
             the plain single-process step).
-        bucket_bytes: bounds the extra memory of a step (default 32 MiB): the bytes of one
-            owner bucket (plain tensors); of whole float32 matrices one owner receives in
-            one sharded round.
+        comm_bucket_bytes: bounds the extra memory of a step's communication (default
+            32 MiB): the bytes of one owner bucket (plain tensors); of whole float32
+            matrices one owner receives in one sharded round. (ROOT's ``bucket_bytes``, the
+            stacking budget, is a parameter group option here.)
         average_grads: the optimizer synchronises the gradients of plain parameters:
             reduce-scatters them to their owners, each bucket starting during backward
             once its gradients are complete (no DDP wrapper: DDP AdamW's bytes). Leave
@@ -100,6 +114,9 @@ class DistributedROOT(ROOT):
             all but the last backward, and unscale / clip with :meth:`sync_grads` and
             :meth:`clip_grad_norm_`; a gradient changed after its bucket started is
             refused at the step on every rank with one line, nothing updated.
+        compile_step: as :class:`rootopt.ROOT` where the step *is* ROOT's (one process,
+            plain tensors); refused across ranks and for sharded parameters, whose step runs
+            collectives between the owners' updates.
 
     ``self.stats`` (:class:`~rootopt.distributed.flat.StepStats`) describes this rank's
     last step.
@@ -110,22 +127,29 @@ class DistributedROOT(ROOT):
         params: Iterable[Any],
         *,
         process_group: dist.ProcessGroup | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        comm_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         average_grads: bool = False,
         **kwargs: Any,
     ) -> None:
         for key, why in REMOVED.items():
             if key in kwargs:
                 raise ValueError(f"DistributedROOT({key}=...) was removed: {why}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (must be an integer >= 1)")
+        for key, new in RENAMED.items():
+            if key in kwargs:
+                raise ValueError(f"DistributedROOT({key}=...) is now {new}")
+        n = comm_bucket_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Invalid comm_bucket_bytes: {n!r} (must be an integer >= 1)")
         if not isinstance(average_grads, bool):
             raise ValueError(f"Invalid average_grads: {average_grads!r} (must be True or False)")
+        size = world(process_group).world_size
+        if kwargs.get("compile_step") and size > 1:
+            raise ValueError(_compile_refused(f"at world size {size}"))
         self.process_group = process_group
-        self.bucket_bytes = bucket_bytes
+        self.comm_bucket_bytes = comm_bucket_bytes
         self.average_grads = average_grads
         self.stats = StepStats()
-        self._replicated = Replicated(average_grads, bucket_bytes)
+        self._replicated = Replicated(average_grads, comm_bucket_bytes)
         self._synced: _Synced | None = None
         self._ready = False
         super().__init__(params, **kwargs)
@@ -146,6 +170,8 @@ class DistributedROOT(ROOT):
                         "robust_scaling is not supported for sharded (FSDP2) parameters; "
                         "turn it off or use DDP"
                     )
+                if self.compile_step and _is_dtensor(p):
+                    raise ValueError(_compile_refused("for sharded (FSDP2) parameters"))
                 self._init_state(group, p)  # ROOT's own: the same dtypes and keys
         if self._ready:
             self._replicated.plan(self)
@@ -215,13 +241,7 @@ class DistributedROOT(ROOT):
         info = world(self.process_group)
         flat = self._flat()
         entries = [i for i, (_, _, p) in enumerate(flat) if p.numel() > 0]
-        for i in entries:
-            gi, pi, p = flat[i]
-            g = p.grad
-            if g is not None and (g.is_sparse or g.is_complex()):
-                kind = "sparse" if g.is_sparse else "complex"
-                name = self._name(gi, self.param_groups[gi], pi)
-                raise RuntimeError(f"ROOT does not support {kind} gradients ({name})")
+        self._check_kinds(entries)
         rep = self._replicated
         owned: dict[int, Tensor] = {}
         if info.world_size > 1:
@@ -229,11 +249,41 @@ class DistributedROOT(ROOT):
                 rep.plan(self)
             if rep.layout is not None:
                 owned = rep.reduce(self, info.rank)
-        # the gradient tensors this rank answers for: what it owns, its shards, or (one
-        # process, plain tensors) every gradient
-        of: list[tuple[int, Tensor]] = []
-        if rep.layout is not None and info.world_size > 1:
-            of += [(rep.layout.items[li].index, g) for li, g in owned.items()]
+        answered, shards = self._answered(entries, owned, info.world_size)
+        pieces = [g for _, g in answered]
+        if inv_scale is not None and pieces:
+            torch._foreach_mul_(pieces, inv_scale)
+        flags, late = self._flags(entries, answered, info.world_size)
+        values = self._agree(flags, len(entries), late, info.world_size)
+        n = len(entries)
+        names = [self._name(flat[i][0], self.param_groups[flat[i][0]], flat[i][1]) for i in entries]
+        bad = [names[k] for k in range(n) if values[n + k] > 0]
+        active = {i for k, i in enumerate(entries) if values[k] > 0 and values[n + k] == 0}
+        norm = flags[2 * n + 1].sqrt().float()
+        self._synced = _Synced(norm, active, bad, owned, shards, start, blocked, pieces)
+        return norm
+
+    def _check_kinds(self, entries: list[int]) -> None:
+        """ROOT's refusal of sparse and complex gradients, before anything is sent."""
+        flat = self._flat()
+        for i in entries:
+            gi, pi, p = flat[i]
+            g = p.grad
+            if g is not None and (g.is_sparse or g.is_complex()):
+                kind = "sparse" if g.is_sparse else "complex"
+                name = self._name(gi, self.param_groups[gi], pi)
+                raise RuntimeError(f"ROOT does not support {kind} gradients ({name})")
+
+    def _answered(
+        self, entries: list[int], owned: dict[int, Tensor], world_size: int
+    ) -> tuple[list[tuple[int, Tensor]], dict[int, Tensor]]:
+        """The gradient tensors this rank answers for, by optimizer position: what it owns
+        (``owned``, by layout position), its shards, or (one process, plain tensors) every
+        gradient; and the shards alone (a zero shard where a sharded parameter has none)."""
+        flat, layout = self._flat(), self._replicated.layout
+        answered: list[tuple[int, Tensor]] = []
+        if layout is not None and world_size > 1:
+            answered += [(layout.items[li].index, g) for li, g in owned.items()]
         shards: dict[int, Tensor] = {}
         for i in entries:
             p = flat[i][2]
@@ -242,12 +292,19 @@ class DistributedROOT(ROOT):
                 shards[i] = (
                     sharded.local(g) if g is not None else torch.zeros_like(sharded.local(p))
                 )
-                of.append((i, shards[i]))
-            elif info.world_size == 1 and p.grad is not None:
-                of.append((i, p.grad))
-        pieces = [g for _, g in of]
-        if inv_scale is not None and pieces:
-            torch._foreach_mul_(pieces, inv_scale)
+                answered.append((i, shards[i]))
+            elif world_size == 1 and p.grad is not None:
+                answered.append((i, p.grad))
+        return answered, shards
+
+    def _flags(
+        self, entries: list[int], answered: list[tuple[int, Tensor]], world_size: int
+    ) -> tuple[Tensor, str]:
+        """This rank's float64 flags, summed over the ranks by :meth:`_agree`: per entry
+        "has a gradient" (n), then "non-finite here" (n), "changed after its reduce-scatter
+        started" (1) and the sum of squares of what it answers for (1); and the name of
+        the parameter whose gradient changed here ("" if none)."""
+        flat, rep = self._flat(), self._replicated
         n = len(entries)
         dev = sharded.local(flat[entries[0]][2]).device if entries else torch.device("cpu")
         flags = torch.zeros(2 * n + 2, dtype=torch.float64, device=dev)
@@ -256,9 +313,9 @@ class DistributedROOT(ROOT):
         where = {i: k for k, i in enumerate(entries)}
         # checked for NaN/Inf: what this rank answers for; under DDP (gradients not reduced
         # here) every local gradient, so that one rank's bad copy stops every rank
-        checked = of
-        if rep.layout is not None and info.world_size > 1 and not rep.average_grads:
-            checked = [(i, g) for i, g in of if _is_dtensor(flat[i][2])] + [
+        checked = answered
+        if rep.layout is not None and world_size > 1 and not rep.average_grads:
+            checked = [(i, g) for i, g in answered if _is_dtensor(flat[i][2])] + [
                 (i, cast(Tensor, flat[i][2].grad))
                 for i in entries
                 if not _is_dtensor(flat[i][2]) and flat[i][2].grad is not None
@@ -268,36 +325,37 @@ class DistributedROOT(ROOT):
             idx = torch.tensor([n + where[i] for i, _ in checked], device=dev)
             ok = finite_flags([g for _, g in checked])
             flags.index_add_(0, idx, (~ok).to(dev, torch.float64))
-        full = [g for _, g in of if g.numel()]
+        full = [g for _, g in answered if g.numel()]
         if full:
             # in chunks: float32 norms of long tensors are off by up to 1e-4 and depend on
             # where the owned parts are cut (rootopt.optim._norm)
             flags[2 * n + 1] = sum_of_squares(full).to(dev)
-        late = rep.changed(self) if info.world_size > 1 else ""
+        late = rep.changed(self) if world_size > 1 else ""
         flags[2 * n] = float(bool(late))
-        if info.world_size > 1:
+        return flags, late
+
+    def _agree(self, flags: Tensor, n: int, late: str, world_size: int) -> list[float]:
+        """Sum ``flags`` over the ranks (one all-reduce) and read them (the one host
+        synchronisation); a gradient changed after its reduce-scatter started on any rank
+        is refused on every rank, nothing updated."""
+        if world_size > 1:
             nbytes = flags.numel() * flags.element_size()
             collective(
                 "all_reduce gradient flags", dist.all_reduce, flags, group=self.process_group
             )
             self.stats.count("all_reduce", nbytes, nbytes)
-        values = flags[: 2 * n + 1].tolist()  # the one host synchronisation
+        values: list[float] = flags[: 2 * n + 1].tolist()
         if values[2 * n] > 0:
-            if rep.backward is not None:
-                rep.backward.reset()
+            if self._replicated.backward is not None:
+                self._replicated.backward.reset()
             raise ValueError(
-                f"the gradient of {late or 'a parameter on another rank'} changed after its "
-                "bucket's reduce-scatter had started (a second backward outside "
+                f"the gradient of {late or 'a parameter on another rank'} changed after "
+                "its bucket's reduce-scatter had started (a second backward outside "
                 "`with opt.no_sync():`, or p.grad changed after backward: unscale and clip "
                 "with opt.sync_grads(inv_scale=...) / opt.clip_grad_norm_(...)); nothing was "
                 "updated"
             )
-        names = [self._name(flat[i][0], self.param_groups[flat[i][0]], flat[i][1]) for i in entries]
-        bad = [names[k] for k in range(n) if values[n + k] > 0]
-        active = {i for k, i in enumerate(entries) if values[k] > 0 and values[n + k] == 0}
-        norm = flags[2 * n + 1].sqrt().float()
-        self._synced = _Synced(norm, active, bad, owned, shards, start, blocked, pieces)
-        return norm
+        return values
 
     def owned_grads(self) -> list[Tensor]:
         """The synchronised gradients this rank answers for (the parts it owns, its
@@ -314,10 +372,7 @@ class DistributedROOT(ROOT):
         norm from :meth:`sync_grads` (one all-reduce), each rank scaling what it owns by
         ``min(1, max_norm / (norm + 1e-6))``. Returns the norm before clipping."""
         norm = self.sync_grads()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        pieces = self.owned_grads()
-        if pieces:
-            torch._foreach_mul_(pieces, coef.to(pieces[0].device))
+        clip_grads_(self.owned_grads(), max_norm, norm)
         return norm
 
     # ----------------------------------------------------------------------------- step

@@ -173,7 +173,7 @@ def _orthogonalize_sharded(opt: DistributedROOT, tasks: list[_Task]) -> None:
         [4 * t.numel for t in tasks],
         [(t.view.rows, t.view.cols) for t in tasks],
         world_size,
-        opt.bucket_bytes,
+        opt.comm_bucket_bytes,
     )
     stats = opt.stats
     for rnd in rounds:

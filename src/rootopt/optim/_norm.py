@@ -32,3 +32,22 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm(pieces, 2.0)
     return torch.stack(norms).double().square().sum()
+
+
+def clip_coefficient(max_norm: float, norm: Tensor) -> Tensor:
+    """``min(1, max_norm / (norm + 1e-6))``, a 0-d tensor beside ``norm`` (no host
+    synchronisation): the coefficient of ``torch.nn.utils.clip_grads_with_norm_``."""
+    return torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+
+
+def clip_grads_(grads: Sequence[Tensor], max_norm: float, norm: Tensor) -> None:
+    """Scale ``grads`` in place by :func:`clip_coefficient`: ``torch.nn.utils.clip_grads_with_norm_``
+    on gradient tensors that need not be a parameter's ``.grad`` (the parts of the gradients
+    a rank owns, FSDP2's local shards), one foreach multiply per device and dtype as torch
+    groups them."""
+    coef = clip_coefficient(max_norm, norm)
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), same in groups.items():
+        torch._foreach_mul_(same, coef.to(device))

@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from rootopt.train.signals import interruptible
 from rootopt.train.state import Hooks, Run, TrainState
 from rootopt.train.step import evaluate, train_step
 from rootopt.train.summary import Summary, already_complete, write_summary
+from rootopt.train.sync import grad_sync
 
 __all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "setup", "train"]
 
@@ -242,110 +244,38 @@ def setup(
         raise
 
 
+@dataclass
+class _Parts:
+    """What :func:`_components` built on every rank, before rank 0 writes."""
+
+    controller: Any
+    device: torch.device
+    model: torch.nn.Module  # parallelized (DDP, FSDP2) at world size > 1
+    optimizer: torch.optim.Optimizer
+    routing: str
+    source: str  # where the weights come from (model.init_from), or ''
+    flops_per_token: float
+
+
 def _build(
     cfg0: Config, info: ProcessInfo, plan: planning.Plan | None, say: Callable[[str], None]
 ) -> Run:
+    """Every rank builds its components; once each check passed on every rank, rank 0
+    writes the run; then the rest of the run is assembled and resumed."""
     public: dict[str, Any] = broadcast(info, plan.public() if plan else None, "run plan")
-    run_dir, ckpt_dir = Path(public["run_dir"]), Path(public["ckpt_dir"])
-    data_dir = Path(public["data_dir"])
     if info.is_main and plan is not None:
         for line in plan.start.report(plan.ckpt_dir):
             say(line)
-
     cfg = agreed(info, lambda: _resolved(cfg0, public["meta"]), what="building the model")
-
-    def components() -> tuple[Any, torch.device, tuple[torch.nn.Module, str]]:
-        controller = None
-        if cfg.optimization.controller:  # loaded (or refused) before anything is created
-            if (
-                info.world_size > 1
-            ):  # it reads ROOT telemetry, which the sharded step does not gather
-                raise ConfigError(
-                    [
-                        "optimization.controller runs in one process only; unset it or "
-                        "launch one process"
-                    ]
-                )
-            from rootopt.rl.controller import load_controller
-
-            o = cfg.optimization
-            controller = load_controller(
-                o.controller, total_steps=cfg.run.max_steps, optimizer=o.optimizer
-            )
-        device = resolve_device(cfg, info)
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
-        torch.manual_seed(cfg.run.seed)  # the same initial parameters on every rank
-        fresh = public["choice"] is None
-        return controller, device, _model(cfg, public["meta"], device, fresh=fresh)
-
     if public["prepared"]:  # data that exists already is checked before any write
+        data_dir = Path(public["data_dir"])
         agreed(info, lambda: _validate(cfg, data_dir), what="checking the data")
-    controller, device, (bare, source) = agreed(info, components, what="building the model")
-    flops_token = flops_per_token(
-        bare, cfg.data.seq_len if public["meta"].get("task") == "lm" else 1
-    )
-    model = parallelize(cfg, bare, info)  # a collective at world size > 1 (DDP/FSDP2)
-    optimizer, routing = agreed(
-        info, lambda: build_optimizer(cfg, model, info.world_size), what="building the optimizer"
-    )
+    parts = _components(cfg, info, public)
     # ---- every check passed on every rank: rank 0 writes (run.json, data, ...)
     agreed(info, lambda: planning.commit(plan) if plan else None, what="writing the run")
     if plan is not None:
         plan.locks.committed = True  # from here on the run's directory holds its files
-    manifest = agreed(info, lambda: load_manifest(data_dir), what="reading the data")
-    token_bytes = agreed(
-        info, lambda: _token_bytes(data_dir, manifest, device), what="reading the data"
-    )
-    o = cfg.optimization
-    schedule = LRMultiplier(
-        o.schedule, warmup=o.warmup_steps, total=cfg.run.max_steps, min_ratio=o.min_lr_ratio
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    c = o.clip
-    clipper = GradClipper(
-        c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor
-    )
-    precision = Precision(cfg, device)
-    peak = (
-        device_peak(device, precision.name, configured_tflops=cfg.run.peak_tflops)
-        if info.is_main
-        else None
-    )
-    if info.world_size > 1:
-        precision.description += (
-            f"; {info.world_size} processes ({cfg.distributed.parallel}, "
-            f"{torch.distributed.get_backend()}), global batch {cfg.data.batch_size}"
-        )
-        if o.telemetry and o.optimizer.lower() in ("root", "muon"):
-            precision.description += "; ROOT telemetry is off at world size > 1"
-    monitor = agreed(info, lambda: _monitor(cfg, run_dir, info.is_main), what="opening metrics")
-    skipped = plan.start.lines if plan else []
-    checkpointer = Checkpointer.for_run(cfg, ckpt_dir, public["run_id"], info.is_main, skipped)
-    run = Run(
-        cfg=cfg,
-        info=info,
-        device=device,
-        run_dir=run_dir,
-        data_dir=data_dir,
-        manifest=manifest,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        clipper=clipper,
-        precision=precision,
-        monitor=monitor,
-        routing=routing,
-        run_id=str(public["run_id"]),
-        checkpointer=checkpointer,
-        params=[p for p in model.parameters() if p.requires_grad],
-        telemetry=hasattr(optimizer, "telemetry_enabled") and o.telemetry and info.world_size == 1,
-        controller=controller,
-        flops_per_token=flops_token,
-        peak=peak,
-        initialised_from=source,
-        token_bytes=token_bytes,
-    )
+    run = _assemble(cfg, info, public, parts, plan.start.lines if plan else [])
     try:
         state = plan.choice.state if plan is not None and plan.choice is not None else None
         resume = run.checkpointer.load
@@ -356,9 +286,119 @@ def _build(
             _write_run_files(run)
     except BaseException:
         with contextlib.suppress(Exception):
-            monitor.close()
+            run.monitor.close()
         raise
     return run
+
+
+def _components(cfg: Config, info: ProcessInfo, public: dict[str, Any]) -> _Parts:
+    """The controller, device, model (parallelized) and optimizer, each phase agreed
+    across ranks; nothing is written."""
+
+    def model() -> tuple[Any, torch.device, tuple[torch.nn.Module, str]]:
+        controller = _controller(cfg, info)  # loaded (or refused) before anything is created
+        device = resolve_device(cfg, info)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        torch.manual_seed(cfg.run.seed)  # the same initial parameters on every rank
+        fresh = public["choice"] is None
+        return controller, device, _model(cfg, public["meta"], device, fresh=fresh)
+
+    controller, device, (bare, source) = agreed(info, model, what="building the model")
+    flops_token = flops_per_token(
+        bare, cfg.data.seq_len if public["meta"].get("task") == "lm" else 1
+    )
+    parallel = parallelize(cfg, bare, info)  # a collective at world size > 1 (DDP/FSDP2)
+    optimizer, routing = agreed(
+        info, lambda: build_optimizer(cfg, parallel, info.world_size), what="building the optimizer"
+    )
+    return _Parts(controller, device, parallel, optimizer, routing, source, flops_token)
+
+
+def _controller(cfg: Config, info: ProcessInfo) -> Any:
+    """The learned lr controller (``optimization.controller``), or None."""
+    o = cfg.optimization
+    if not o.controller:
+        return None
+    if info.world_size > 1:  # it reads ROOT telemetry, which the sharded step does not gather
+        raise ConfigError(
+            ["optimization.controller runs in one process only; unset it or launch one process"]
+        )
+    from rootopt.rl.controller import load_controller
+
+    return load_controller(o.controller, total_steps=cfg.run.max_steps, optimizer=o.optimizer)
+
+
+def _assemble(
+    cfg: Config, info: ProcessInfo, public: dict[str, Any], parts: _Parts, skipped: list[str]
+) -> Run:
+    """The run around the components: data, schedule, clipping, precision, gradient
+    synchronisation, metrics and the checkpointer (after rank 0 wrote the run;
+    ``skipped``: its lines about checkpoints the resume passes over)."""
+    data_dir, run_dir = Path(public["data_dir"]), Path(public["run_dir"])
+    manifest, token_bytes = agreed(
+        info, lambda: _read_data(data_dir, parts.device), what="reading the data"
+    )
+    o, c = cfg.optimization, cfg.optimization.clip
+    schedule = LRMultiplier(
+        o.schedule, warmup=o.warmup_steps, total=cfg.run.max_steps, min_ratio=o.min_lr_ratio
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, schedule)
+    clipper = GradClipper(
+        c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor
+    )
+    precision = _precision(cfg, info, parts.device)
+    peak = None
+    if info.is_main:
+        peak = device_peak(parts.device, precision.name, configured_tflops=cfg.run.peak_tflops)
+    monitor = agreed(info, lambda: _monitor(cfg, run_dir, info.is_main), what="opening metrics")
+    ckpt_dir = Path(public["ckpt_dir"])
+    return Run(
+        cfg=cfg,
+        info=info,
+        device=parts.device,
+        run_dir=run_dir,
+        data_dir=data_dir,
+        manifest=manifest,
+        model=parts.model,
+        optimizer=parts.optimizer,
+        scheduler=scheduler,
+        clipper=clipper,
+        precision=precision,
+        sync=grad_sync(cfg, parts.model, parts.optimizer, info.world_size),
+        monitor=monitor,
+        routing=parts.routing,
+        run_id=str(public["run_id"]),
+        checkpointer=Checkpointer.for_run(cfg, ckpt_dir, public["run_id"], info.is_main, skipped),
+        params=[p for p in parts.model.parameters() if p.requires_grad],
+        telemetry=hasattr(parts.optimizer, "telemetry_enabled")
+        and o.telemetry
+        and info.world_size == 1,
+        controller=parts.controller,
+        flops_per_token=parts.flops_per_token,
+        peak=peak,
+        initialised_from=parts.source,
+        token_bytes=token_bytes,
+    )
+
+
+def _precision(cfg: Config, info: ProcessInfo, device: torch.device) -> Precision:
+    """Autocast and loss scaling, described with the processes at world size > 1."""
+    precision = Precision(cfg, device)
+    if info.world_size > 1:
+        precision.description += (
+            f"; {info.world_size} processes ({cfg.distributed.parallel}, "
+            f"{torch.distributed.get_backend()}), global batch {cfg.data.batch_size}"
+        )
+        if cfg.optimization.telemetry and cfg.optimization.optimizer.lower() in ("root", "muon"):
+            precision.description += "; ROOT telemetry is off at world size > 1"
+    return precision
+
+
+def _read_data(data_dir: Path, device: torch.device) -> tuple[dict[str, Any], Any]:
+    """The data's manifest and the bytes its token ids stand for (:func:`_token_bytes`)."""
+    manifest = load_manifest(data_dir)
+    return manifest, _token_bytes(data_dir, manifest, device)
 
 
 def _token_bytes(data_dir: Path, manifest: dict[str, Any], device: torch.device) -> Any:

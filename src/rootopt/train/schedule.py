@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from rootopt.optim._norm import clip_grads_, sum_of_squares
+
 
 class LRMultiplier:
     """``step -> lr / base_lr``: linear warmup, then cosine / linear decay to ``min_ratio``, or constant.
@@ -38,8 +40,6 @@ def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
     chunks (:func:`rootopt.optim._norm.sum_of_squares`) so that it is accurate to float32
     and the same however the gradients are cut across ranks; FSDP2's sharded gradients
     (DTensors) through ``torch.nn.utils.get_total_norm``."""
-    from rootopt.optim._norm import sum_of_squares
-
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -81,20 +81,18 @@ class GradClipper:
             return min(self.max_norm, self.factor * debiased)
         return self.max_norm
 
-    def __call__(
-        self, params: Sequence[Tensor], norm: Tensor, *, grads: Sequence[Tensor] | None = None
-    ) -> float:
-        """Clip in place given the pre-clip global ``norm``; return the scale applied (1 = none).
+    def __call__(self, grads: Sequence[Tensor], norm: Tensor) -> float:
+        """Clip ``grads`` in place given their pre-clip global ``norm``; return the scale
+        applied (1 = none).
 
-        ``grads``: clip these gradient tensors instead of ``params``' ``.grad`` (the parts
-        of the synchronised gradients a rank owns, ``DistributedROOT.owned_grads``), with
-        the same arithmetic as torch's clipping functions."""
+        ``grads``: the gradient tensors the update reads (``p.grad``, or on each rank the
+        parts it owns or holds: :meth:`rootopt.train.sync.GradSync.clip_targets`), clipped
+        with the arithmetic of torch's ``clip_grad_value_`` / ``clip_grads_with_norm_``
+        (:func:`rootopt.optim._norm.clip_grads_`)."""
         if self.mode == "none":
             return 1.0
         if self.mode == "value":
-            if grads is None:
-                torch.nn.utils.clip_grad_value_(params, self.value)
-            elif grads:
+            if grads:
                 torch._foreach_clamp_min_(list(grads), -self.value)
                 torch._foreach_clamp_max_(list(grads), self.value)
             return 1.0
@@ -105,12 +103,7 @@ class GradClipper:
             self.count += 1
         scale = limit / (n + 1e-6)
         if scale < 1.0:
-            if grads is None:
-                # torch's clipping with the norm already computed (same max/(norm+1e-6) rule)
-                torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
-            elif grads:  # clip_grads_with_norm_'s coefficient, on the gradients given
-                coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
-                torch._foreach_mul_(list(grads), coef.to(grads[0].device))
+            clip_grads_(grads, limit, norm)
             return scale
         return 1.0
 

@@ -17,6 +17,7 @@ from rootopt.train.build import Precision, ProcessInfo
 from rootopt.train.health import Health
 from rootopt.train.records import Window
 from rootopt.train.schedule import GradClipper
+from rootopt.train.sync import GradSync
 
 if TYPE_CHECKING:
     from rootopt.train.checkpoint import Checkpointer
@@ -98,6 +99,8 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     clipper: GradClipper
     precision: Precision
+    # how the step's gradients are synchronised: DDP's, the optimizer's own, FSDP2's
+    sync: GradSync
     monitor: Monitor
     routing: str
     run_id: str

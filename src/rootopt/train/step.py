@@ -1,20 +1,20 @@
 """One optimizer step and one validation pass.
 
-A step is ``grad_accum_steps`` micro-batches → unscale → global grad norm → (non-finite?
-skip, count : clip → optimizer step) → lr schedule. With ROOT or Muon at world size > 1
-under ddp the optimizer synchronises the gradients itself: unscaling, the norm and
-clipping act on the parts each rank owns (``DistributedROOT.sync_grads``), the norm from one
-all-reduce (docs/distributed.md, "Training under torchrun"). The loss stays on the device across the
-micro-batches; the step makes one host synchronisation (the skip decision reads the grad
-norm and the loss together), and the log-step statistics are per-tensor reductions read in
-one more synchronisation at log steps only.
+A step reads the same in every mode of gradient synchronisation (:mod:`rootopt.train.sync`):
+``grad_accum_steps`` micro-batches (all but the last under ``no_sync``) → ``finish``
+(unscaled; the global grad norm) → the loss reduced with the stop votes → (non-finite? skip,
+count : clip ``clip_targets`` → optimizer step) → lr schedule. With ROOT or Muon at world size
+> 1 under ddp the optimizer synchronises the gradients itself: unscaling, the norm and
+clipping act on the parts each rank owns (docs/distributed.md, "Training under torchrun").
+The loss stays on the device across the micro-batches; the step makes one host
+synchronisation (the skip decision reads the grad norm and the loss together), and the
+log-step statistics are per-tensor reductions read in one more synchronisation at log steps
+only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -25,7 +25,6 @@ from torch import nn
 from rootopt.distributed import unwrap_model
 from rootopt.train.data import val_stream
 from rootopt.train.model import loss_fn
-from rootopt.train.schedule import global_grad_norm
 from rootopt.train.state import Hooks, Run
 
 # Log-step update ratios read at most this many entries of a tensor (a fixed stride), so the
@@ -62,148 +61,79 @@ def train_step(
 def _step(
     run: Run, data: Iterator[dict[str, torch.Tensor]], hooks: Hooks, *, log_now: bool
 ) -> StepResult:
-    cfg, model, opt, st = run.cfg, run.model, run.optimizer, run.state
-    accum = cfg.optimization.grad_accum_steps
-    seq = cfg.data.seq_len if run.manifest["task"] == "lm" else 1
-    params = run.params
-    # ROOT/Muon at world size > 1 under ddp: no DDP wrapper, the optimizer reduce-scatters
-    # the gradients (from backward on) and unscales, checks and clips the parts it owns
-    owned = _optimizer_syncs(run)
+    opt, sync = run.optimizer, run.sync
     opt.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    tokens = 0
-    for i in range(accum):
-        batch = next(data)
-        st.batches += 1
-        x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-        with _sync_grads(run, last=i == accum - 1):  # forward and backward
-            with _collectives(run, "forward"), run.precision.autocast():
-                loss = loss_fn(model(x), y) * (run.loss_weight / accum)
-            with _collectives(run, "backward"):
-                run.precision.backward(loss)
-        loss_sum += loss.detach().double()
-        tokens += cfg.data.batch_size * seq  # the global micro-batch (every rank counts it)
-    st.tokens += tokens
-    norm: torch.Tensor | None = None
-    if owned:
-        # before any other collective: buckets that did not start in backward start here,
-        # in the same order on every rank
-        run.phase = "update"
-        norm = opt.sync_grads(inv_scale=run.precision.inv_scale())  # type: ignore[attr-defined]
-    votes = torch.zeros(2, dtype=torch.float64)
-    if run.world_size > 1:
-        loss_sum, votes = _reduce_loss(run, loss_sum)
+    loss_sum, tokens = _accumulate(run, data)
     if hooks.after_backward is not None:
-        hooks.after_backward(st.step, model)
-
+        hooks.after_backward(run.state.step, run.model)
     run.phase = "update"  # from here on the model/optimizer/scaler may change
-    if norm is None:
-        run.precision.unscale(opt, params)
-        norm = global_grad_norm(params)
-        if _is_dtensor(norm):  # FSDP2: the norm of sharded gradients is a replicated DTensor
-            norm = norm.full_tensor()  # type: ignore[attr-defined]
+    norm = sync.finish(run.precision)  # before any other collective of the step
+    loss_sum, votes = _reduce_loss(run, loss_sum)
     grad_norm, step_loss, vote_signal, vote_time = torch.cat(
         [torch.stack([norm.double().cpu(), loss_sum.cpu()]), votes.cpu()]
     ).tolist()
     stop = (vote_signal > 0, vote_time > 0)
     lrs = [float(g["lr"]) for g in opt.param_groups]
     if not (math.isfinite(grad_norm) and math.isfinite(step_loss)):
-        run.precision.skip(agreed=owned)
-        opt.zero_grad(set_to_none=True)
-        run.scheduler.step()
-        if run.controller is not None:
-            run.controller.skipped_step(opt)
+        _skip(run)
         return StepResult(step_loss, grad_norm, False, lrs, tokens, stop=stop)
-    grads = opt.owned_grads() if owned else None  # type: ignore[attr-defined]
-    clip_scale = run.clipper(params, norm, grads=grads)
+    grads = sync.clip_targets()
+    clip_scale = run.clipper(grads, norm)
     stats: dict[str, Any] = {}
     before: dict[str, tuple[torch.Tensor, int]] = {}
-    if log_now:
-        # the parts of the gradients this rank owns (reduced over the ranks), or p.grad
-        stats = grad_stats_of(grads, reduce=True) if grads is not None else grad_stats(params)
-        stats["clip_scale"] = clip_scale
-        before = param_sample(unwrap_model(model))
-    ctl = run.controller
-    if run.telemetry or ctl is not None:
-        opt.telemetry_enabled = log_now or (ctl is not None and ctl.wants_telemetry)  # type: ignore[attr-defined]
-    run.precision.step(opt, agreed=owned)
-    run.scheduler.step()
-    if ctl is not None:  # the learned controller scales the lr the schedule just set
-        ctl.after_step(opt, step_loss, grad_norm)
-    if log_now and run.world_size > 1:
-        comm = comm_bytes(run)
-        if comm is not None:
-            stats["comm_bytes"] = comm
-    ratios = update_ratios(before, unwrap_model(model)) if log_now else {}
+    if log_now:  # what the update reads (reduced over the ranks where each holds a part)
+        stats = {**grad_stats_of(grads, reduce=sync.partial), "clip_scale": clip_scale}
+        before = param_sample(unwrap_model(run.model))
+    _update(run, step_loss, grad_norm, log_now=log_now)
+    comm = sync.comm_bytes() if log_now else None
+    if comm is not None:
+        stats["comm_bytes"] = comm
+    ratios = update_ratios(before, unwrap_model(run.model)) if log_now else {}
     return StepResult(step_loss, grad_norm, True, lrs, tokens, stats, ratios, stop)
 
 
-def _optimizer_syncs(run: Run) -> bool:
-    """The optimizer synchronises the gradients itself (``DistributedROOT(average_grads=True)``
-    at world size > 1: rootopt.train.build.optimizer_syncs_grads)."""
-    return run.world_size > 1 and bool(getattr(run.optimizer, "average_grads", False))
+def _accumulate(run: Run, data: Iterator[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+    """Forward and backward of the step's micro-batches, gradients synchronised on the last
+    one only: the sum of their weighted losses (on the device) and the tokens of the global
+    micro-batches (every rank counts them)."""
+    cfg, sync, st = run.cfg, run.sync, run.state
+    accum = cfg.optimization.grad_accum_steps
+    seq = cfg.data.seq_len if run.manifest["task"] == "lm" else 1
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    for i in range(accum):
+        batch = next(data)
+        st.batches += 1
+        x, y = batch["input"].to(run.device), batch["target"].to(run.device)
+        with sync.no_sync(last=i == accum - 1):
+            with sync.collectives("forward"), run.precision.autocast():
+                loss = loss_fn(run.model(x), y) * (run.loss_weight / accum)
+            with sync.collectives("backward"):
+                run.precision.backward(loss)
+        loss_sum += loss.detach().double()
+    tokens = accum * cfg.data.batch_size * seq
+    st.tokens += tokens
+    return loss_sum, tokens
 
 
-def comm_bytes(run: Run) -> float | None:
-    """Bytes this rank sent for the last step's gradient and parameter synchronisation:
-    counted at the optimizer's collectives (``DistributedROOT.stats``, payload per
-    collective), or under DDP from its gradient buckets (``bucket_sizes``: one ring
-    all-reduce each, ``2·(W−1)/W`` of the bucket's bytes). None under FSDP2, whose own
-    collectives are not counted."""
-    if _optimizer_syncs(run):
-        return float(run.optimizer.stats.bytes_sent)  # type: ignore[attr-defined]
-    model = run.model
-    if not isinstance(model, nn.parallel.DistributedDataParallel):
-        return None
-    W = run.world_size
-    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))  # type: ignore[no-untyped-call]
-    total = sum(int(x) for x in sizes.split(",") if x.strip())
-    if not total:  # no bucket recorded: every gradient once
-        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return 2 * (W - 1) / W * total
+def _skip(run: Run) -> None:
+    """A step whose gradient or loss is non-finite: nothing applied, the dynamic loss scale
+    backs off, the schedule advances."""
+    run.precision.skip(agreed=run.sync.agreed)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    if run.controller is not None:
+        run.controller.skipped_step(run.optimizer)
 
 
-def _sync_grads(run: Run, *, last: bool) -> contextlib.AbstractContextManager[Any]:
-    """Gradients are synchronised on the last micro-batch of a step only: DDP's ``no_sync``,
-    or the optimizer's (``DistributedROOT.no_sync``: no reduce-scatter starts) before."""
-    if last:
-        return contextlib.nullcontext()
-    model = run.model
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.no_sync()
-    if _optimizer_syncs(run):
-        return run.optimizer.no_sync()  # type: ignore[attr-defined,no-any-return]
-    return contextlib.nullcontext()
-
-
-_OPS = {
-    ("ddp", "forward"): "DDP forward",
-    ("ddp", "backward"): "DDP gradient all-reduce (backward)",
-    ("fsdp", "forward"): "FSDP2 parameter all-gather (forward)",
-    ("fsdp", "backward"): "FSDP2 gradient reduce-scatter (backward)",
-}
-
-
-@contextlib.contextmanager
-def _collectives(run: Run, phase: str) -> Iterator[None]:
-    """At world size > 1 the model's forward/backward run collectives (DDP, FSDP2); a
-    failure there becomes one line naming rank and operation, a timeout told apart by the
-    elapsed time (:func:`rootopt.distributed.describe_failure`), never by the error's text."""
-    if run.world_size == 1 or _optimizer_syncs(run):
-        # without a DDP wrapper forward runs no collective, and the reduce-scatters that
-        # backward starts fail as the optimizer's own CollectiveError lines
-        yield
-        return
-    from rootopt.distributed import CollectiveError, describe_failure
-
-    start = time.monotonic()
-    try:
-        yield
-    except (torch.OutOfMemoryError, CollectiveError):
-        raise
-    except RuntimeError as exc:  # gloo reports a timed-out send/recv as a plain RuntimeError
-        name = _OPS[(run.cfg.distributed.parallel, phase)]
-        raise describe_failure(name, exc, time.monotonic() - start) from exc
+def _update(run: Run, step_loss: float, grad_norm: float, *, log_now: bool) -> None:
+    """The optimizer step (with the loss scale's update), then the lr schedule."""
+    opt, ctl = run.optimizer, run.controller
+    if run.telemetry or ctl is not None:
+        opt.telemetry_enabled = log_now or (ctl is not None and ctl.wants_telemetry)  # type: ignore[attr-defined]
+    run.precision.step(opt, agreed=run.sync.agreed)
+    run.scheduler.step()
+    if ctl is not None:  # the learned controller scales the lr the schedule just set
+        ctl.after_step(opt, step_loss, grad_norm)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -220,7 +150,10 @@ def _is_dtensor(t: object) -> bool:
 def _reduce_loss(run: Run, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of the ranks' (weighted) losses = the global-batch loss, and the stop votes,
     in one small all-reduce. Every rank then takes the same skip, divergence, checkpoint
-    and stop decisions (docs/distributed.md, "Training under torchrun")."""
+    and stop decisions (docs/distributed.md, "Training under torchrun"). One process: its
+    loss, no votes."""
+    if run.world_size == 1:
+        return loss_sum, torch.zeros(2, dtype=torch.float64)
     from rootopt.distributed import collective
 
     t = torch.stack(
