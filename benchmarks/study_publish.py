@@ -5,7 +5,7 @@
 2. ``rootopt bench study --out docs/study --finished-only`` renders the summary from the record
    alone (nothing is trained).
 3. The summary becomes docs/study_results.json; its tables replace the generated block of
-   docs/benchmarks.md (and v1's re-reading its own block of docs/benchmarks-v1.md, from
+   docs/benchmarks-v2.md, v2's page (and v1's re-reading its own block of docs/benchmarks-v1.md, from
    docs/study_results_v1.json);
    its headline replaces the generated block of README.md; its plots go to docs/img/
    (study_lr.png, study_long.png, study_tail.png).
@@ -56,7 +56,7 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
     """Publish into the repository at ``root`` (its docs/ and README.md)."""
     record, results = root / "docs" / "study", root / "docs" / "study_results.json"
     page_path, readme_path, img = (
-        root / "docs" / "benchmarks.md",
+        root / "docs" / "benchmarks-v2.md",
         root / "README.md",
         root / "docs" / "img",
     )

@@ -431,12 +431,12 @@ def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> Non
 
 
 def test_benchmarks_page_is_the_committed_study() -> None:
-    """docs/benchmarks.md carries exactly the tables rendered from docs/study_results.json."""
+    """docs/benchmarks-v2.md carries exactly the tables rendered from docs/study_results.json."""
     from rootopt_analysis.bench.study_report import BEGIN, END, markdown, splice
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     summary = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
-    page = (docs / "benchmarks.md").read_text(encoding="utf-8")
+    page = (docs / "benchmarks-v2.md").read_text(encoding="utf-8")
     assert page.count(BEGIN) == 1 and page.count(END) == 1
     block = markdown(summary)
     assert "#### Decisions" in block
@@ -736,7 +736,7 @@ def _mini_repo(root: Path, *, readme_markers: bool = True) -> None:
     (root / "docs" / "study").mkdir(parents=True)
     (root / "docs" / "img").mkdir()
     (root / "docs" / "study" / "bench-manifest.json").write_text('{"tool": "rootopt bench"}')
-    (root / "docs" / "benchmarks.md").write_text(
+    (root / "docs" / "benchmarks-v2.md").write_text(
         f"# page\n\nkept\n\n{BEGIN}\nold\n{END}\n\nkept too\n"
     )
     markers = f"{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n" if readme_markers else "| a table |\n"
@@ -751,7 +751,7 @@ def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
     got = mod.publish(tmp_path)
     assert got["runs"] == 0 and got["complete"] is False
     summary = json.loads((tmp_path / "docs" / "study_results.json").read_text())
-    page = (tmp_path / "docs" / "benchmarks.md").read_text()
+    page = (tmp_path / "docs" / "benchmarks-v2.md").read_text()
     assert page.startswith("# page\n\nkept\n\n") and page.endswith("\n\nkept too\n")
     assert markdown(summary).rstrip("\n") in page and "\nold\n" not in page
     readme = (tmp_path / "README.md").read_text()

@@ -1,5 +1,5 @@
 """The defaults study: which ``ns_coefficients``, ``outlier_quantile`` and ``ns_dtype`` ROOT
-defaults to, decided by paired training evidence (protocol v2: docs/benchmarks.md).
+defaults to, decided by paired training evidence (protocol v2: docs/benchmarks-v2.md).
 
 The whole study is plain data (:class:`Protocol`, :class:`Arm`, :class:`Cell`) plus pure
 functions that, given the finished runs, say which runs are still needed (:func:`walk`) and
@@ -171,7 +171,7 @@ class Protocol:
 
     @staticmethod
     def full() -> Protocol:
-        """Protocol v2 (docs/benchmarks.md)."""
+        """Protocol v2 (docs/benchmarks-v2.md)."""
         corruptions = (
             ("t(2) noise ×2", Corruption("student_t", scale=2.0, df=2)),
             ("outliers 0.1% ×100", Corruption("outliers", scale=100.0, rate=1e-3)),

@@ -1,6 +1,6 @@
 """The defaults study's write-up, generated from ``study.json`` and nothing else.
 
-``markdown(summary)`` renders the tables that docs/benchmarks.md carries between its
+``markdown(summary)`` renders the tables that docs/benchmarks-v2.md (v2's page) carries between its
 ``<!-- study:begin -->`` and ``<!-- study:end -->`` markers; a test renders the committed
 ``docs/study_results.json`` again and compares, so the doc cannot drift from the data.
 """
@@ -492,7 +492,8 @@ def headline(s: dict[str, Any]) -> str:
     where = "with" if dtype == "bfloat16" else "without"
     intro = (
         "Test loss at the end of training (lower is better; mean ± half the 95 % interval, "
-        f"{len(s['protocol']['report_seeds'])} seeds) from the defaults study on a 2-core CPU: "
+        f"{len(s['protocol']['report_seeds'])} seeds) from the defaults study v2 ([docs/benchmarks-v2.md](docs/benchmarks-v2.md)) "
+        "on a 2-core CPU: "
         "byte-level Llama LMs and, for `digits`, a CNN"
         + (f" (parameters: {size_text})" if size_text else "")
         + ". Tuned on other seeds: the learning rate per cell; the AdamW-side lr and the "
