@@ -3,9 +3,9 @@ the same shape: the training step, and what building the default model with tran
 would add to every start of ``rootopt train`` (docs/models.md, "Two Llamas").
 
 Step: both models are built from the embedded default config (``rootopt.config.Config()``;
-the same spec ``rootopt export`` writes, ``rootopt.train.models.transformers_lm.llama_hf_spec``) with the same
-weights (the built-in state converted by ``llama_to_hf``), and run forward + backward on the
-same batches. Rounds interleave them (order alternating); each ratio is the median over rounds
+the same spec ``rootopt export`` writes,
+``rootopt.train.models.transformers_lm.llama_hf_spec``) with the same weights (the built-in
+state converted by ``llama_to_hf``), and run forward + backward on the same batches. Rounds interleave them (order alternating); each ratio is the median over rounds
 of the per-round ratio of process CPU time (transformers over built-in), with each
 ``--threads`` count in turn. The logits are compared too: the two are one function.
 

@@ -1,8 +1,9 @@
 """The training loop, readable top to bottom; its pieces live next to it.
 
-``setup`` builds a :class:`~rootopt.train.run.state.Run`: rank 0 first checks everything the run
-depends on and only then writes (:mod:`rootopt.train.preflight`), every rank builds its
-components, and each phase's failures are agreed across ranks (:mod:`rootopt.train.run.agree`).
+``setup`` builds a :class:`~rootopt.train.run.state.Run`: rank 0 first checks everything
+the run depends on and only then writes (:mod:`rootopt.train.preflight`), every rank builds
+its components, and each phase's failures are agreed across ranks
+(:mod:`rootopt.train.run.agree`).
 ``train`` then resumes, checks every shard, and runs ``train_step`` and the policies
 (:mod:`rootopt.train.policies`: stop, health, log, evaluate, checkpoint, faults) until
 ``run.max_steps``, a signal or ``run.max_time``. A restarted run resumes from the newest

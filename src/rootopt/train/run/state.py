@@ -88,7 +88,10 @@ class Hooks:
 
 @dataclass
 class Run:
-    """Everything the loop uses, built by :func:`rootopt.train.loop.setup`."""
+    """Everything the loop and several components share, built by
+    :func:`rootopt.train.loop.setup`; what one component alone reads is that component's
+    (the mfu metric's :class:`~rootopt.train.metrics.mfu.MFUMeter`, the evaluation policy's
+    bytes per token, the checkpointer's run id)."""
 
     cfg: Config
     info: ProcessInfo
@@ -112,7 +115,8 @@ class Run:
     # validation every run.eval_every steps; it holds the bytes each token id stands for
     evaluation: Evaluate
     state: TrainState = field(default_factory=TrainState)
-    # a new run started from model.init_from: "DIR (step N of RUN)" (rootopt.train.models.transformers_lm)
+    # a new run started from model.init_from: "DIR (step N of RUN)"
+    # (rootopt.train.models.transformers_lm.init_source)
     initialised_from: str = ""
     telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
     controller: Any = None  # rootopt.rl.controller.Controller (optimization.controller)

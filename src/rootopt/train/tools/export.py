@@ -4,8 +4,9 @@ model directory (docs/models.md, "From your text to a Hugging Face model").
 OUT_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
 tokenizer's files, so that ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and
 ``AutoTokenizer.from_pretrained(OUT_DIR)`` load it offline. The built-in Llama becomes a
-``LlamaForCausalLM`` (:func:`rootopt.train.models.transformers_lm.llama_to_hf`); a ``model.kind=hf`` run its
-own architecture, from the config its checkpoint records. Checkpoints of both formats are
+``LlamaForCausalLM``
+(:func:`rootopt.train.models.transformers_lm.llama_to_hf`); a ``model.kind=hf`` run its own
+architecture, from the config its checkpoint records. Checkpoints of both formats are
 read in this process (``dcp-*`` resharded to whole tensors). The tokenizer's files are
 ``transformers``' own ``PreTrainedTokenizerFast.save_pretrained`` output for the trained
 ``tokenizer.json`` and every special token it has
