@@ -3,9 +3,9 @@ the same shape: the training step, and what building the default model with tran
 would add to every start of ``rootopt train`` (docs/models.md, "Two Llamas").
 
 Step: both models are built from the embedded default config (``rootopt.config.Config()``;
-the same spec ``rootopt export`` writes, ``rootopt.train.hf.llama_hf_spec``) with the same
-weights (the built-in state converted by ``llama_to_hf``), and run forward + backward on the
-same batches. Rounds interleave them (order alternating); each ratio is the median over rounds
+the same spec ``rootopt export`` writes,
+``rootopt.train.models.transformers_lm.llama_hf_spec``) with the same weights (the built-in
+state converted by ``llama_to_hf``), and run forward + backward on the same batches. Rounds interleave them (order alternating); each ratio is the median over rounds
 of the per-round ratio of process CPU time (transformers over built-in), with each
 ``--threads`` count in turn. The logits are compared too: the two are one function.
 
@@ -51,14 +51,14 @@ SOURCE = "docs/results/llama_impl.json"
 SWAP = r"""
 import dataclasses, sys
 import rootopt.train.loop as loop
-from rootopt.train import model as m
+from rootopt.train import models as m
 built_in = loop.build_model
 
 def build(cfg, manifest, seq_len):
     if cfg.kind != "llama":
         return built_in(cfg, manifest, seq_len)
     from transformers import LlamaConfig, LlamaForCausalLM
-    from rootopt.train.hf import HFCausalLM, llama_hf_spec
+    from rootopt.train.models.transformers_lm import HFCausalLM, llama_hf_spec
     cfg = dataclasses.replace(cfg, vocab_size=m.resolve_vocab(cfg, manifest))
     spec = llama_hf_spec(cfg, cfg.vocab_size, seq_len, m.token_ids(manifest))
     config = LlamaConfig(**{k: v for k, v in spec.items() if k != "model_type"})
@@ -98,8 +98,8 @@ def measure(rounds: int, steps: int, threads: int) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rootopt.config import Config
-    from rootopt.train.hf import llama_hf_spec, llama_to_hf
-    from rootopt.train.model import LlamaLM, loss_fn
+    from rootopt.train.models import LlamaLM, loss_fn
+    from rootopt.train.models.transformers_lm import llama_hf_spec, llama_to_hf
 
     torch.set_num_threads(threads)
     cfg = Config()

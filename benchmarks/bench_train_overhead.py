@@ -99,8 +99,8 @@ def _bare_arm(cfg: Any, manifest: dict[str, Any], batches: list[tuple[torch.Tens
     from transformers import AutoModelForCausalLM
 
     from rootopt.train.build import Precision, build_optimizer
-    from rootopt.train.hf import hf_config_object
-    from rootopt.train.model import build_model
+    from rootopt.train.models import build_model
+    from rootopt.train.models.transformers_lm import hf_config_object
     from rootopt.train.schedule import LRMultiplier
 
     torch.manual_seed(cfg.run.seed)
@@ -144,7 +144,7 @@ def _first_batches(cfg: Any, data_dir: Path, n: int) -> list[tuple[torch.Tensor,
 
     from rootopt.train.build import ProcessInfo
     from rootopt.train.data import batches
-    from rootopt.train.state import TrainState
+    from rootopt.train.run.state import TrainState
 
     fake = SimpleNamespace(
         cfg=cfg, info=ProcessInfo(0, 1, 0), state=TrainState(), data_dir=data_dir

@@ -28,7 +28,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 import rootopt
-from rootopt.train.model import MLPClassifier
+from rootopt.train.models import MLPClassifier
 
 
 class DigitsModule(L.LightningModule):

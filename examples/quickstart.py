@@ -19,7 +19,7 @@ import rootopt
 from rootopt.config import ModelConfig
 from rootopt.data.corpora import text_bytes
 from rootopt.optim.registry import REGISTRY
-from rootopt.train.model import LlamaLM
+from rootopt.train.models import LlamaLM
 
 
 def stdlib_bytes(limit: int = 2_000_000) -> torch.Tensor:

@@ -134,7 +134,7 @@ import json, os, signal, sys
 spec = json.loads(sys.argv[1])
 import torch
 from rootopt.train import loop, main
-from rootopt.train.state import Hooks
+from rootopt.train.run.state import Hooks
 real_train = loop.train
 nan_steps = set(spec.get("nan_steps", []))
 kill_at = spec.get("kill_at", -1)

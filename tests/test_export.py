@@ -62,7 +62,7 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
 def _rootopt_model(run: Path) -> torch.nn.Module:
     from rootopt.config import from_dict
     from rootopt.train import checkpoint
-    from rootopt.train.model import LlamaLM
+    from rootopt.train.models import LlamaLM
 
     found, _ = checkpoint.newest_valid(run / "checkpoints")
     assert found is not None
@@ -126,8 +126,8 @@ def test_trained_builtin_llama_exports_with_equal_logits_and_generates(
 def test_init_from_an_export_of_the_builtin_llama(trained: Path, tmp_path: Path) -> None:
     """model.kind=llama from an export of itself: the first logged loss equals the
     trained run's model on that batch (the inverse map is exact)."""
-    from rootopt.train.hf import load_init
-    from rootopt.train.model import LlamaLM
+    from rootopt.train.models import LlamaLM
+    from rootopt.train.models.transformers_lm import load_init
 
     assert export_main([str(trained), str(tmp_path / "out")]) == 0
     cfg = load_config(None, [*TINY, f"model.init_from={tmp_path / 'out'}"])
@@ -201,7 +201,7 @@ def test_a_run_without_its_tokenizer_copy_exports_from_its_data(
 def test_a_failure_mid_export_leaves_nothing(
     trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rootopt.train.export as ex
+    import rootopt.train.tools.export as ex
 
     def fail(*args: object) -> float:
         raise KeyboardInterrupt
@@ -220,7 +220,7 @@ def test_a_mismatch_publishes_nothing(
 ) -> None:
     """The check before the rename has teeth: without the RoPE row order the reloaded
     model differs, and the export stops with exit 1 and no OUT_DIR."""
-    import rootopt.train.hf as hf
+    import rootopt.train.models.transformers_lm as hf
 
     monkeypatch.setattr(hf, "_rope_order", lambda d: torch.arange(d))
     assert export_main([str(trained), str(tmp_path / "out")]) == 1

@@ -333,8 +333,8 @@ def test_fp16_scale_overflow_every_step_is_divergence(
 
 
 def test_loss_spike_rule(shards: Path, tmp_path: Path) -> None:
-    from rootopt.train.records import account, divergence
-    from rootopt.train.state import TrainState
+    from rootopt.train.metrics.records import account, divergence
+    from rootopt.train.run.state import TrainState
     from rootopt.train.step import StepResult
 
     cfg = load_config(
@@ -598,7 +598,7 @@ def test_resolve_data_prepares_again_when_its_settings_change(tmp_path: Path) ->
 
 
 def test_diagnose_uses_the_runs_own_data(shards: Path, tmp_path: Path) -> None:
-    from rootopt.train.diagnose import diagnose
+    from rootopt.train.tools.diagnose import diagnose
 
     run = tmp_path / "run"
     train(load_config(None, [*FAST, "run.max_steps=5"]), run, str(shards), say=_quiet)

@@ -81,7 +81,7 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _random_llama(cfg: ModelConfig, seq: int) -> Any:
-    from rootopt.train.model import LlamaLM
+    from rootopt.train.models import LlamaLM
 
     torch.manual_seed(1)
     model = LlamaLM(cfg, seq)
@@ -95,7 +95,7 @@ def _random_llama(cfg: ModelConfig, seq: int) -> Any:
 
 
 def _as_transformers(model: Any, cfg: ModelConfig, seq: int, *, permute: bool = True) -> Any:
-    from rootopt.train import hf
+    from rootopt.train.models import transformers_lm as hf
 
     spec = hf.llama_hf_spec(cfg, cfg.vocab_size, seq, {"bos": None, "eos": None, "pad": None})
     theirs = transformers.AutoModelForCausalLM.from_config(
@@ -136,7 +136,7 @@ def test_builtin_llama_maps_onto_llama_for_causal_lm(shape: dict[str, Any]) -> N
     """Random weights, GQA, a tied and an untied head, non-default eps, RoPE base and ffn
     width: transformers' logits equal rootopt's within 1e-5 (float32); without the q/k row
     permutation they do not, and the inverse map gives back every tensor exactly."""
-    from rootopt.train import hf
+    from rootopt.train.models import transformers_lm as hf
 
     cfg = ModelConfig(**{"vocab_size": 256, **shape})
     seq = 24
@@ -163,8 +163,8 @@ def test_decoder_blocks_and_routing_come_from_the_model(configs: dict[str, Path]
     repeated ModuleList); routing sends matrices (GPT-2's transposed Conv1D too) to ROOT
     and embeddings, norms, biases and the head to AdamW."""
     from rootopt.optim import param_groups
-    from rootopt.train.hf import decoder_blocks
-    from rootopt.train.model import blocks_of, build_model
+    from rootopt.train.models import blocks_of, build_model
+    from rootopt.train.models.transformers_lm import decoder_blocks
 
     meta = {"task": "lm", "vocab_size": 256}
     seen = {}
@@ -211,7 +211,7 @@ def test_decoder_blocks_and_routing_come_from_the_model(configs: dict[str, Path]
 
 
 def test_activation_checkpointing_is_the_models_own_switch(configs: dict[str, Path]) -> None:
-    from rootopt.train.model import build_model
+    from rootopt.train.models import build_model
 
     meta = {"task": "lm", "vocab_size": 256}
     for on in (False, True):
@@ -225,7 +225,7 @@ def test_activation_checkpointing_is_the_models_own_switch(configs: dict[str, Pa
 
 def test_untied_llama_head_is_routed_to_adamw(tmp_path: Path) -> None:
     from rootopt.optim import param_groups
-    from rootopt.train.model import build_model
+    from rootopt.train.models import build_model
 
     path = _tiny_config(tmp_path, "llama-small", **LLAMA, tie_word_embeddings=False)
     m = build_model(
@@ -240,8 +240,8 @@ def test_untied_llama_head_is_routed_to_adamw(tmp_path: Path) -> None:
 
 def test_flops_per_token_counts_matmul_weights_and_attention(configs: dict[str, Path]) -> None:
     """6·N + 12·L·d·T, N = Linear/Conv1D weights once each (the tied head as the head)."""
-    from rootopt.train.mfu import flops_per_token, matmul_params
-    from rootopt.train.model import LlamaLM, build_model
+    from rootopt.train.metrics.mfu import flops_per_token, matmul_params
+    from rootopt.train.models import LlamaLM, build_model
 
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1)
     per_layer = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 32 * 96  # q k v o, gate up down
@@ -258,7 +258,7 @@ def test_flops_per_token_counts_matmul_weights_and_attention(configs: dict[str, 
 
 
 def test_gpu_peak_table_and_unknown_devices() -> None:
-    from rootopt.train.mfu import Peak, gpu_peak, mfu
+    from rootopt.train.metrics.mfu import Peak, gpu_peak, mfu
 
     assert gpu_peak("NVIDIA H100 80GB HBM3", "bf16").flops == pytest.approx(989.4e12)
     assert gpu_peak("NVIDIA H100 PCIe", "bf16").flops == pytest.approx(756e12)
@@ -478,7 +478,7 @@ def _first_batch(shards: Path, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The first training batch of a new one-process run of ``cfg`` on ``shards``."""
     from rootopt.train.build import ProcessInfo
     from rootopt.train.data import batches
-    from rootopt.train.state import TrainState
+    from rootopt.train.run.state import TrainState
 
     fake = SimpleNamespace(cfg=cfg, info=ProcessInfo(0, 1, 0), state=TrainState(), data_dir=shards)
     batch = next(batches(fake))  # type: ignore[arg-type]
@@ -495,8 +495,8 @@ def test_init_from_starts_at_that_models_loss_and_trains_on(
 ) -> None:
     """kind hf and kind llama: the first logged loss is the loaded model's loss on the same
     batch, computed by transformers; the run then trains on."""
-    from rootopt.train.hf import HFCausalLM
-    from rootopt.train.model import build_model, loss_fn
+    from rootopt.train.models import build_model, loss_fn
+    from rootopt.train.models.transformers_lm import HFCausalLM
 
     torch.manual_seed(7)
     src = build_model(
@@ -530,8 +530,8 @@ def _run(shards: Path, run: Path, over: list[str]) -> Path:
 def test_init_from_shape_mismatch_is_one_line(
     shards: Path, configs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rootopt.train.hf import HFCausalLM
-    from rootopt.train.model import build_model
+    from rootopt.train.models import build_model
+    from rootopt.train.models.transformers_lm import HFCausalLM
 
     src = build_model(
         ModelConfig(kind="hf", hf_config=str(configs["llama"])),
@@ -581,9 +581,9 @@ def test_world_sizes_1_2_ddp_and_fsdp_agree_then_export_and_init_from(
     transformers model (with the BPE tokenizer) whose logits equal the W = 1 model's; a run
     with init_from that export starts at its loss and continues from it."""
     from rootopt.data import load_manifest
-    from rootopt.train.export import export
-    from rootopt.train.hf import HFCausalLM
-    from rootopt.train.model import build_model, loss_fn
+    from rootopt.train.models import build_model, loss_fn
+    from rootopt.train.models.transformers_lm import HFCausalLM
+    from rootopt.train.tools.export import export
 
     shards = bpe_shards
     manifest = load_manifest(shards)

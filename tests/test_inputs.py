@@ -78,8 +78,8 @@ def _llama_spec(**change: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny transformers Llama saved by ``save_pretrained`` (no tokenizer: not checked)."""
-    from rootopt.train.hf import HFCausalLM
-    from rootopt.train.model import build_model
+    from rootopt.train.models import build_model
+    from rootopt.train.models.transformers_lm import HFCausalLM
 
     tmp = tmp_path_factory.mktemp("inputs-pretrained")
     cfg = _config_dir(tmp, "cfg", _llama_spec())
@@ -115,7 +115,7 @@ PAUSED_RUN = r"""
 import json, sys, time
 from pathlib import Path
 from rootopt.train import loop, main
-from rootopt.train.state import Hooks
+from rootopt.train.run.state import Hooks
 spec = json.loads(sys.argv[1])
 real = loop.train
 def after_step(step):
@@ -252,7 +252,7 @@ def test_a_file_system_that_cannot_lock_a_directory_still_prepares(
     out = tmp_path / "D"
     assert data_main(["prepare", *TINY_PREP, "--out", str(out)]) == 0
     assert data_main(["verify", str(out)]) == 0
-    from rootopt.train.rundir import Locks
+    from rootopt.train.run.directory import Locks
 
     locks = Locks()
     locks.read(out)
@@ -518,8 +518,8 @@ def test_an_hf_config_that_is_no_causal_lm_or_cannot_be_built_is_one_line(
 def test_a_bert_decoder_with_a_causal_mask_passes_the_probe(shards: Path, tmp_path: Path) -> None:
     """The probe refuses attention to later tokens, not a model_type: BERT as a decoder
     (``is_decoder: true``, a causal mask) is a causal LM."""
-    from rootopt.train.hf import HFCausalLM, check_causal
-    from rootopt.train.model import build_model
+    from rootopt.train.models import build_model
+    from rootopt.train.models.transformers_lm import HFCausalLM, check_causal
 
     spec = {
         "model_type": "bert",
@@ -555,7 +555,7 @@ def test_init_from_checks_the_tokenizer_and_says_where_it_started(
     console, events.jsonl and summary.json; on bpe:300 of another corpus (300 ids too) it
     is refused with one line naming both tokenizers, from its record or, without one, from
     its tokenizer.json."""
-    from rootopt.train.export import export
+    from rootopt.train.tools.export import export
 
     kjv, bbc = _bpe(tmp_path / "kjv", "kjv"), _bpe(tmp_path / "bbc", "bbc")
     sizes = [json.loads((d / "manifest.json").read_text())["tokenizer"] for d in (kjv, bbc)]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning")
 
 from rootopt import ROOT, param_groups  # noqa: E402
-from rootopt.train.model import MLPClassifier  # noqa: E402
+from rootopt.train.models import MLPClassifier  # noqa: E402
 
 STEPS_PER_EPOCH = 4
 

@@ -81,7 +81,7 @@ def _written_paths(run: Path) -> list[str]:
     directory (read from a real run, so a new output is covered when it appears), plus the
     ones the code declares that this run did not need (e.g. metrics.superseded.jsonl)."""
     from rootopt.data import STAGING
-    from rootopt.train import rundir
+    from rootopt.train.run import directory as rundir
 
     names = {p.name for p in run.iterdir()} | set(rundir.RUN_PATHS) | {"data", STAGING}
     ckpt = {f"checkpoints/{p.name}" for p in (run / "checkpoints").iterdir()}
@@ -611,7 +611,7 @@ def test_what_does_not_change_the_numbers_does_not_name_another_run(
     resolves to keeps it too. They used to start a new run from step 0."""
     import torch
 
-    from rootopt.train.rundir import identity_key
+    from rootopt.train.run.directory import identity_key
 
     base_cfg = load_config(None, IDENT)
     key = identity_key(base_cfg, str(shards))
@@ -633,7 +633,7 @@ def test_what_changes_the_numbers_names_another_run(shards: Path) -> None:
     the corpus settings when the shards are given, data.path as the resolved data path,
     model.hf_config and model.init_from when empty)."""
     from rootopt.config import to_dict
-    from rootopt.train import rundir
+    from rootopt.train.run import directory as rundir
 
     cfg = load_config(None, IDENT)
     key = rundir.identity_key(cfg, str(shards))
@@ -701,7 +701,7 @@ def test_a_run_named_by_the_earlier_key_is_still_found(
 ) -> None:
     """A default run directory an earlier version named (its key covered the whole
     config) is found by the same command after the upgrade, not started again."""
-    from rootopt.train.rundir import legacy_identity_key
+    from rootopt.train.run.directory import legacy_identity_key
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, IDENT)

@@ -16,7 +16,7 @@ from rootopt.config import load_config
 from rootopt.monitor import read_jsonl
 from rootopt.monitor.report import check_run
 from rootopt.train import train
-from rootopt.train.mfu import Peak, cpu_name, cpu_peak, measure_one_thread, mfu
+from rootopt.train.metrics.mfu import Peak, cpu_name, cpu_peak, measure_one_thread, mfu
 
 
 def test_mfu_above_one_is_not_recorded() -> None:

@@ -115,7 +115,7 @@ def test_streaming_gives_the_reference_shards(tmp_path: Path, settings: Settings
 
 
 def test_the_default_config_prepares_the_reference_data() -> None:
-    from rootopt.train.plan import settings_of
+    from rootopt.train.preflight import settings_of
 
     assert settings_of(load_config(None)) == Settings("stdlib")
 
@@ -128,7 +128,7 @@ def test_a_default_run_keeps_its_run_directory() -> None:
     does: a run trained with the earlier ones (float32 iterations on the CPU) is found again
     when the config names them, never resumed with others."""
     from rootopt.optim._options import ns_dtype_name
-    from rootopt.train.rundir import identity_key, legacy_identity_key
+    from rootopt.train.run.directory import identity_key, legacy_identity_key
 
     then = ["optimization.ns_coefficients=muon", "optimization.ns_dtype=float32"]
     assert legacy_identity_key(load_config(None, then), None) == "70ef8a9a"

@@ -115,7 +115,7 @@ def test_frozen_parameters_left_out_by_default() -> None:
 
 
 def test_package_mlp_classifier_head_found_by_structure() -> None:
-    from rootopt.train.model import MLPClassifier
+    from rootopt.train.models import MLPClassifier
 
     model = MLPClassifier(20, 32, 4)
     groups, report = param_groups(model)

@@ -48,7 +48,7 @@ def _same_model(a: Path, b: Path) -> None:
 
 
 def test_default_directory_is_the_same_for_the_same_command(tmp_path: Path) -> None:
-    from rootopt.train.rundir import default_run_dir, identity_key
+    from rootopt.train.run.directory import default_run_dir, identity_key
 
     cfg = load_config(None, FAST)
     key = identity_key(cfg, str(tmp_path))
@@ -87,7 +87,7 @@ def test_the_iteration_dtype_names_a_run_by_what_it_computes(
     import json
 
     from rootopt.optim import _options
-    from rootopt.train.rundir import RUN_FILE, default_run_dir, identity, identity_key
+    from rootopt.train.run.directory import RUN_FILE, default_run_dir, identity, identity_key
 
     monkeypatch.setattr(_options, "_x86", lambda: True)
     monkeypatch.setattr(_options, "cpu_emulates_bf16", lambda: not native)

@@ -1,4 +1,4 @@
-"""Benchmark tasks: real, offline data and one model per task (from :mod:`rootopt.train.model`).
+"""Benchmark tasks: real, offline data and one model per task (from :mod:`rootopt.train.models`).
 
 * ``stdlib``: byte-level Llama LM on CPython's standard-library source.
 * ``kjv``: the same LM on the King James Bible text.
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from rootopt.config import ModelConfig
-from rootopt.train.model import DigitsCNN, LlamaLM, MLPClassifier, loss_fn
+from rootopt.train.models import DigitsCNN, LlamaLM, MLPClassifier, loss_fn
 
 SPLIT_SEED = 1234
 

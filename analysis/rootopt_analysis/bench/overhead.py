@@ -17,7 +17,7 @@ from rootopt._threads import one_thread
 from rootopt.config import ModelConfig
 from rootopt.optim.registry import REGISTRY, make_optimizer
 from rootopt.tasks import LM_SEQ
-from rootopt.train.model import LlamaLM, loss_fn
+from rootopt.train.models import LlamaLM, loss_fn
 
 MODELS = {
     "lm-d64": ModelConfig(

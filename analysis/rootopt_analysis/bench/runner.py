@@ -295,7 +295,7 @@ def _run_one(spec: RunSpec, out_dir: str, progress: Any) -> dict[str, Any]:
     from rootopt._atomic import atomic_write
     from rootopt.optim import NonFiniteGradientError
     from rootopt.tasks import load_task_data, task
-    from rootopt.train.model import loss_fn
+    from rootopt.train.models import loss_fn
     from rootopt.train.schedule import LRMultiplier
 
     t_all = time.perf_counter()

@@ -533,7 +533,7 @@ def _time_pair(spec: TimingSpec, out_dir: str) -> Result:
 
     from rootopt._atomic import atomic_write
     from rootopt.tasks import load_task_data, task
-    from rootopt.train.model import loss_fn
+    from rootopt.train.models import loss_fn
     from rootopt_analysis.bench.runner import build_optimizer
 
     t = task(spec.task)
@@ -581,7 +581,7 @@ def count_flops(spec: FlopSpec, out_dir: str) -> Result:
     from rootopt._atomic import atomic_write
     from rootopt._threads import one_thread
     from rootopt.tasks import load_task_data, task
-    from rootopt.train.model import loss_fn
+    from rootopt.train.models import loss_fn
     from rootopt_analysis.bench.runner import build_optimizer
 
     with one_thread():

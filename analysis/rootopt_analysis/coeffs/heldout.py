@@ -119,7 +119,7 @@ def task_of(name: str) -> tuple[Any, str]:
 
     if name == "stdlib-large":
         from rootopt.config import DataConfig, ModelConfig
-        from rootopt.train.model import LlamaLM
+        from rootopt.train.models import LlamaLM
 
         seq = DataConfig().seq_len
         base = TASKS["stdlib"]
@@ -281,7 +281,7 @@ def record_task(name: str, *, seed: int, capture: Sequence[int]) -> dict[str, An
     steps, seed ``seed`` for the initialisation and the batches."""
     from rootopt.optim.registry import REGISTRY, make_optimizer
     from rootopt.tasks import load_task_data
-    from rootopt.train.model import loss_fn
+    from rootopt.train.models import loss_fn
     from rootopt.train.schedule import LRMultiplier
 
     task, data_key = task_of(name)

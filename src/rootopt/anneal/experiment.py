@@ -56,7 +56,7 @@ class HeadConfig:
 
 def _model(cfg: HeadConfig) -> tuple[nn.Module, nn.Linear, Any]:
     from rootopt.tasks import BBC_CLASSES, BBC_FEATURES, load_task_data
-    from rootopt.train.model import DigitsCNN, MLPClassifier
+    from rootopt.train.models import DigitsCNN, MLPClassifier
 
     data = load_task_data(cfg.task)
     if cfg.task == "bbc":
@@ -83,7 +83,7 @@ def _per_sample_grads(model: nn.Module, weight: Tensor, x: Tensor, y: Tensor) ->
     """(B, n) gradients of each sample's loss w.r.t. ``weight`` (torch.func.vmap over grad)."""
     from torch.func import functional_call, grad, vmap
 
-    from rootopt.train.model import loss_fn
+    from rootopt.train.models import loss_fn
 
     params = {k: v.detach() for k, v in model.named_parameters()}
     name = next(k for k, v in model.named_parameters() if v is weight)
@@ -105,7 +105,7 @@ def run_head(cfg: HeadConfig) -> dict[str, Any]:
 def _run_head(cfg: HeadConfig) -> dict[str, Any]:
     from rootopt.optim import ROOT
     from rootopt.optim.registry import make_optimizer
-    from rootopt.train.model import loss_fn
+    from rootopt.train.models import loss_fn
     from rootopt.train.schedule import LRMultiplier
 
     if cfg.method not in METHODS:

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     from rootopt.config import ConfigError
     from rootopt.data import CorpusError, ShardError
     from rootopt.train.build import TrainingError
-    from rootopt.train.diagnose import diagnose
+    from rootopt.train.tools.diagnose import diagnose
 
     run_dir = None
     if args.run_dir:

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("run_dir", help="a run directory written by rootopt train")
     p.add_argument("out_dir", help="the model directory to create (missing or empty)")
     args = p.parse_args(argv)
-    from rootopt.train.export import ExportError, ExportMismatch, export
+    from rootopt.train.tools.export import ExportError, ExportMismatch, export
 
     if not args.out_dir.strip():
         print("rootopt export: OUT_DIR is empty; name a directory", file=sys.stderr)

@@ -2,7 +2,7 @@
 (docs/distributed.md, "What each rank does in one step").
 
 Pure Python on sizes and costs, deterministic (ties go to the lower rank and the earlier
-item), so every rank computes the same plan without communicating. The optimizer
+item), so every rank computes the same layout without communicating. The optimizer
 (:mod:`rootopt.distributed.replicated`, :mod:`rootopt.distributed.sharded`) and the cost
 model (:mod:`rootopt_analysis.costmodel`) both call these functions.
 """

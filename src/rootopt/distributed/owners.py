@@ -5,7 +5,7 @@ orientation): ``X Xᵀ`` is ``s·s·l`` multiply-adds, ``(A)·A`` is ``s³`` and
 ``s·s·l`` again, so ``K`` iterations cost about ``K·s²·(2l + s)`` (the estimate torchtitan's
 DistMuon balances by). Owners are chosen greedily: the most expensive matrix goes to the
 least loaded rank (LPT scheduling, within 4/3 of the optimum), ties broken by rank so every
-rank computes the same plan without communicating.
+rank computes the same owners without communicating.
 """
 
 from __future__ import annotations

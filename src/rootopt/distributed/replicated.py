@@ -119,7 +119,7 @@ class Replicated:
         return {**self.__dict__, "backward": None, "hooks": []}
 
     # ------------------------------------------------------------------------ the layout
-    def plan(self, opt: DistributedROOT) -> None:
+    def lay_out(self, opt: DistributedROOT) -> None:
         """Lay the plain parameters out in owner buckets, check that every rank has the
         same layout, and keep momentum / AdamW moments only where they are owned. A layout
         that changes (a new parameter group) first gathers the state it had spread."""
@@ -159,7 +159,7 @@ class Replicated:
         """All-gather every rank's layout digest; on any difference every rank stops with
         one line (different layouts would issue collectives of different sizes: a hang or
         garbage)."""
-        # average_grads decides whether reduce-scatters are issued: part of the plan
+        # average_grads decides whether reduce-scatters are issued: part of the layout
         mode = f"{layout.digest()} average_grads={self.average_grads}"
         digest = hashlib.sha256(mode.encode()).hexdigest()
         raw = bytes.fromhex(digest)

@@ -154,13 +154,13 @@ class DistributedROOT(ROOT):
         self._ready = False
         super().__init__(params, **kwargs)
         self._ready = True
-        self._replicated.plan(self)
+        self._replicated.lay_out(self)
 
     # ------------------------------------------------------------- groups and eager state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """ROOT's, then every parameter's full state is created now (so that
         ``torch.distributed.checkpoint`` never sees a partly created state), and the owner
-        layout is planned again (ownership may move: the state is gathered first)."""
+        layout is laid out again (ownership may move: the state is gathered first)."""
         before = len(self.param_groups)
         super().add_param_group(param_group)
         for group in self.param_groups[before:]:
@@ -174,7 +174,7 @@ class DistributedROOT(ROOT):
                     raise ValueError(_compile_refused("for sharded (FSDP2) parameters"))
                 self._init_state(group, p)  # ROOT's own: the same dtypes and keys
         if self._ready:
-            self._replicated.plan(self)
+            self._replicated.lay_out(self)
 
     @property
     def owner_layout(self) -> OwnerLayout | None:
@@ -246,7 +246,7 @@ class DistributedROOT(ROOT):
         owned: dict[int, Tensor] = {}
         if info.world_size > 1:
             if rep.layout is None or rep.layout.world != info.world_size:
-                rep.plan(self)
+                rep.lay_out(self)
             if rep.layout is not None:
                 owned = rep.reduce(self, info.rank)
         answered, shards = self._answered(entries, owned, info.world_size)
@@ -463,6 +463,6 @@ class DistributedROOT(ROOT):
         info = world(self.process_group)
         if info.world_size > 1:
             if self._replicated.layout is None:
-                self._replicated.plan(self)
+                self._replicated.lay_out(self)
             else:
                 self._replicated.prune_state(self, info.rank)

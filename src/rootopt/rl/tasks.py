@@ -39,7 +39,7 @@ class ToyRegression(nn.Module):
 
 def _llama(d_model: int, layers: int, seq: int) -> nn.Module:
     from rootopt.config import ModelConfig
-    from rootopt.train.model import LlamaLM
+    from rootopt.train.models import LlamaLM
 
     heads = max(2, d_model // 16)
     return LlamaLM(
@@ -49,14 +49,14 @@ def _llama(d_model: int, layers: int, seq: int) -> nn.Module:
 
 
 def _digits(width: int) -> nn.Module:
-    from rootopt.train.model import DigitsCNN
+    from rootopt.train.models import DigitsCNN
 
     return DigitsCNN(10, width=width)
 
 
 def _bbc(hidden: int) -> nn.Module:
     from rootopt.tasks import BBC_CLASSES, BBC_FEATURES
-    from rootopt.train.model import MLPClassifier
+    from rootopt.train.models import MLPClassifier
 
     return MLPClassifier(BBC_FEATURES, hidden, BBC_CLASSES)
 
@@ -123,7 +123,7 @@ class Sampler:
     def loss(self, out: Tensor, y: Tensor) -> Tensor:
         if self.t.data == "toy":
             return torch.nn.functional.mse_loss(out, y)
-        from rootopt.train.model import loss_fn
+        from rootopt.train.models import loss_fn
 
         return loss_fn(out, y)
 

@@ -143,11 +143,11 @@ def parallelize(cfg: Config, model: nn.Module, info: ProcessInfo) -> nn.Module:
     gradients in the optimizer (:func:`optimizer_syncs_grads`): the model stays unwrapped
     and only rank 0's parameters are broadcast, as DDP would; other optimizers get
     ``DistributedDataParallel``. World 1: unchanged. The FSDP2 units are the model's own
-    repeated layers (:func:`rootopt.train.model.blocks_of`)."""
+    repeated layers (:func:`rootopt.train.models.blocks_of`)."""
     if info.world_size == 1:
         return model
     from rootopt.distributed import broadcast_parameters, wrap_model
-    from rootopt.train.model import blocks_of
+    from rootopt.train.models import blocks_of
 
     mode = cfg.distributed.parallel
     if optimizer_syncs_grads(cfg, info.world_size):

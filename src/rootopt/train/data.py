@@ -20,7 +20,7 @@ from rootopt.data import (
 )
 from rootopt.distributed.sampler import GlobalBatchSampler
 from rootopt.train.build import ProcessInfo
-from rootopt.train.state import Run
+from rootopt.train.run.state import Run
 
 
 def resolve_data(cfg: Config, run_dir: Path, data_path: str | None, info: ProcessInfo) -> Path:
@@ -30,9 +30,9 @@ def resolve_data(cfg: Config, run_dir: Path, data_path: str | None, info: Proces
     The run-dir copy is reused only when every preparation setting matches the config
     (corpus, seq_len, seed, max_bytes, samples_per_shard, val_fraction); otherwise it is
     prepared again (the directory holds only this run's own shards). ``rootopt train``
-    does the same in two halves, checks before writes (:mod:`rootopt.train.plan`).
+    does the same in two halves, checks before writes (:mod:`rootopt.train.preflight`).
     """
-    from rootopt.train.plan import data_for
+    from rootopt.train.preflight import data_for
 
     path = data_path or cfg.data.path
     if path:

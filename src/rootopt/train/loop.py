@@ -1,8 +1,9 @@
 """The training loop, readable top to bottom; its pieces live next to it.
 
-``setup`` builds a :class:`~rootopt.train.state.Run`: rank 0 first checks everything the run
-depends on and only then writes (:mod:`rootopt.train.plan`), every rank builds its
-components, and each phase's failures are agreed across ranks (:mod:`rootopt.train.agree`).
+``setup`` builds a :class:`~rootopt.train.run.state.Run`: rank 0 first checks everything
+the run depends on and only then writes (:mod:`rootopt.train.preflight`), every rank builds
+its components, and each phase's failures are agreed across ranks
+(:mod:`rootopt.train.run.agree`).
 ``train`` then resumes, checks every shard, and runs ``train_step`` and the policies
 (:mod:`rootopt.train.policies`: stop, health, log, evaluate, checkpoint, faults) until
 ``run.max_steps``, a signal or ``run.max_time``. A restarted run resumes from the newest
@@ -10,7 +11,7 @@ valid checkpoint and continues bit-identically (model, optimizer, scaler, schedu
 RNG, data position, the health counters, the open logging window, and an evaluation the
 previous session did not finish). A known failure after step 1 writes an emergency
 checkpoint when the state is consistent, then stops with one line
-(:mod:`rootopt.train.failures`).
+(:mod:`rootopt.train.run.failures`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from rootopt._atomic import atomic_write
 from rootopt.config import Config, ConfigError, config_warnings, dump_yaml
 from rootopt.data import load_manifest
 from rootopt.monitor import Monitor, plot_loss
-from rootopt.train import plan as planning
-from rootopt.train.agree import JobError, agreed, broadcast, gather
+from rootopt.train import preflight
 from rootopt.train.build import (
     Precision,
     ProcessInfo,
@@ -44,17 +44,24 @@ from rootopt.train.build import (
 )
 from rootopt.train.checkpoint import Checkpointer
 from rootopt.train.data import batches, check_data
-from rootopt.train.failures import Diverged, diverged, one_line
-from rootopt.train.mfu import device_peak, flops_per_token
-from rootopt.train.model import build_model, with_vocab
+from rootopt.train.metrics.mfu import MFUMeter, device_peak, flops_per_token
+from rootopt.train.metrics.records import account, divergence
+from rootopt.train.models import build_model, with_vocab
 from rootopt.train.policies import Evaluate, Log, Policies
-from rootopt.train.records import account, divergence
-from rootopt.train.rundir import Locks, default_run_dir, identity_key, other_runs_note
+from rootopt.train.run.agree import JobError, agreed, broadcast, gather
+from rootopt.train.run.directory import (
+    Locks,
+    default_run_dir,
+    identity_key,
+    other_runs_note,
+    write_tokenizer_copy,
+)
+from rootopt.train.run.failures import Diverged, diverged, one_line
+from rootopt.train.run.signals import interruptible
+from rootopt.train.run.state import Hooks, Run, TrainState
+from rootopt.train.run.summary import Summary, already_complete, write_summary
 from rootopt.train.schedule import GradClipper, LRMultiplier
-from rootopt.train.signals import interruptible
-from rootopt.train.state import Hooks, Run, TrainState
 from rootopt.train.step import evaluate, train_step
-from rootopt.train.summary import Summary, already_complete, write_summary
 from rootopt.train.sync import grad_sync
 
 __all__ = ["Hooks", "Run", "Summary", "TrainState", "evaluate", "setup", "train"]
@@ -105,12 +112,12 @@ def _model(
             )
         source = ""
         if fresh and cfg.model.init_from:
-            from rootopt.train.hf import init_source
+            from rootopt.train.models.transformers_lm import init_source
 
             source = init_source(cfg.model, manifest)  # the tokenizer first: it reads least
         model = build_model(cfg.model, manifest, cfg.data.seq_len)
         if source:
-            from rootopt.train.hf import load_init
+            from rootopt.train.models.transformers_lm import load_init
 
             load_init(model, cfg.model)
         return model.to(device), source
@@ -205,7 +212,7 @@ def setup(
     config_path: str | None = None,
 ) -> tuple[Run, Locks]:
     """Check, then write, then build: see the module docstring. ``run_dir`` None is the
-    default ``runs/<name>-<key>`` (:mod:`rootopt.train.rundir`)."""
+    default ``runs/<name>-<key>`` (:mod:`rootopt.train.run.directory`)."""
     info = process_info(cfg)
     explicit = run_dir is not None
     chosen = run_dir if run_dir is not None else default_run_dir(cfg, data_path, config_path)
@@ -222,24 +229,24 @@ def setup(
             if note:
                 say(f"note: {note}")
 
-    def check() -> planning.Plan | planning.Complete | None:
+    def check() -> preflight.Preflight | preflight.Complete | None:
         if not info.is_main:
             return None
         try:
-            return planning.check(cfg, chosen, data_path, say)
-        except planning.AlreadyComplete as done:  # a read-only directory, nothing to do
+            return preflight.check(cfg, chosen, data_path, say)
+        except preflight.AlreadyComplete as done:  # a read-only directory, nothing to do
             return done.done
 
     checked = agreed(info, check, what="checks before writing")
-    done = broadcast(info, checked if isinstance(checked, planning.Complete) else None, "complete")
+    done = broadcast(info, checked if isinstance(checked, preflight.Complete) else None, "complete")
     if done is not None:
-        raise planning.AlreadyComplete(done)
-    plan = checked if isinstance(checked, planning.Plan) else None
-    locks = plan.locks if plan is not None else Locks()
+        raise preflight.AlreadyComplete(done)
+    checks = checked if isinstance(checked, preflight.Preflight) else None
+    locks = checks.locks if checks is not None else Locks()
     try:
-        return _build(cfg, info, plan, say), locks
+        return _build(cfg, info, checks, say), locks
     except BaseException:
-        planning.abandon(plan)  # the data it staged, when it stopped before writing
+        preflight.abandon(checks)  # the data it staged, when it stopped before writing
         locks.abandon()
         raise
 
@@ -258,13 +265,13 @@ class _Parts:
 
 
 def _build(
-    cfg0: Config, info: ProcessInfo, plan: planning.Plan | None, say: Callable[[str], None]
+    cfg0: Config, info: ProcessInfo, checks: preflight.Preflight | None, say: Callable[[str], None]
 ) -> Run:
     """Every rank builds its components; once each check passed on every rank, rank 0
     writes the run; then the rest of the run is assembled and resumed."""
-    public: dict[str, Any] = broadcast(info, plan.public() if plan else None, "run plan")
-    if info.is_main and plan is not None:
-        for line in plan.start.report(plan.ckpt_dir):
+    public: dict[str, Any] = broadcast(info, checks.public() if checks else None, "run checks")
+    if info.is_main and checks is not None:
+        for line in checks.start.report(checks.ckpt_dir):
             say(line)
     cfg = agreed(info, lambda: _resolved(cfg0, public["meta"]), what="building the model")
     if public["prepared"]:  # data that exists already is checked before any write
@@ -272,12 +279,12 @@ def _build(
         agreed(info, lambda: _validate(cfg, data_dir), what="checking the data")
     parts = _components(cfg, info, public)
     # ---- every check passed on every rank: rank 0 writes (run.json, data, ...)
-    agreed(info, lambda: planning.commit(plan) if plan else None, what="writing the run")
-    if plan is not None:
-        plan.locks.committed = True  # from here on the run's directory holds its files
-    run = _assemble(cfg, info, public, parts, plan.start.lines if plan else [])
+    agreed(info, lambda: preflight.commit(checks) if checks else None, what="writing the run")
+    if checks is not None:
+        checks.locks.committed = True  # from here on the run's directory holds its files
+    run = _assemble(cfg, info, public, parts, checks.start.lines if checks else [])
     try:
-        state = plan.choice.state if plan is not None and plan.choice is not None else None
+        state = checks.choice.state if checks is not None and checks.choice is not None else None
         resume = run.checkpointer.load
         agreed(info, lambda: resume(run, public["choice"], state, say), what="resuming")
         if not public["prepared"]:  # prepared just now (by commit)
@@ -348,9 +355,9 @@ def _assemble(
         c.mode, max_norm=c.max_norm, value=c.value, beta=c.adaptive_beta, factor=c.adaptive_factor
     )
     precision = _precision(cfg, info, parts.device)
-    peak = None
-    if info.is_main:
-        peak = device_peak(parts.device, precision.name, configured_tflops=cfg.run.peak_tflops)
+    mfu = MFUMeter(parts.flops_per_token)
+    if info.is_main:  # rank 0 measures or looks up the peak; the others record no mfu
+        mfu.peak = device_peak(parts.device, precision.name, configured_tflops=cfg.run.peak_tflops)
     monitor = agreed(info, lambda: _monitor(cfg, run_dir, info.is_main), what="opening metrics")
     ckpt_dir = Path(public["ckpt_dir"])
     return Run(
@@ -368,17 +375,15 @@ def _assemble(
         sync=grad_sync(cfg, parts.model, parts.optimizer, info.world_size),
         monitor=monitor,
         routing=parts.routing,
-        run_id=str(public["run_id"]),
         checkpointer=Checkpointer.for_run(cfg, ckpt_dir, public["run_id"], info.is_main, skipped),
-        params=[p for p in parts.model.parameters() if p.requires_grad],
         telemetry=hasattr(parts.optimizer, "telemetry_enabled")
         and o.telemetry
         and info.world_size == 1,
         controller=parts.controller,
-        flops_per_token=parts.flops_per_token,
-        peak=peak,
+        mfu=mfu,
+        # looked up now: a caller may wrap loop.evaluate
+        evaluation=Evaluate(cfg.run, evaluate, token_bytes),
         initialised_from=parts.source,
-        token_bytes=token_bytes,
     )
 
 
@@ -426,15 +431,12 @@ def _write_run_files(run: Run) -> None:
     its name)."""
     atomic_write(run.run_dir / "config.yaml", dump_yaml(run.cfg).encode())
     env = environment()
-    if run.peak is not None:  # what the mfu metric divides by (rootopt.train.mfu)
-        env["peak"] = run.peak.record()
-        env["flops_per_token"] = run.flops_per_token
+    env.update(run.mfu.env())  # what the mfu metric divides by (rank 0)
     atomic_write(run.run_dir / "env.json", (json.dumps(env, indent=1) + "\n").encode())
     if run.routing:
         atomic_write(run.run_dir / "routing.txt", (run.routing + "\n").encode())
     if run.manifest.get("task") == "lm":  # the tokenizer travels with the run (rootopt export)
         from rootopt.data.tokenizer import run_files
-        from rootopt.train.export import write_tokenizer_copy
 
         write_tokenizer_copy(run.run_dir, run_files(run.data_dir, run.manifest))
 
@@ -459,7 +461,7 @@ def train(
     with interruptible():
         try:
             run, locks = setup(cfg, run_dir, data_path, say=say, config_path=config_path)
-        except planning.AlreadyComplete as exc:
+        except preflight.AlreadyComplete as exc:
             return already_complete(cfg, exc.done)
     try:
         summary = _train(run, hooks, say)
@@ -484,9 +486,8 @@ def train(
 
 
 def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
-    evaluation = Evaluate(run, evaluate)  # looked up here: a caller may wrap loop.evaluate
-    _start(run, evaluation, say)
-    policies = Policies.start(run, hooks, evaluation)  # the clock, signal handlers, bar
+    _start(run, say)
+    policies = Policies.start(run, hooks)  # the clock, signal handlers, bar
     run.model.train()
     global TRAINING
     TRAINING = True
@@ -497,7 +498,7 @@ def _train(run: Run, hooks: Hooks, say: Callable[[str], None]) -> Summary:
         policies.close()
 
 
-def _start(run: Run, evaluation: Evaluate, say: Callable[[str], None]) -> None:
+def _start(run: Run, say: Callable[[str], None]) -> None:
     """Before the session's first step: what runs, the log continued where the checkpoint
     left it, and an evaluation the previous session did not finish."""
     if run.info.is_main:
@@ -519,7 +520,7 @@ def _start(run: Run, evaluation: Evaluate, say: Callable[[str], None]) -> None:
     Log.recover(run)
     if run.info.is_main:
         write_summary(run, "running", 0)
-    evaluation.redo(run)
+    run.evaluation.redo(run)
     run.monitor.event("start", step=run.state.step, precision=run.precision.name)
 
 

@@ -134,7 +134,7 @@ def _err(msg: str, *, for_the_job: bool = False) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 runtime failure (incl. divergence), 2 user error, 130 SIGINT,
     143 SIGTERM (each after a checkpoint where one could be written)."""
-    from rootopt.train.agree import Interrupted
+    from rootopt.train.run.agree import Interrupted
 
     def terminate(signum: int, frame: Any) -> None:
         raise Interrupted(signum)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 def _interrupted(exc: BaseException) -> int:
     """A signal outside the loop's own handling: while starting (nothing of the run is
     lost: every write of the set-up is atomic), or a second one (stop at once)."""
-    from rootopt.train.agree import Interrupted
+    from rootopt.train.run.agree import Interrupted
 
     signum = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
     name = signal.Signals(signum).name
@@ -196,8 +196,8 @@ def _main(argv: list[str] | None) -> int:
         return 0
     from pathlib import Path
 
-    from rootopt.train.agree import exit_status
     from rootopt.train.loop import train
+    from rootopt.train.run.agree import exit_status
 
     if _speaks_alone():
         for note in _environment_notes(cfg):
@@ -209,7 +209,7 @@ def _main(argv: list[str] | None) -> int:
         known = exit_status(exc)
         if known is None:
             raise  # a bug: keep the traceback
-        from rootopt.train.agree import JobError
+        from rootopt.train.run.agree import JobError
 
         code, lines = known
         speak = _speaks_for(exc, lines[0] if lines else "")
@@ -243,7 +243,7 @@ def _speaks_for(exc: BaseException, line: str) -> bool:
     """Whether this process prints ``exc``: a verdict of the whole job says so itself;
     otherwise, at world size > 1, the first rank to report a failure speaks (a peer that
     died leaves its peers' collectives failing: they stay silent)."""
-    from rootopt.train.agree import JobError
+    from rootopt.train.run.agree import JobError
 
     if isinstance(exc, JobError):
         return exc.speak

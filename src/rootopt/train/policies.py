@@ -5,16 +5,16 @@ After every step the loop hands the step's result to each policy in turn
 
 - :class:`Stop`: before a step, whether to take it (``run.max_steps``, a signal,
   ``Hooks.after_step``, ``run.max_time``; at world size > 1 the ranks vote and stop together).
-- health (:mod:`rootopt.train.health`): counts the step, applies the divergence rule.
+- health (:mod:`rootopt.train.metrics.health`): counts the step, applies the divergence rule.
 - :class:`Log`: the metric record every ``run.log_every`` steps, histograms, the progress bar.
 - :class:`Evaluate`: validation every ``run.eval_every`` steps and at the end.
 - the checkpointer (:class:`rootopt.train.checkpoint.Checkpointer`, the run's own): a
   checkpoint every ``checkpoint.every`` steps, never inside a divergence streak, and the
   final one.
-- faults (:mod:`rootopt.train.failures`): what a failed step leaves behind.
+- faults (:mod:`rootopt.train.run.failures`): what a failed step leaves behind.
 
 What a resumed run must continue (the health counters, the open logging window) is part of
-:class:`~rootopt.train.state.TrainState` and saved in every checkpoint; the rest (the clock, a
+:class:`~rootopt.train.run.state.TrainState` and saved in every checkpoint; the rest (the clock, a
 signal, a deferred checkpoint) belongs to one session.
 """
 
@@ -24,14 +24,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rootopt.train.agree import broadcast
-from rootopt.train.failures import Faults
-from rootopt.train.records import Clock, build_record
-from rootopt.train.signals import StopFlag
-from rootopt.train.state import Hooks, Run
+from rootopt.train.metrics.records import Clock, build_record
+from rootopt.train.run.agree import broadcast
+from rootopt.train.run.failures import Faults
+from rootopt.train.run.signals import StopFlag
+from rootopt.train.run.state import Hooks, Run
 from rootopt.train.step import StepResult
+
+if TYPE_CHECKING:
+    from rootopt.config.schema import RunConfig
 
 Evaluation = Callable[..., "dict[str, float] | None"]  # rootopt.train.step.evaluate
 
@@ -183,19 +186,23 @@ class Evaluate:
     """Validation every ``run.eval_every`` steps before the last, and at the last step.
 
     ``evaluate`` is :func:`rootopt.train.step.evaluate` (given, so that a caller can wrap
-    it). Every rank evaluates when rank 0's log says an evaluation is due.
+    it). Every rank evaluates when rank 0's log says an evaluation is due. ``token_bytes``:
+    the UTF-8 bytes each token id stands for, for ``val_bits_per_byte`` (an int64 tensor on
+    the device, :func:`rootopt.data.tokenizer.byte_lengths_of`); None when the data does
+    not count them.
     """
 
-    def __init__(self, run: Run, evaluate: Evaluation) -> None:
-        self.every, self.last = run.cfg.run.eval_every, run.cfg.run.max_steps
+    def __init__(self, rules: RunConfig, evaluate: Evaluation, token_bytes: Any = None) -> None:
+        self.every, self.last = rules.eval_every, rules.max_steps
         self.evaluate = evaluate
+        self.token_bytes = token_bytes
 
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0 and step < self.last)
 
     def after_step(self, run: Run) -> None:
         if self.due(run.state.step):
-            self._log(run, self.evaluate(run))
+            self._log(run, self.evaluate(run, token_bytes=self.token_bytes))
 
     def redo(self, run: Run) -> None:
         """A resumed run evaluates first when the session it continues stopped at an
@@ -211,7 +218,7 @@ class Evaluate:
             and step not in mon.val_steps
         )
         if broadcast(run.info, due, "evaluation due"):
-            self._log(run, self.evaluate(run))
+            self._log(run, self.evaluate(run, token_bytes=self.token_bytes))
 
     def final(self, run: Run, interrupt: Callable[[], bool] | None) -> dict[str, float] | None:
         """The evaluation of the last step unless it has a validation record already
@@ -221,7 +228,7 @@ class Evaluate:
         due = not (mon.enabled and run.cfg.monitoring.jsonl and run.state.step in mon.val_steps)
         if not broadcast(run.info, due, "final evaluation due"):
             return {}
-        got = self.evaluate(run, interrupt=interrupt)
+        got = self.evaluate(run, interrupt=interrupt, token_bytes=self.token_bytes)
         if got:
             self._log(run, got)
         return got
@@ -245,13 +252,13 @@ class Policies:
     hooks: Hooks
 
     @classmethod
-    def start(cls, run: Run, hooks: Hooks, evaluate: Evaluate) -> Policies:
+    def start(cls, run: Run, hooks: Hooks) -> Policies:
         clock = Clock(run.state)
         return cls(
             clock=clock,
             stop=Stop(run, clock, hooks),
             log=Log(run, clock),
-            evaluate=evaluate,
+            evaluate=run.evaluation,
             faults=Faults(),
             hooks=hooks,
         )

@@ -24,8 +24,8 @@ from torch import nn
 
 from rootopt.distributed import unwrap_model
 from rootopt.train.data import val_stream
-from rootopt.train.model import loss_fn
-from rootopt.train.state import Hooks, Run
+from rootopt.train.models import loss_fn
+from rootopt.train.run.state import Hooks, Run
 
 # Log-step update ratios read at most this many entries of a tensor (a fixed stride), so the
 # snapshot before the step costs O(tensors), not a second copy of the model.
@@ -50,7 +50,7 @@ def train_step(
     """Run one optimizer step (``log_now``: collect the log-step statistics).
 
     ``run.phase`` says how far it got, so that a failure knows whether the state is intact
-    (:mod:`rootopt.train.failures`): ``data`` while reading and computing, ``update`` once
+    (:mod:`rootopt.train.run.failures`): ``data`` while reading and computing, ``update`` once
     the model, optimizer or scaler may change, ``between`` when the step is complete."""
     run.phase = "data"
     out = _step(run, data, hooks, log_now=log_now)
@@ -235,17 +235,24 @@ def update_ratios(
 
 
 @overload
-def evaluate(run: Run) -> dict[str, float]: ...
+def evaluate(run: Run, *, token_bytes: torch.Tensor | None = None) -> dict[str, float]: ...
 
 
 @overload
-def evaluate(run: Run, interrupt: Callable[[], bool] | None) -> dict[str, float] | None: ...
+def evaluate(
+    run: Run, interrupt: Callable[[], bool] | None, *, token_bytes: torch.Tensor | None = None
+) -> dict[str, float] | None: ...
 
 
 @torch.no_grad()
-def evaluate(run: Run, interrupt: Callable[[], bool] | None = None) -> dict[str, float] | None:
-    """Validation loss (and bits per byte where the data counts the bytes of its tokens,
-    or accuracy) over ``run.eval_batches`` batches;
+def evaluate(
+    run: Run,
+    interrupt: Callable[[], bool] | None = None,
+    *,
+    token_bytes: torch.Tensor | None = None,
+) -> dict[str, float] | None:
+    """Validation loss (and bits per byte where ``token_bytes`` gives the UTF-8 bytes each
+    token id stands for, or accuracy) over ``run.eval_batches`` batches;
     ``{}`` without a validation split; None when ``interrupt()`` turned true between
     batches (the model is back in training mode either way)."""
     stream = val_stream(run)
@@ -253,13 +260,16 @@ def evaluate(run: Run, interrupt: Callable[[], bool] | None = None) -> dict[str,
         return {}
     run.model.eval()
     try:
-        return _evaluate(run, stream, interrupt)
+        return _evaluate(run, stream, interrupt, token_bytes)
     finally:
         run.model.train()
 
 
 def _evaluate(
-    run: Run, stream: Any, interrupt: Callable[[], bool] | None
+    run: Run,
+    stream: Any,
+    interrupt: Callable[[], bool] | None,
+    token_bytes: torch.Tensor | None,
 ) -> dict[str, float] | None:
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     correct = torch.zeros((), dtype=torch.int64, device=run.device)
@@ -277,8 +287,8 @@ def _evaluate(
         count += y.size(0)
         if logits.ndim == 2:
             correct += (logits.argmax(-1) == y).sum()
-        elif run.token_bytes is not None:
-            text_bytes += run.token_bytes[y].sum()
+        elif token_bytes is not None:
+            text_bytes += token_bytes[y].sum()
             tokens += y.numel()
     if count == 0:
         return {}

@@ -24,7 +24,7 @@ from rootopt.distributed import checkpoint as dcp
 from rootopt.train.build import TrainingError
 
 if TYPE_CHECKING:
-    from rootopt.train.state import Run
+    from rootopt.train.run.state import Run
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
@@ -92,17 +92,24 @@ def write(
     :class:`rootopt.distributed.checkpoint.DistCheckpointError` when it cannot."""
     step = run.state.step
     if run.world_size > 1:
-        meta: dict[str, Any] = {"run_id": run.run_id, "suspect": suspect}
+        meta: dict[str, Any] = {"run_id": run.checkpointer.run_id, "suspect": suspect}
         if serial is not None:
             meta["serial"] = serial
-        rec = {**record, "run_id": run.run_id}
+        rec = {**record, "run_id": run.checkpointer.run_id}
         return dcp.save(directory, step, run.model, run.optimizer, extra=rec, meta=meta)
     payload = {
         **record,
         "model": run.model.state_dict(),
         "optimizer": run.optimizer.state_dict(),
     }
-    return pt.save(directory, step, payload, run_id=run.run_id, suspect=suspect, serial=serial or 0)
+    return pt.save(
+        directory,
+        step,
+        payload,
+        run_id=run.checkpointer.run_id,
+        suspect=suspect,
+        serial=serial or 0,
+    )
 
 
 def name_at(run: Run) -> str:

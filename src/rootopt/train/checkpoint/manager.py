@@ -21,14 +21,14 @@ from rootopt.distributed import checkpoint as dcp
 from rootopt.train.build import TrainingError
 from rootopt.train.checkpoint import catalog, formats
 from rootopt.train.checkpoint.catalog import DIVERGED, Found, step_of
-from rootopt.train.state import TrainState
+from rootopt.train.run.state import TrainState
 
 if TYPE_CHECKING:
     import torch
 
     from rootopt.config import Config
-    from rootopt.train.records import Clock
-    from rootopt.train.state import Run
+    from rootopt.train.metrics.records import Clock
+    from rootopt.train.run.state import Run
 
 
 class Checkpointer:
@@ -107,7 +107,7 @@ class Checkpointer:
     def _save_finite(self, run: Run, reason: str) -> None:
         """Never a checkpoint of parameters that are not finite: the run diverged."""
         if not formats.params_finite(run):
-            from rootopt.train.failures import diverged
+            from rootopt.train.run.failures import diverged
 
             diverged(run, "parameters became non-finite")
         self.save(run, reason)
@@ -152,7 +152,7 @@ class Checkpointer:
     def emergency(self, run: Run) -> str:
         """Save the consistent state of a failed run (one process, between steps), unless a
         checkpoint holds it already or a divergence streak is open; what was kept, as a note."""
-        from rootopt.train.failures import first_line
+        from rootopt.train.run.failures import first_line
 
         st = run.state
         if self.last and self.holds(st.step):

@@ -5,7 +5,8 @@ writes anything (docs/training.md, "Checkpoints and resume").
 the damaged ones it passes over are named, and this run's are set aside into
 ``<checkpoint dir>/invalid/`` once every check of the launch has passed (:meth:`Start.commit`).
 ``never`` refuses a directory that holds checkpoints; ``restart`` starts from none (the old
-run is moved aside by the run directory's plan); a path resumes from that checkpoint.
+run is moved aside by the run's preflight, :mod:`rootopt.train.preflight`); a path resumes
+from that checkpoint.
 """
 
 from __future__ import annotations

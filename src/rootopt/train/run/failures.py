@@ -8,7 +8,7 @@ position and the RNG go back to the start of the step). At world size > 1, or on
 update began, the last checkpoint stays the newest. Then the run stops with one line naming
 what failed and what was kept. Any other exception is a bug and keeps its traceback.
 
-A divergence (:mod:`rootopt.train.health`) sets aside the checkpoints written inside the
+A divergence (:mod:`rootopt.train.metrics.health`) sets aside the checkpoints written inside the
 diverging episode and stops with :class:`Diverged` (docs/training.md, "Divergence").
 """
 
@@ -25,10 +25,10 @@ from rootopt import checkpoint
 from rootopt.data import CorpusError, ShardError
 from rootopt.distributed import CollectiveError, CollectiveTimeoutError
 from rootopt.train.build import TrainingError
-from rootopt.train.summary import write_summary
+from rootopt.train.run.summary import write_summary
 
 if TYPE_CHECKING:
-    from rootopt.train.state import Run, TrainState
+    from rootopt.train.run.state import Run, TrainState
 
 # what a step may raise that Faults.guard reports as one line (TrainingError aside)
 KNOWN = (ShardError, CorpusError, OSError, torch.OutOfMemoryError, MemoryError, RuntimeError)

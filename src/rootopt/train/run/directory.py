@@ -32,13 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from rootopt import checkpoint
-from rootopt._atomic import LinkError, own_dir
+from rootopt._atomic import LinkError, atomic_write, is_link, own_dir
 from rootopt.checkpoint import CheckpointError
 from rootopt.config import Config, ConfigError, RunConfig, to_dict
 from rootopt.data import STAGING, is_staging
 from rootopt.data.locking import DataLock
 
 RUN_FILE = "run.json"
+# The run directory's copy of the tokenizer's files, written when a run starts, so an
+# export does not depend on the data directory staying where it was.
+TOKENIZER_DIR = "tokenizer"
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
 RUN_OUTPUTS = (
     "metrics.jsonl",
@@ -50,7 +53,7 @@ RUN_OUTPUTS = (
     "config.yaml",
     "env.json",
     "routing.txt",
-    "tokenizer",  # the tokenizer's files (rootopt export reads them)
+    TOKENIZER_DIR,  # the tokenizer's files (rootopt export reads them)
     RUN_FILE,
 )
 # Every other path a run writes, appends, moves or prunes: in its log dir (its lock, the
@@ -164,7 +167,7 @@ def _model_as_before(data: dict[str, Any], *, byte_data: bool) -> None:
     """The model keys added with ``model.kind=hf`` as runs named them before: no
     ``hf_config`` / ``init_from`` when empty (unused), and ``vocab_size: 0`` (the
     tokenizer's) as the earlier default 256 under ``data.tokenizer: bytes``, what byte
-    tokens resolve it to (:func:`rootopt.train.model.resolve_vocab`). Given shards of
+    tokens resolve it to (:func:`rootopt.train.models.resolve_vocab`). Given shards of
     another tokenizer are named by ``data_path``; an explicit 256 on them is refused
     before a run exists, so the two never name one run."""
     model = data["model"]
@@ -358,7 +361,7 @@ def refuse_links(run_dir: Path, ckpt_dir: Path, own_data: bool) -> None:
     writes, appends, moves or prunes, is a symbolic link (:data:`RUN_PATHS`, the files in
     ``tokenizer/``, :data:`CKPT_PATHS`, the checkpoints). Each write also refuses or replaces a link on its
     own (:mod:`rootopt._atomic`); this check makes the refusal come before the first write."""
-    from rootopt._atomic import LinkError, is_link, refuse_link
+    from rootopt._atomic import refuse_link
 
     try:
         refuse_link(run_dir, "--log_dir")
@@ -548,3 +551,17 @@ def remove_stale(paths: list[Path]) -> None:
             shutil.rmtree(p)
         else:
             p.unlink(missing_ok=True)
+
+
+def write_tokenizer_copy(run_dir: Path, files: dict[str, bytes]) -> None:
+    """The run directory's copy of the tokenizer (:data:`TOKENIZER_DIR`), each file atomic;
+    a link there is replaced, never written through or kept (the run refuses one before
+    it starts: :func:`refuse_links`)."""
+    d = own_dir(run_dir / TOKENIZER_DIR, parents=False)
+    for name, data in files.items():
+        if Path(name).name != name:
+            raise ValueError(f"tokenizer file name {name!r} is not a plain file name")
+        p = d / name
+        if not is_link(p) and p.is_file() and p.read_bytes() == data:
+            continue
+        atomic_write(p, data)

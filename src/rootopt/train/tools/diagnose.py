@@ -29,7 +29,7 @@ from rootopt.monitor.diagnostics import (
 from rootopt.train.build import ProcessInfo, TrainingError, build_optimizer
 from rootopt.train.checkpoint import Checkpointer, Found
 from rootopt.train.data import resolve_data
-from rootopt.train.model import build_model, loss_fn
+from rootopt.train.models import build_model, loss_fn
 
 
 def _load(

@@ -13,9 +13,9 @@ from rootopt.monitor import read_jsonl, strict
 
 if TYPE_CHECKING:
     from rootopt.config import Config
-    from rootopt.train.plan import Complete
-    from rootopt.train.records import Clock
-    from rootopt.train.state import Run
+    from rootopt.train.metrics.records import Clock
+    from rootopt.train.preflight import Complete
+    from rootopt.train.run.state import Run
 
 
 @dataclass

@@ -98,8 +98,8 @@ def matmul_params(model: nn.Module) -> int:
 
 def attention_shape(model: nn.Module) -> tuple[int, int]:
     """``(layers, heads × head size)`` of a transformer, ``(0, 0)`` for other models."""
-    from rootopt.train.hf import HFCausalLM
-    from rootopt.train.model import LlamaLM
+    from rootopt.train.models import LlamaLM
+    from rootopt.train.models.transformers_lm import HFCausalLM
 
     if isinstance(model, LlamaLM):
         return model.cfg.n_layers, model.cfg.d_model
@@ -227,3 +227,31 @@ def mfu(
         return None
     value = rate / peak.flops
     return value if value <= 1.0 else None
+
+
+@dataclass
+class MFUMeter:
+    """The run's mfu metric: the model's training FLOPs per token and one device's peak
+    (rank 0 measures or looks it up; None on the other ranks, which record no mfu)."""
+
+    flops_per_token: float
+    peak: Peak | None = None
+    above_peak: bool = False  # a window ran above the peak (said once per session)
+
+    def env(self) -> dict[str, Any]:
+        """What ``env.json`` records of it: what the mfu metric divides by."""
+        if self.peak is None:
+            return {}
+        return {"peak": self.peak.record(), "flops_per_token": self.flops_per_token}
+
+    def window(self, tokens_per_s: float | None, world_size: int) -> tuple[float | None, float]:
+        """A logging window's mfu, and the FLOP/s it achieved when it is the session's
+        first window above the peak (0.0 otherwise): the peak is wrong there."""
+        if self.peak is None:
+            return None, 0.0
+        value = mfu(self.flops_per_token, tokens_per_s, world_size, self.peak)
+        rate = achieved(self.flops_per_token, tokens_per_s, world_size)
+        if value is None and rate is not None and self.peak.flops > 0 and not self.above_peak:
+            self.above_peak = True
+            return None, rate
+        return value, 0.0

@@ -1,6 +1,7 @@
-"""Check everything, then write (docs/training.md, "The run directory").
+"""A run's preflight: check everything, then write (docs/training.md, "The run directory").
 
-:func:`check` runs on rank 0 before the run writes anything: it takes the run directory's
+:func:`check` runs on rank 0 before the run writes anything and returns the
+:class:`Preflight` (what it found and decided): it takes the run directory's
 lock (and the checkpoint directory's), checks that both belong to this run, chooses the
 checkpoint to resume from and checks that it fits this config and this data, and reads the
 corpus it would prepare. Only a new run directory and the lock files are created on the
@@ -50,10 +51,10 @@ from rootopt.data import (
 from rootopt.data import tokenizer as tokenizers
 from rootopt.data.preparing import check as check_settings
 from rootopt.data.shards import refuse_foreign
-from rootopt.train import rundir
 from rootopt.train.checkpoint import Found, Start, choose, manifest_digest
 from rootopt.train.checkpoint.catalog import move_run
-from rootopt.train.model import resume_key
+from rootopt.train.models import resume_key
+from rootopt.train.run import directory as rundir
 
 # Files a run writes into its log dir; `checkpoint.resume=restart` moves them aside.
 RUN_OUTPUTS = rundir.RUN_OUTPUTS
@@ -82,7 +83,10 @@ class AlreadyComplete(Exception):
 
 
 @dataclass
-class Plan:
+class Preflight:
+    """What rank 0's checks found and decided: the directories, the locks held, the data
+    (existing or staged), the checkpoint to start from, and what :func:`commit` writes."""
+
     cfg: Config
     run_dir: Path
     ckpt_dir: Path
@@ -126,7 +130,9 @@ def _not_a_file(path: Path, what: str) -> None:
         raise ConfigError([f"{what} {str(path)!r} exists and is not a directory"])
 
 
-def check(cfg: Config, run_dir: Path, data_path: str | None, say: Callable[[str], None]) -> Plan:
+def check(
+    cfg: Config, run_dir: Path, data_path: str | None, say: Callable[[str], None]
+) -> Preflight:
     """Rank 0's checks before the first write; see the module docstring. On a refusal the
     locks are released and the directories this launch created are removed again."""
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
@@ -169,15 +175,15 @@ def _complete_without_writing(
     every check of a launch, reading only, and raise :class:`AlreadyComplete` when the
     checkpoint it would resume from already holds ``run.max_steps`` (the rerun would train
     nothing). Otherwise return, and the launch is refused as not writable."""
-    plan = _check_locked(cfg, run_dir, ckpt_dir, given, manifest, rundir.Locks(), say)
-    if plan.choice is None or plan.start.skipped:
+    checks = _check_locked(cfg, run_dir, ckpt_dir, given, manifest, rundir.Locks(), say)
+    if checks.choice is None or checks.start.skipped:
         return
     try:
-        step = int(plan.choice.state["state"]["step"])
+        step = int(checks.choice.state["state"]["step"])
     except (KeyError, TypeError, ValueError):
         return
     if step >= cfg.run.max_steps:
-        raise AlreadyComplete(Complete(str(run_dir), plan.choice.path.name, step, why))
+        raise AlreadyComplete(Complete(str(run_dir), checks.choice.path.name, step, why))
 
 
 def _check_locked(
@@ -188,7 +194,7 @@ def _check_locked(
     manifest: dict[str, Any] | None,
     locks: rundir.Locks,
     say: Callable[[str], None],
-) -> Plan:
+) -> Preflight:
     have = rundir.read_run_file(run_dir, tuple(locks.created))
     run_id = str(have["run_id"]) if have else ""
     if run_id:
@@ -215,7 +221,7 @@ def _check_locked(
         raise
     new_id = uuid.uuid4().hex if archive or not run_id else run_id
     ident = rundir.identity(cfg, given or None)
-    return Plan(
+    return Preflight(
         cfg=cfg,
         run_dir=run_dir,
         ckpt_dir=ckpt_dir,
@@ -320,11 +326,11 @@ def _discard(staging: Path) -> None:
         discard(staging)
 
 
-def abandon(plan: Plan | None) -> None:
+def abandon(checks: Preflight | None) -> None:
     """A launch stopped after its checks, before :func:`commit`: remove the data it staged."""
-    if plan is not None and plan.staged is not None:
-        _discard(plan.staged.dir)
-        plan.staged = None
+    if checks is not None and checks.staged is not None:
+        _discard(checks.staged.dir)
+        checks.staged = None
 
 
 def _prep_diff(saved_cfg: dict[str, Any], cfg: Config) -> list[str]:
@@ -395,7 +401,7 @@ def _compatible(cfg: Config, choice: Found, identity: str, manifest: dict[str, A
         if saved_model.get(k) != v
     ]
     if cfg.model.kind == "hf" and not diff:
-        from rootopt.train.hf import spec_changes
+        from rootopt.train.models.transformers_lm import spec_changes
 
         diff = [f"hf config {d}" for d in spec_changes(state.get("hf_config"), cfg.model)]
     if diff:
@@ -421,7 +427,7 @@ def _compatible(cfg: Config, choice: Found, identity: str, manifest: dict[str, A
 
 def _with_vocab(cfg: Config, meta: dict[str, Any]) -> Config:
     """``cfg`` with its vocabulary resolved as the run will record it."""
-    from rootopt.train.model import with_vocab
+    from rootopt.train.models import with_vocab
 
     try:
         return with_vocab(cfg, meta)
@@ -432,38 +438,38 @@ def _with_vocab(cfg: Config, meta: dict[str, Any]) -> Config:
 # --------------------------------------------------------------------------- the writes
 
 
-def commit(plan: Plan) -> dict[str, Any]:
+def commit(checks: Preflight) -> dict[str, Any]:
     """Rank 0's writes after every check passed; returns the data's manifest."""
-    own_data = plan.data_dir == plan.run_dir / "data"
+    own_data = checks.data_dir == checks.run_dir / "data"
     rundir.remove_stale(
-        rundir.stale_files(plan.run_dir, plan.ckpt_dir, plan.data_dir if own_data else None)
+        rundir.stale_files(checks.run_dir, checks.ckpt_dir, checks.data_dir if own_data else None)
     )
-    plan.start.commit(plan.ckpt_dir)
-    if plan.archive:
-        _archive(plan)
-    if plan.write_run_file:
+    checks.start.commit(checks.ckpt_dir)
+    if checks.archive:
+        _archive(checks)
+    if checks.write_run_file:
         data = {
-            "run_id": plan.run_id,
-            "data_dir": str(plan.data_dir.resolve()),
-            "log_dir": str(plan.run_dir.resolve()),
-            "identity": plan.identity,
+            "run_id": checks.run_id,
+            "data_dir": str(checks.data_dir.resolve()),
+            "log_dir": str(checks.run_dir.resolve()),
+            "identity": checks.identity,
         }
-        atomic_write(plan.run_dir / rundir.RUN_FILE, (json.dumps(data, indent=1) + "\n").encode())
-    checkpoint.claim(plan.ckpt_dir, plan.run_id, str(plan.run_dir.resolve()))
-    if plan.staged is not None:
-        plan.manifest = publish(plan.staged, plan.data_dir)
-        plan.staged = None
+        atomic_write(checks.run_dir / rundir.RUN_FILE, (json.dumps(data, indent=1) + "\n").encode())
+    checkpoint.claim(checks.ckpt_dir, checks.run_id, str(checks.run_dir.resolve()))
+    if checks.staged is not None:
+        checks.manifest = publish(checks.staged, checks.data_dir)
+        checks.staged = None
     else:  # a staging directory a killed launch of this run left
-        _discard(plan.run_dir / STAGING)
-    assert plan.manifest is not None
-    return plan.manifest
+        _discard(checks.run_dir / STAGING)
+    assert checks.manifest is not None
+    return checks.manifest
 
 
-def _archive(plan: Plan) -> Path:
+def _archive(checks: Preflight) -> Path:
     """Move the previous run's outputs, checkpoints (and, when it is prepared again, its
     data) to ``previous/<time>-<id>/``: nothing is deleted."""
-    old = plan.old_run_id or "unknown"
-    previous = own_dir(plan.run_dir / "previous")
+    old = checks.old_run_id or "unknown"
+    previous = own_dir(checks.run_dir / "previous")
     dest = previous / f"{time.strftime('%Y%m%d-%H%M%S')}-{old[:12]}"
     n = 1
     while os.path.lexists(dest):
@@ -473,10 +479,10 @@ def _archive(plan: Plan) -> Path:
     # shutil.move renames an entry itself (a link stays a link, never followed) and copies
     # only across file systems (a checkpoint.dir elsewhere), links again as links
     for name in RUN_OUTPUTS:
-        if os.path.lexists(plan.run_dir / name):
-            shutil.move(plan.run_dir / name, dest / name)
+        if os.path.lexists(checks.run_dir / name):
+            shutil.move(checks.run_dir / name, dest / name)
     # this run's checkpoints; another run's (a shared checkpoint.dir) are not ours to move
-    move_run(plan.ckpt_dir, plan.old_run_id, dest / "checkpoints")
-    if plan.move_data and os.path.lexists(plan.run_dir / "data"):
-        shutil.move(plan.run_dir / "data", dest / "data")
+    move_run(checks.ckpt_dir, checks.old_run_id, dest / "checkpoints")
+    if checks.move_data and os.path.lexists(checks.run_dir / "data"):
+        shutil.move(checks.run_dir / "data", dest / "data")
     return dest

@@ -4,8 +4,9 @@ model directory (docs/models.md, "From your text to a Hugging Face model").
 OUT_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
 tokenizer's files, so that ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and
 ``AutoTokenizer.from_pretrained(OUT_DIR)`` load it offline. The built-in Llama becomes a
-``LlamaForCausalLM`` (:func:`rootopt.train.hf.llama_to_hf`); a ``model.kind=hf`` run its
-own architecture, from the config its checkpoint records. Checkpoints of both formats are
+``LlamaForCausalLM``
+(:func:`rootopt.train.models.transformers_lm.llama_to_hf`); a ``model.kind=hf`` run its own
+architecture, from the config its checkpoint records. Checkpoints of both formats are
 read in this process (``dcp-*`` resharded to whole tensors). The tokenizer's files are
 ``transformers``' own ``PreTrainedTokenizerFast.save_pretrained`` output for the trained
 ``tokenizer.json`` and every special token it has
@@ -39,15 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from rootopt._atomic import LinkError, atomic_write, file_mode, fsync_dir, is_link, own_dir
+from rootopt._atomic import LinkError, atomic_write, file_mode, fsync_dir, is_link
 from rootopt.checkpoint import CheckpointError, CheckpointUnreadable
 from rootopt.config import ModelConfig
 from rootopt.train.checkpoint import Checkpointer, Found
-from rootopt.train.hf import SOURCE_FILE
+from rootopt.train.models.transformers_lm import SOURCE_FILE
+from rootopt.train.run.directory import TOKENIZER_DIR
 
-# The run directory's copy of the tokenizer's files, written when a run starts, so an
-# export does not depend on the data directory staying where it was.
-TOKENIZER_DIR = "tokenizer"
 # Largest logit difference the export accepts between rootopt's model and the reloaded
 # transformers model (float32; the tests hold the two to 1e-5).
 LOGIT_TOLERANCE = 1e-4
@@ -287,7 +286,7 @@ def _source(run_dir: Path, entry: Any, state: dict[str, Any]) -> bytes:
     """Where the export comes from (``rootopt.json``): what ``model.init_from`` checks the
     tokenizer against and names when a run starts from it."""
     from rootopt.data import identity_tokenizer
-    from rootopt.train.hf import source_record
+    from rootopt.train.models.transformers_lm import source_record
 
     try:
         run_id = str(json.loads((run_dir / "run.json").read_text(encoding="utf-8"))["run_id"])
@@ -352,8 +351,13 @@ def _build(
     """``(the transformers model holding the weights, rootopt's own model)``."""
     from transformers import AutoModelForCausalLM
 
-    from rootopt.train.hf import HFCausalLM, hf_config_object, llama_hf_spec, llama_to_hf
-    from rootopt.train.model import LlamaLM
+    from rootopt.train.models import LlamaLM
+    from rootopt.train.models.transformers_lm import (
+        HFCausalLM,
+        hf_config_object,
+        llama_hf_spec,
+        llama_to_hf,
+    )
 
     if mcfg.kind == "llama":
         vocab = int(weights["embed.weight"].shape[0])
@@ -551,20 +555,6 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
-def write_tokenizer_copy(run_dir: Path, files: dict[str, bytes]) -> None:
-    """The run directory's copy of the tokenizer (:data:`TOKENIZER_DIR`), each file atomic;
-    a link there is replaced, never written through or kept (the run refuses one before
-    it starts: :func:`rootopt.train.rundir.refuse_links`)."""
-    d = own_dir(run_dir / TOKENIZER_DIR, parents=False)
-    for name, data in files.items():
-        if Path(name).name != name:
-            raise ValueError(f"tokenizer file name {name!r} is not a plain file name")
-        p = d / name
-        if not is_link(p) and p.is_file() and p.read_bytes() == data:
-            continue
-        atomic_write(p, data)
-
-
 __all__ = [
     "HELD_OUT",
     "ExportError",
@@ -572,5 +562,4 @@ __all__ = [
     "TrainedTokenizer",
     "export",
     "trained_tokenizer",
-    "write_tokenizer_copy",
 ]

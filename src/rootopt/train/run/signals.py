@@ -15,7 +15,7 @@ def interruptible(enabled: bool = True) -> Any:
     """While the run is set up: SIGINT and SIGTERM raise :class:`Interrupted` at once (the
     set-up writes atomically, so stopping anywhere loses nothing), and the command line
     reports it as one line with status 130 / 143."""
-    from rootopt.train.agree import Interrupted
+    from rootopt.train.run.agree import Interrupted
 
     def handle(signum: int, frame: FrameType | None) -> None:
         raise Interrupted(signum)

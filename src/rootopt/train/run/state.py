@@ -14,20 +14,22 @@ from torch import nn
 from rootopt.config import Config
 from rootopt.monitor import Monitor
 from rootopt.train.build import Precision, ProcessInfo
-from rootopt.train.health import Health
-from rootopt.train.records import Window
+from rootopt.train.metrics.health import Health
+from rootopt.train.metrics.mfu import MFUMeter
+from rootopt.train.metrics.records import Window
 from rootopt.train.schedule import GradClipper
 from rootopt.train.sync import GradSync
 
 if TYPE_CHECKING:
     from rootopt.train.checkpoint import Checkpointer
+    from rootopt.train.policies import Evaluate
 
 
 @dataclass
 class TrainState:
     """Where a run is: its position, and the state of the two policies a resumed run must
-    continue: its health (:class:`~rootopt.train.health.Health`, the divergence policy) and
-    the open logging window (:class:`~rootopt.train.records.Window`).
+    continue: its health (:class:`~rootopt.train.metrics.health.Health`, the divergence policy) and
+    the open logging window (:class:`~rootopt.train.metrics.records.Window`).
 
     With the components' state dicts it is saved in every checkpoint (:meth:`to_dict`: the
     position, then each part under its name), so a resumed run continues an open streak and
@@ -86,7 +88,10 @@ class Hooks:
 
 @dataclass
 class Run:
-    """Everything the loop uses, built by :func:`rootopt.train.loop.setup`."""
+    """Everything the loop and several components share, built by
+    :func:`rootopt.train.loop.setup`; what one component alone reads is that component's
+    (the mfu metric's :class:`~rootopt.train.metrics.mfu.MFUMeter`, the evaluation policy's
+    bytes per token, the checkpointer's run id)."""
 
     cfg: Config
     info: ProcessInfo
@@ -103,13 +108,16 @@ class Run:
     sync: GradSync
     monitor: Monitor
     routing: str
-    run_id: str
     # its checkpoint directory, the checkpoints written and resumed from, the last good one
     checkpointer: Checkpointer
+    # the mfu metric: the model's training FLOPs per token and one device's peak
+    mfu: MFUMeter
+    # validation every run.eval_every steps; it holds the bytes each token id stands for
+    evaluation: Evaluate
     state: TrainState = field(default_factory=TrainState)
-    # a new run started from model.init_from: "DIR (step N of RUN)" (rootopt.train.hf)
+    # a new run started from model.init_from: "DIR (step N of RUN)"
+    # (rootopt.train.models.transformers_lm.init_source)
     initialised_from: str = ""
-    params: list[torch.Tensor] = field(default_factory=list)  # trainable parameters
     telemetry: bool = False  # the optimizer collects per-matrix telemetry at log steps
     controller: Any = None  # rootopt.rl.controller.Controller (optimization.controller)
     # "between" steps (state consistent), "data" (reading/forward/backward: model and
@@ -122,14 +130,6 @@ class Run:
     # at world size > 1 a stop (signal, run.max_time) is voted on in each step's loss
     # reduction, so every rank stops after the same step (rootopt.train.policies.Stop)
     vote: tuple[float, float] = (0.0, 0.0)
-    # the mfu metric (rootopt.train.mfu): the model's training FLOPs per token and one
-    # device's peak (rank 0 measures or looks it up; None elsewhere)
-    flops_per_token: float = 0.0
-    peak: Any = None
-    above_peak: bool = False  # a window ran above the peak (said once per session)
-    # val_bits_per_byte: the UTF-8 bytes each token id stands for (an int64 tensor on the
-    # device, rootopt.data.tokenizer.byte_lengths_of); None when the data does not count them
-    token_bytes: Any = None
 
     @property
     def world_size(self) -> int:

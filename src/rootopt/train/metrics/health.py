@@ -8,7 +8,7 @@ spiking step until ``run.loss_spike_window`` finite steps in a row; checkpoints 
 inside one are suspect (never replace the last good one, moved aside if the run diverges).
 
 :class:`Health` is pure bookkeeping: it reads a step's result and the rules, never the
-model. Its state is saved in every checkpoint (:class:`rootopt.train.state.TrainState`), so a
+model. Its state is saved in every checkpoint (:class:`rootopt.train.run.state.TrainState`), so a
 resumed run continues an open streak or episode exactly.
 """
 

@@ -4,7 +4,7 @@ A record's ``loss`` is the mean of the finite step losses over exactly the steps
 previous record (``steps`` of them); the window is part of :class:`TrainState`, so it is
 carried across a checkpoint and a resumed run writes the same records. ``account`` and
 ``divergence`` fold a finished step into the position and the health counters
-(:mod:`rootopt.train.health`) and apply the divergence rule.
+(:mod:`rootopt.train.metrics.health`) and apply the divergence rule.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rootopt.monitor import memory_bytes
-from rootopt.train.mfu import achieved, mfu
 
 if TYPE_CHECKING:
-    from rootopt.train.state import Run, TrainState
+    from rootopt.train.run.state import Run, TrainState
     from rootopt.train.step import StepResult
 
 
@@ -29,7 +28,7 @@ def account(st: TrainState, out: StepResult) -> None:
 
 def divergence(run: Run, out: StepResult) -> str:
     """Apply ``run.max_nonfinite`` / ``max_nonfinite_total`` and the loss-spike rule
-    (:meth:`rootopt.train.health.Health.verdict`); the reason to stop, '' to go on. Called
+    (:meth:`rootopt.train.metrics.health.Health.verdict`); the reason to stop, '' to go on. Called
     after :func:`account`."""
     return run.state.health.verdict(run.cfg.run, run.state.step, out)
 
@@ -95,17 +94,13 @@ def _mfu(run: Run, tokens_per_s: float | None) -> float | None:
     """The window's MFU (rank 0, which holds the peak). A window above the peak records
     none, and the first one in a session says so in ``events.jsonl``: the peak is wrong
     there (docs/monitoring.md, "Throughput and MFU")."""
-    if run.peak is None:
-        return None
-    value = mfu(run.flops_per_token, tokens_per_s, run.world_size, run.peak)
-    rate = achieved(run.flops_per_token, tokens_per_s, run.world_size)
-    if value is None and rate is not None and run.peak.flops > 0 and not run.above_peak:
-        run.above_peak = True
+    value, above = run.mfu.window(tokens_per_s, run.world_size)
+    if above and run.mfu.peak is not None:
         run.monitor.event(
             "mfu_above_peak",
             step=run.state.step,
-            achieved_tflops=rate / 1e12,
-            peak=run.peak.record(),
+            achieved_tflops=above / 1e12,
+            peak=run.mfu.peak.record(),
             detail="the model ran above the peak mfu divides by: the peak is too low "
             "(set run.peak_tflops); mfu is not recorded for such windows",
         )

@@ -6,7 +6,7 @@
   model's own structure (its ``_no_split_modules`` declaration, else its repeated-block
   ``ModuleList``) for FSDP2, and activation checkpointing is the model's own switch
   (``activation_checkpointing_enable``).
-* The built-in byte Llama (:class:`rootopt.train.model.LlamaLM`) maps onto
+* The built-in byte Llama (:class:`rootopt.train.models.LlamaLM`) maps onto
   ``LlamaForCausalLM`` exactly (:func:`llama_to_hf`, :func:`hf_to_llama`).
 * :func:`load_init` reads the safetensors weights of a Hugging Face model directory
   (``model.init_from``) after checking every name and shape against the model.
@@ -385,7 +385,7 @@ def llama_hf_spec(
 
 def _rope_order(head_dim: int) -> Tensor:
     """Row order taking one head's interleaved RoPE pairs ``(0, 1), (2, 3), ...`` (ours:
-    :func:`rootopt.train.model.apply_rope`) to transformers' halves ``(i, i + d/2)``
+    :func:`rootopt.train.models.builtin.apply_rope`) to transformers' halves ``(i, i + d/2)``
     (``rotate_half``): even rows first, then odd rows. q·k is unchanged when queries and
     keys are permuted alike; this is the Meta → Hugging Face Llama conversion's permutation."""
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
@@ -662,7 +662,7 @@ def _non_finite(t: Tensor) -> int:
 
 def load_init(model: nn.Module, cfg: ModelConfig) -> int:
     """Load ``model.init_from``'s weights into ``model`` (a fresh :class:`HFCausalLM` or
-    :class:`~rootopt.train.model.LlamaLM`); returns the number of tensors loaded.
+    :class:`~rootopt.train.models.LlamaLM`); returns the number of tensors loaded.
 
     Every tensor is checked before any tensor of the model is changed, each failure one
     :class:`ValueError` line naming it: a readable header and a floating-point dtype
