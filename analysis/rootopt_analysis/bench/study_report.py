@@ -505,10 +505,7 @@ def headline(s: dict[str, Any]) -> str:
         + (
             ""
             if decided and arm == decision
-            else (
-                f" This study's own decision, `{decision}`, was overturned by the next study "
-                "(docs/benchmarks.md)."
-            )
+            else (f" This study's own decision, `{decision}`, was overturned by the next one.")
             if decided
             else " The study has not finished deciding the defaults."
         )
