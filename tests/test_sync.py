@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rootopt.config import load_config
+from rootopt.config import Config, load_config
 from rootopt.distributed import DistributedROOT
 from rootopt.train.build import Precision
 from rootopt.train.schedule import GradClipper, global_grad_norm
@@ -52,10 +52,9 @@ def test_one_mode_per_run() -> None:
     ]
 
 
-def test_one_process_finishes_unscaled_and_clips_p_grad() -> None:
-    """Static loss scale 1024: finish unscales p.grad and returns the norm of the unscaled
-    gradients; clip_targets are the p.grad tensors themselves; nothing is counted."""
-    cfg = load_config(
+def _static_fp16_1024() -> Config:
+    """fp16 autocast with a static loss scale of 1024 (a power of two: unscaling is exact)."""
+    return load_config(
         None,
         [
             "mixed_precision.enabled=true",
@@ -63,6 +62,12 @@ def test_one_process_finishes_unscaled_and_clips_p_grad() -> None:
             "mixed_precision.loss_scale=1024",
         ],
     )
+
+
+def test_one_process_finishes_unscaled_and_clips_p_grad() -> None:
+    """Static loss scale 1024: finish unscales p.grad and returns the norm of the unscaled
+    gradients; clip_targets are the p.grad tensors themselves; nothing is counted."""
+    cfg = _static_fp16_1024()
     model, ref = _model(), _model()
     sync = grad_sync(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
     _backward(model, 1024.0)
@@ -80,14 +85,7 @@ def test_one_process_finishes_unscaled_and_clips_p_grad() -> None:
 def test_the_optimizer_finishes_its_own_gradients() -> None:
     """DistributedROOT(average_grads=True): finish is sync_grads(inv_scale=1/scale), the
     clip targets are the gradients it answers for (one process: every one), unscaled."""
-    cfg = load_config(
-        None,
-        [
-            "mixed_precision.enabled=true",
-            "mixed_precision.dtype=fp16",
-            "mixed_precision.loss_scale=1024",
-        ],
-    )
+    cfg = _static_fp16_1024()
     model, ref = _model(), _model()
     opt = DistributedROOT(model.parameters(), lr=0.01, average_grads=True)
     sync = OwnerSync(model, opt)
