@@ -248,6 +248,46 @@ ANALYSIS_SLOW: dict[str, frozenset[str]] = {
 }
 
 
+# Cases that repeat, at another size or option, a path a default-suite test already covers run
+# in the slow tier too, so that `pytest -q` stays within 12 minutes on 2 cores
+# (docs/operations.md). Each line names what keeps the path in the default suite.
+REPEATS_SLOW: dict[str, frozenset[str]] = {
+    # resharding and uneven rows: test_dist.py::test_checkpoint_reshards_across_world_sizes,
+    # test_dist_owner.py (two -> three), test_two_ranks_one_and_three_rows
+    "test_dist_edge.py": frozenset(
+        {
+            "test_four_ranks_five_two_and_fifteen_rows",
+            "test_eight_ranks_eighteen_rows",
+            "test_checkpoint_saved_at_four_loads_at_three",
+        }
+    ),
+    # a rank that hangs: test_dist_train.py::test_hung_rank_is_stopped_by_the_collective_timeout
+    "test_dist.py": frozenset({"test_hung_rank_stops_with_one_line"}),
+    # the benchmark script's arms (the sync modes themselves: test_dist_backward's parity tests)
+    "test_dist_backward.py": frozenset(
+        {"test_bench_backward_sync_runs_every_arm_and_refuses_nonsense"}
+    ),
+    # kills of a prepare: the [bytes] case; bpe preparing: test_bits_per_byte, test_inputs
+    "test_prepare.py": frozenset(
+        {"test_sigkill_at_random_points_then_rerun_gives_the_same_data[bpe*]"}
+    ),
+    # compiled against the reference: compiled-default and the other option sets
+    "test_paths.py": frozenset({"test_path_matches_the_reference[compiled-bf16_params]"}),
+    # world size 3: the default case (accum1-3); accumulation and bf16 at world size 2
+    "test_parity.py": frozenset(
+        {
+            "test_default_run_logs_the_same_losses_at_world_size[accum2-3]",
+            "test_default_run_logs_the_same_losses_at_world_size[bf16-3]",
+        }
+    ),
+    # Ctrl-C and rerun in one process, and a rank killed under torchrun and resumed:
+    # test_user_path.py
+    "test_first_hour.py": frozenset(
+        {"test_ctrl_c_under_torchrun_is_torchrun_s_traceback_and_the_run_resumes"}
+    ),
+}
+
+
 def _entry(entry: str) -> tuple[str, str]:
     """``"name"`` -> (name, "*"); ``"name[glob]"`` -> (name, glob on the case id)."""
     name, bracket, rest = entry.partition("[")
@@ -275,12 +315,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         case = callspec.id if callspec is not None else ""
         if _is_e2e(module, name, case):
             item.add_marker(pytest.mark.e2e)
-        if _named(ANALYSIS_SLOW, module, name, case):
+        if _named(ANALYSIS_SLOW, module, name, case) or _named(REPEATS_SLOW, module, name, case):
             item.add_marker(pytest.mark.slow)
         if isinstance(item, pytest.Function):
             modules[module] = item.module
     # A renamed or deleted test must not drop silently out of the tier.
-    for table, label in ((E2E_TESTS, "E2E_TESTS"), (ANALYSIS_SLOW, "ANALYSIS_SLOW")):
+    tables = (
+        (E2E_TESTS, "E2E_TESTS"),
+        (ANALYSIS_SLOW, "ANALYSIS_SLOW"),
+        (REPEATS_SLOW, "REPEATS_SLOW"),
+    )
+    for table, label in tables:
         for module, names in table.items():
             if module in modules:
                 missing = sorted(n for n in names if not hasattr(modules[module], _entry(n)[0]))
