@@ -364,11 +364,15 @@ def checked(path: str | Path, *, verified: bool = False) -> CheckpointInfo:
     """The checkpoint at ``path`` after :func:`verify` (or :func:`inspect` alone when the
     caller has just verified it: ``verified``), its ``.metadata`` read safely and every
     file it names checked to be one of the checkpoint's own files."""
+    return _checked(path, verified)[0]
+
+
+def _checked(path: str | Path, verified: bool) -> tuple[CheckpointInfo, Metadata]:
+    """:func:`checked`, and the ``.metadata`` it read (:func:`load` uses it: read once)."""
     info = verify(path) if not verified else inspect(path)
     if not info.valid:
         raise DistCheckpointError(f"{info.path.name}: {info.reason}", corrupt=info.corrupt)
-    read_metadata(info.path, info)
-    return info
+    return info, read_metadata(info.path, info)
 
 
 def read_extra(path: str | Path) -> dict[str, Any]:
@@ -596,14 +600,14 @@ def load(
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     try:
-        ck = checked(path, verified=verified)
+        ck, meta = _checked(path, verified)
     except DistCheckpointError as exc:
         raise DistCheckpointError(
             f"cannot load checkpoint {path}: {exc}", corrupt=exc.corrupt
         ) from None
     inner = unwrap_model(model)
     model_sd, optim_sd = get_state_dict(inner, optimizer)
-    _as_saved_groups(optim_sd, read_metadata(ck.path, ck))
+    _as_saved_groups(optim_sd, meta)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:

@@ -197,10 +197,7 @@ def _check_locked(
 ) -> Preflight:
     have = rundir.read_run_file(run_dir, tuple(locks.created))
     run_id = str(have["run_id"]) if have else ""
-    if run_id:
-        checkpoint.check_owner(ckpt_dir, run_id)
-    else:
-        _new_run_owner(ckpt_dir)
+    checkpoint.check_owner(ckpt_dir, run_id)  # a new run ("") only a directory no run owns
     start = choose(ckpt_dir, cfg.checkpoint.resume, run_id, run_dir)
     archive = cfg.checkpoint.resume == "restart" and bool(
         run_id or start.entries or _outputs(run_dir)
@@ -241,13 +238,6 @@ def _check_locked(
         or have.get("log_dir") != str(run_dir.resolve())
         or have.get("identity") != json.loads(json.dumps(ident)),
     )
-
-
-def _new_run_owner(ckpt_dir: Path) -> None:
-    """A new run may use a checkpoint directory that no run owns yet."""
-    have = checkpoint.owner(ckpt_dir)
-    if have is not None:
-        checkpoint.check_owner(ckpt_dir, "")
 
 
 def _outputs(run_dir: Path) -> bool:

@@ -125,7 +125,7 @@ def identity(cfg: Config, data_path: str | None) -> dict[str, Any]:
     where = str(Path(given).resolve()) if given else ""
     device = cfg.run.device
     cuda = torch.cuda.is_available()
-    resolved_device = "cuda" if device == "cuda" or (device == "auto" and cuda) else "cpu"
+    resolved_device = _device(cfg)
     if device == ("cuda" if cuda else "cpu"):
         data["run"]["device"] = "auto"
     if cfg.distributed.backend == ("nccl" if resolved_device == "cuda" else "gloo"):
