@@ -708,11 +708,11 @@ def byte_lengths_of(data_dir: Path, manifest: dict[str, Any], split: str) -> np.
     tok = record_of(manifest)
     if tok.get("kind", BYTES) == BYTES:
         return ByteTokenizer().byte_lengths()
-    raw = hf_files(data_dir, manifest)[FILE_NAME]  # read and checked against its sha256
+    text, _ = dataset_tokenizer(data_dir, manifest)  # read and checked against its sha256
     where = str(Path(data_dir) / FILE_NAME)
     eos = tok.get("eos_id")
     loaded = FileTokenizer(
-        from_json(raw.decode("utf-8"), where),
+        from_json(text, where),
         kind="file",
         spec=where,
         eos_id=eos if isinstance(eos, int) and not isinstance(eos, bool) else None,

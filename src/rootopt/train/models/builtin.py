@@ -104,12 +104,17 @@ class Block(nn.Module):
         return out
 
 
+def llama_ffn_hidden(cfg: ModelConfig) -> int:
+    """The SwiGLU hidden width: ``model.ffn_hidden``, else 8/3 · d_model rounded up to 32."""
+    return cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32)
+
+
 class LlamaLM(nn.Module):
     """Causal LM: ``forward(tokens (B, T)) -> logits (B, T, vocab)``."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
-        hidden = cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32)
+        hidden = llama_ffn_hidden(cfg)
         vocab = cfg.vocab_size or BYTE_VOCAB
         self.cfg = cfg
         self.embed = nn.Embedding(vocab, cfg.d_model)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 
 from rootopt.config import ModelConfig
 from rootopt.config.load import SAFETENSORS_FILES, read_hf_config
+from rootopt.train.models.builtin import llama_ffn_hidden
 
 # Keys of a config.json that name its producer or runtime options, not the model: two
 # configs differing only in these describe the same parameters and the same function.
@@ -347,10 +347,6 @@ def spec_changes(saved: Any, cfg: ModelConfig) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the built-in Llama
-
-
-def llama_ffn_hidden(cfg: ModelConfig) -> int:
-    return cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32)
 
 
 def llama_hf_spec(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ from rootopt.config import ModelConfig
 from rootopt.train.checkpoint import Checkpointer, Found
 from rootopt.train.models.transformers_lm import SOURCE_FILE
 from rootopt.train.run.directory import TOKENIZER_DIR
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
 
 # Largest logit difference the export accepts between rootopt's model and the reloaded
 # transformers model (float32; the tests hold the two to 1e-5).
@@ -81,11 +85,16 @@ class TrainedTokenizer:
     special: dict[str, Any]
     where: str
 
-    def ids(self) -> dict[str, int | None]:
-        """The bos/eos/pad ids a model config records."""
+    @functools.cached_property
+    def tokenizer(self) -> HFTokenizer:
+        """The parsed ``tokenizer.json`` (parsed once, on first use)."""
         from rootopt.data.tokenizer import from_json
 
-        tok = from_json(self.text, self.where)
+        return from_json(self.text, self.where)
+
+    def ids(self) -> dict[str, int | None]:
+        """The bos/eos/pad ids a model config records."""
+        tok = self.tokenizer
 
         def find(role: str) -> int | None:
             name = self.special.get(role)
@@ -224,7 +233,6 @@ def trained_tokenizer(run_dir: Path, state: dict[str, Any], name: str) -> Traine
         MAP_FILE,
         TokenizerError,
         bytes_tokenizer_json,
-        from_json,
     )
 
     own = run_dir / TOKENIZER_DIR
@@ -246,8 +254,8 @@ def trained_tokenizer(run_dir: Path, state: dict[str, Any], name: str) -> Traine
             f"{got[:12]}…, the checkpoint records {want[:12]}…); restore it (nothing was written)"
         )
     try:
-        text = raw.decode("utf-8")
-        tok = from_json(text, str(path))
+        trained = TrainedTokenizer(raw.decode("utf-8"), special, str(path))
+        tok = trained.tokenizer
     except UnicodeDecodeError:
         raise ExportError(f"{str(path)!r} is not UTF-8 text") from None
     except TokenizerError as exc:
@@ -260,7 +268,7 @@ def trained_tokenizer(run_dir: Path, state: dict[str, Any], name: str) -> Traine
                 f"cannot export: the special token {token!r} is not in the vocabulary of "
                 f"{str(path)!r}"
             )
-    return TrainedTokenizer(text, special, str(path))
+    return trained
 
 
 def _from_data(run_dir: Path, state: dict[str, Any]) -> tuple[Path, bytes, dict[str, Any]]:
@@ -305,10 +313,10 @@ def _check_tokenizer(directory: Path, trained: TrainedTokenizer) -> None:
     which builds Qwen2's pre-tokenizer and normalizer whatever ``tokenizer.json`` says."""
     from transformers import AutoTokenizer
 
-    from rootopt.data.tokenizer import EXTRA, ROLES, from_json
+    from rootopt.data.tokenizer import EXTRA, ROLES
 
     loaded: Any = AutoTokenizer.from_pretrained(str(directory))
-    want = from_json(trained.text, trained.where).encode(HELD_OUT, add_special_tokens=False).ids
+    want = trained.tokenizer.encode(HELD_OUT, add_special_tokens=False).ids
     got = list(loaded(HELD_OUT, add_special_tokens=False)["input_ids"])
     cls = type(loaded).__name__
     if got != want:
