@@ -171,17 +171,22 @@ def test_chunk_rows_matches_torch_chunk() -> None:
             assert sum(got) == rows
 
 
+def _three_steps(*pairs: tuple[torch.nn.Module, torch.optim.Optimizer]) -> None:
+    """Three steps of each (model, optimizer) pair on the same global batches."""
+    for step in range(3):
+        ids, x, y = common.global_batch(step)
+        for m, o in pairs:
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(ids, x), y).backward()
+            o.step()
+
+
 def test_world_one_is_the_plain_step() -> None:
     """No process group: DistributedROOT's step is rootopt.ROOT's, bit for bit."""
     a, b = common.make_model(), common.make_model()
     opt_a = rootopt.ROOT(common.groups(a), **common.HYPER)
     opt_b = DistributedROOT(common.groups(b), **common.HYPER)
-    for step in range(3):
-        ids, x, y = common.global_batch(step)
-        for m, o in ((a, opt_a), (b, opt_b)):
-            o.zero_grad()
-            torch.nn.functional.mse_loss(m(ids, x), y).backward()
-            o.step()
+    _three_steps((a, opt_a), (b, opt_b))
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert sorted(pa) == sorted(pb)
     for n in pa:
@@ -295,12 +300,7 @@ def test_compile_step_is_roots_compiled_step_in_one_process(
     a, b = common.make_model(), common.make_model()
     opt_a = rootopt.ROOT(common.groups(a), **common.HYPER)
     opt_b = DistributedROOT(common.groups(b), **common.HYPER, compile_step="reduce-overhead")
-    for step in range(3):
-        ids, x, y = common.global_batch(step)
-        for m, o in ((a, opt_a), (b, opt_b)):
-            o.zero_grad()
-            torch.nn.functional.mse_loss(m(ids, x), y).backward()
-            o.step()
+    _three_steps((a, opt_a), (b, opt_b))
     assert compiled == ["reduce-overhead"]
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     for n in pa:

@@ -825,16 +825,6 @@ FAMILY_LABELS = {
 }
 
 
-def _test(rs: Sequence[Result] | None) -> list[float] | None:
-    if rs is None:
-        return None
-    return [float(r["final_test_loss"]) if not r["diverged"] else math.nan for r in rs]
-
-
-def _paired(a: Sequence[float] | None, b: Sequence[float] | None) -> dict[str, Any] | None:
-    return v2._paired_or_none(a, b)
-
-
 def _comparisons(w: WalkV3, cells: dict[str, Any]) -> list[dict[str, Any]]:
     """Paired differences in test loss (report seeds) per cell, a − b, where both ran; the
     default − Muon row Holm-corrected over its cells (the README's bold rule)."""
@@ -860,7 +850,7 @@ def _comparisons(w: WalkV3, cells: dict[str, Any]) -> list[dict[str, Any]]:
         per: dict[str, Any] = {}
         for cname, cell in cells.items():
             ra, rb = cell["arms"].get(a), cell["arms"].get(b)
-            d = _paired(ra and ra["test_loss"], rb and rb["test_loss"])
+            d = v2._paired_or_none(ra and ra["test_loss"], rb and rb["test_loss"])
             if d is not None:
                 per[cname] = d
         row: dict[str, Any] = {"label": label, "a": a, "b": b, "cells": per}
@@ -886,7 +876,7 @@ def _retuned_summary(w: WalkV3) -> dict[str, Any]:
             "start": e["start"].as_dict(a, p.per_decade),
             "setting": e["setting"].as_dict(a, p.per_decade) if "setting" in e else None,
             "history": e.get("history"),
-            "test_loss": _test(e.get("report")),
+            "test_loss": v2._losses(e.get("report")),
         }
     return out
 
@@ -895,7 +885,7 @@ def _equal_time_summary(w: WalkV3) -> dict[str, Any]:
     out: dict[str, Any] = {}
     final = final_arms(w)
     for cell, e in w.equal_time.items():
-        tests = {arm: _test(rs) for arm, rs in e["report"].items()}
+        tests = {arm: v2._losses(rs) for arm, rs in e["report"].items()}
         row: dict[str, Any] = {
             "ratio": e["timing"]["ratio"],
             "machine": e["timing"].get("machine"),
@@ -903,7 +893,7 @@ def _equal_time_summary(w: WalkV3) -> dict[str, Any]:
             "test_loss": tests,
         }
         if final is not None:
-            row["default − torch.optim.Muon"] = _paired(
+            row["default − torch.optim.Muon"] = v2._paired_or_none(
                 tests.get(final[0].name), tests.get(MUON.name)
             )
         out[cell] = row
@@ -931,7 +921,7 @@ def _real_summary(w: WalkV3) -> dict[str, Any]:
     if final is not None:
         mine = arms.get(final[0].name, {}).get("test_loss")
         for other in (MUON.name, ADAMW.name):
-            diffs[other] = _paired(mine, arms.get(other, {}).get("test_loss"))
+            diffs[other] = v2._paired_or_none(mine, arms.get(other, {}).get("test_loss"))
     return {
         "cell": w.real.get("cell"),
         "data": w.real.get("data"),

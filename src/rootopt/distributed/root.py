@@ -241,7 +241,7 @@ class DistributedROOT(ROOT):
         info = world(self.process_group)
         flat = self._flat()
         entries = [i for i, (_, _, p) in enumerate(flat) if p.numel() > 0]
-        self._check_kinds(entries)
+        self._check_kinds(flat, entries)
         rep = self._replicated
         owned: dict[int, Tensor] = {}
         if info.world_size > 1:
@@ -249,11 +249,11 @@ class DistributedROOT(ROOT):
                 rep.lay_out(self)
             if rep.layout is not None:
                 owned = rep.reduce(self, info.rank)
-        answered, shards = self._answered(entries, owned, info.world_size)
+        answered, shards = self._answered(flat, entries, owned, info.world_size)
         pieces = [g for _, g in answered]
         if inv_scale is not None and pieces:
             torch._foreach_mul_(pieces, inv_scale)
-        flags, late = self._flags(entries, answered, info.world_size)
+        flags, late = self._flags(flat, entries, answered, info.world_size)
         values = self._agree(flags, len(entries), late, info.world_size)
         n = len(entries)
         names = [self._name(flat[i][0], self.param_groups[flat[i][0]], flat[i][1]) for i in entries]
@@ -263,9 +263,8 @@ class DistributedROOT(ROOT):
         self._synced = _Synced(norm, active, bad, owned, shards, start, blocked, pieces)
         return norm
 
-    def _check_kinds(self, entries: list[int]) -> None:
+    def _check_kinds(self, flat: list[tuple[int, int, Tensor]], entries: list[int]) -> None:
         """ROOT's refusal of sparse and complex gradients, before anything is sent."""
-        flat = self._flat()
         for i in entries:
             gi, pi, p = flat[i]
             g = p.grad
@@ -275,12 +274,16 @@ class DistributedROOT(ROOT):
                 raise RuntimeError(f"ROOT does not support {kind} gradients ({name})")
 
     def _answered(
-        self, entries: list[int], owned: dict[int, Tensor], world_size: int
+        self,
+        flat: list[tuple[int, int, Tensor]],
+        entries: list[int],
+        owned: dict[int, Tensor],
+        world_size: int,
     ) -> tuple[list[tuple[int, Tensor]], dict[int, Tensor]]:
         """The gradient tensors this rank answers for, by optimizer position: what it owns
         (``owned``, by layout position), its shards, or (one process, plain tensors) every
         gradient; and the shards alone (a zero shard where a sharded parameter has none)."""
-        flat, layout = self._flat(), self._replicated.layout
+        layout = self._replicated.layout
         answered: list[tuple[int, Tensor]] = []
         if layout is not None and world_size > 1:
             answered += [(layout.items[li].index, g) for li, g in owned.items()]
@@ -298,13 +301,17 @@ class DistributedROOT(ROOT):
         return answered, shards
 
     def _flags(
-        self, entries: list[int], answered: list[tuple[int, Tensor]], world_size: int
+        self,
+        flat: list[tuple[int, int, Tensor]],
+        entries: list[int],
+        answered: list[tuple[int, Tensor]],
+        world_size: int,
     ) -> tuple[Tensor, str]:
         """This rank's float64 flags, summed over the ranks by :meth:`_agree`: per entry
         "has a gradient" (n), then "non-finite here" (n), "changed after its reduce-scatter
         started" (1) and the sum of squares of what it answers for (1); and the name of
         the parameter whose gradient changed here ("" if none)."""
-        flat, rep = self._flat(), self._replicated
+        rep = self._replicated
         n = len(entries)
         dev = sharded.local(flat[entries[0]][2]).device if entries else torch.device("cpu")
         flags = torch.zeros(2 * n + 2, dtype=torch.float64, device=dev)

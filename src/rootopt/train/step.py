@@ -26,6 +26,8 @@ from rootopt.distributed import unwrap_model
 from rootopt.train.data import val_stream
 from rootopt.train.models import loss_fn
 from rootopt.train.run.state import Hooks, Run
+from rootopt.train.schedule import _is_dtensor
+from rootopt.train.sync import _local
 
 # Log-step update ratios read at most this many entries of a tensor (a fixed stride), so the
 # snapshot before the step costs O(tensors), not a second copy of the model.
@@ -134,17 +136,6 @@ def _update(run: Run, step_loss: float, grad_norm: float, *, log_now: bool) -> N
     run.scheduler.step()
     if ctl is not None:  # the learned controller scales the lr the schedule just set
         ctl.after_step(opt, step_loss, grad_norm)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2); ``t`` itself otherwise."""
-    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined, no-any-return]
-
-
-def _is_dtensor(t: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _reduce_loss(run: Run, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

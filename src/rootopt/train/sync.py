@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from rootopt.train.schedule import global_grad_norm
+from rootopt.train.schedule import _is_dtensor, global_grad_norm
 
 if TYPE_CHECKING:
     from rootopt.config import Config
@@ -187,9 +187,3 @@ def _described(what: str) -> Iterator[None]:
 def _local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (FSDP2); ``t`` itself otherwise."""
     return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined, no-any-return]
-
-
-def _is_dtensor(t: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
