@@ -15,7 +15,8 @@ as it is, and a page without its markers stops the script before anything is wri
 
 With ``--protocol v3`` the record is docs/study-v3/ (``--import DIR``: where ``rootopt bench
 study --protocol v3 --out DIR`` runs), the summary docs/study_results_v3.json and the block
-v3's of docs/benchmarks.md; README.md keeps v2's headline until v3's report runs are in.
+v3's of docs/benchmarks.md; README.md's block becomes v3's once every run its table reads has
+finished (``rootopt_analysis.bench.study_v3_readme``), and keeps v2's until then.
 
 Usage: python benchmarks/study_publish.py [--protocol v2|v3] [--import DIR]
 """
@@ -52,6 +53,19 @@ def _render(
     return summary
 
 
+def readme_headline(root: Path, v2_summary: dict[str, Any]) -> str:
+    """The README's results block: v3's once every run its table reads has finished
+    (docs/study_results_v3.json), until then v2's."""
+    from rootopt_analysis.bench import study_v3_readme
+
+    v3_path = root / "docs" / "study_results_v3.json"
+    if v3_path.is_file():
+        v3 = json.loads(v3_path.read_text(encoding="utf-8"))
+        if study_v3_readme.ready(v3):
+            return study_v3_readme.headline(v3)
+    return study_report.headline(v2_summary)
+
+
 def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
     """Publish into the repository at ``root`` (its docs/ and README.md)."""
     record, results = root / "docs" / "study", root / "docs" / "study_results.json"
@@ -81,7 +95,7 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
             v1_page, study_report.v1_markdown(v1), study_report.V1_BEGIN, study_report.V1_END
         )
         atomic_write(v1_path, v1_page.encode())
-    head = study_report.headline(summary)
+    head = readme_headline(root, summary)
     atomic_write(
         readme_path,
         study_report.splice(
@@ -98,19 +112,35 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
 
 def publish_v3(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
     """v3's record into the repository at ``root``: docs/study-v3/, its summary and block."""
-    from rootopt_analysis.bench import study_v3
+    from rootopt_analysis.bench import study_v3, study_v3_readme
 
     record, results = root / "docs" / "study-v3", root / "docs" / "study_results_v3.json"
-    page_path = root / "docs" / "benchmarks.md"
-    page = page_path.read_text(encoding="utf-8")
-    if page.count(study_v3.BEGIN) != 1 or page.count(study_v3.END) != 1:
-        raise SystemExit(f"study_publish: {page_path.name} must hold v3's block markers once")
+    page_path, readme_path = root / "docs" / "benchmarks.md", root / "README.md"
+    page, readme = page_path.read_text(encoding="utf-8"), readme_path.read_text(encoding="utf-8")
+    # check both pages before the first byte is written
+    for doc, begin, end, name in (
+        (page, study_v3.BEGIN, study_v3.END, page_path.name),
+        (readme, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END, readme_path.name),
+    ):
+        if doc.count(begin) != 1 or doc.count(end) != 1:
+            raise SystemExit(f"study_publish: {name} must hold its generated block's markers once")
     record.mkdir(exist_ok=True)
     earlier = ["--protocol", "v3", "--earlier", str(root / "docs" / "study")]
     summary = _render(record, results, import_dir, earlier)
     block = study_v3.markdown(summary)
     atomic_write(page_path, study_report.splice(page, block, study_v3.BEGIN, study_v3.END).encode())
-    return {"runs": summary["index"]["runs"], "complete": summary["complete"]}
+    readme_ready = study_v3_readme.ready(summary)
+    if readme_ready:  # until then the README keeps v2's block
+        head = study_v3_readme.headline(summary)
+        splice = study_report.splice(
+            readme, head, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END
+        )
+        atomic_write(readme_path, splice.encode())
+    return {
+        "runs": summary["index"]["runs"],
+        "complete": summary["complete"],
+        "readme": readme_ready,
+    }
 
 
 def main() -> int:

@@ -108,10 +108,12 @@ def _fake_result(job: object) -> dict[str, object]:
         return {"run_id": job.run_id, "kind": "real-data"}
     if isinstance(job, real.TrainJob):
         loss = 4.0 + abs(math.log(job.lr / 4e-3)) + 0.001 * job.seed
+        loss += 0.01 * (job.optimizer == "ROOT") * (job.seed % 2)  # some spread in the pair
         return {
             "run_id": job.run_id,
             "kind": "real-model",
             "final_val_loss": loss,
+            "final_test_loss": loss,
             "diverged": False,
         }
     assert isinstance(job, RunSpec)
@@ -189,6 +191,34 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     assert "default − torch.optim.Muon" in page and "Real-model cell" in page
     rows = {r["label"]: r for r in summary["comparisons"]}
     assert set(rows["default − torch.optim.Muon"]["cells"]) >= {*v3.LM_CELLS, "stdlib@2400"}
+    # the README's table: every cell, the re-tuned ones at equal steps and equal time
+    from rootopt_analysis.bench import study_v3_readme as readme
+
+    summary = json.loads(json.dumps(summary))  # as the committed JSON reads back
+    got = readme.rows(summary)
+    assert got is not None and readme.ready(summary)
+    assert [r.cell for r in got] == [
+        *readme.SEVEN, *(c.name for c in v3.HORIZON), "llama-bpe@1000"
+    ]  # fmt: skip
+    assert {r.cell for r in got if r.equal_time} == set(v3.RETUNE_CELLS)
+    for r in got:  # the fake losses: bf16 iterations cost 0.002, seeds 400.. add 0.0001 each
+        if r.cell != "llama-bpe@1000":
+            assert r.diff["mean"] == pytest.approx(0.002), r.cell
+    real = next(r for r in got if r.cell == "llama-bpe@1000")
+    assert real.diff["mean"] == pytest.approx(0.01 / 3) and real.diff["n"] == 3
+    text = readme.headline(summary)
+    table = [ln for ln in text.splitlines() if ln.startswith("| `")]
+    assert len(table) == len(got)
+    assert "Holm-corrected over the table's 13 differences" in " ".join(text.split())
+    assert sum("†" in ln for ln in table) == 3
+    claims = readme.claims(summary)
+    assert claims[0].startswith('`ns_coefficients="muon"`') and len(claims) == 2 + 13
+    assert "The README's claims, each with its interval" in v3.markdown(summary)
+    # with one report run of the real-model cell missing, the README keeps v2's block
+    summary["real_model"]["arms"]["muon-bf16"]["test_loss"] = None
+    assert readme.rows(summary) is None and len(readme.claims(summary)) == 2
+    with pytest.raises(ValueError, match="pending"):
+        readme.headline(summary)
 
 
 def test_the_page_carries_the_block_rendered_from_the_committed_summary() -> None:
@@ -203,3 +233,85 @@ def test_the_page_carries_the_block_rendered_from_the_committed_summary() -> Non
     assert splice(page, v3.markdown(summary), v3.BEGIN, v3.END) == page
     assert summary["meta"]["cpus"] and all("(" in c for c in summary["meta"]["cpus"])
     assert summary["index"]["runs"] > 0
+
+
+def _row(cell: str, p: float, eq_p: float | None = None) -> object:
+    from rootopt_analysis.bench import study_v3_readme as readme
+
+    d = {"mean": -0.01, "lo": -0.02, "hi": 0.0, "n": 5, "sd": 0.01, "p": p}
+    eq = None if eq_p is None else {**d, "p": eq_p, "steps": {"a": 100}}
+    return readme.Row(cell, cell, [1.0, 1.1], [1.2, 1.3], d, None, eq is not None, eq)
+
+
+def test_readme_bold_is_holm_over_every_difference_the_table_shows() -> None:
+    """Bold needs the Holm-adjusted p of its test, over all the table's differences (equal
+    steps and equal time together), at or below 0.05: a raw p of 0.02 among 4 tests is not
+    enough, 0.01 is (0.04 after Holm), and the equal-time tests count in the family."""
+    from rootopt_analysis.bench import study_v3_readme as readme
+
+    rows = [_row("a", 0.01), _row("b", 0.02), _row("c", 0.5, eq_p=0.9)]
+    adjusted = readme.adjusted_p(rows)  # type: ignore[arg-type]
+    assert adjusted == {
+        ("a", "steps"): pytest.approx(0.04),
+        ("b", "steps"): pytest.approx(0.06),
+        ("c", "steps"): pytest.approx(1.0),
+        ("c", "time"): pytest.approx(1.0),
+    }
+    assert readme.bold(rows) == {("a", "steps")}  # type: ignore[arg-type]
+    # without the equal-time test the family is 3: b's 0.02 × 2 = 0.04 is bold too
+    rows = [_row("a", 0.01), _row("b", 0.02), _row("c", 0.5)]
+    assert readme.bold(rows) == {("a", "steps"), ("b", "steps")}  # type: ignore[arg-type]
+
+
+def test_readme_names_the_real_models_size_as_transformers_counts_it() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rootopt_analysis.bench import study_v3_readme as readme
+    from rootopt_analysis.bench.study_v3_real import HF_CONFIG
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**HF_CONFIG))
+    assert readme.llama_parameters() == sum(p.numel() for p in model.parameters()) == 7_309_568
+    assert set(readme.SEVEN) == {*v3.LM_CELLS, *v3.CNN_CELLS}
+
+
+def test_publish_v3_keeps_v2s_readme_block_until_v3s_table_is_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish_v3 checks both pages' markers before writing; while a run the README's table
+    reads is pending it rewrites only the benchmarks page, and v2's publish keeps v2's block;
+    once v3 is ready both write v3's block."""
+    import importlib.util
+    import json
+
+    from rootopt_analysis.bench import study_v3_readme
+    from rootopt_analysis.bench.study_report import HEADLINE_BEGIN, HEADLINE_END
+
+    path = REPO / "benchmarks" / "study_publish.py"
+    spec = importlib.util.spec_from_file_location("study_publish", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "study").symlink_to(REPO / "docs" / "study")  # v2's record, read only
+    page = f"# page\n\n{v3.BEGIN}\nold\n{v3.END}\n\nkept\n"
+    readme = f"# readme\n\n{HEADLINE_BEGIN}\nv2's table\n{HEADLINE_END}\n"
+    (docs / "benchmarks.md").write_text(page)
+    (tmp_path / "README.md").write_text(f"# readme\n\n{HEADLINE_BEGIN}\n{HEADLINE_END}\n")
+    with pytest.raises(SystemExit, match="README.md must hold"):  # one marker: nothing written
+        (tmp_path / "README.md").write_text("# readme\n\n" + HEADLINE_BEGIN + "\n")
+        mod.publish_v3(tmp_path)
+    assert (docs / "benchmarks.md").read_text() == page and not (docs / "study-v3").exists()
+    (tmp_path / "README.md").write_text(readme)
+    got = mod.publish_v3(tmp_path)
+    assert got["readme"] is False and (tmp_path / "README.md").read_text() == readme
+    assert "\nold\n" not in (docs / "benchmarks.md").read_text()
+    v2_summary = json.loads((REPO / "docs" / "study_results.json").read_text())
+    assert mod.readme_headline(tmp_path, v2_summary) == mod.study_report.headline(v2_summary)
+    monkeypatch.setattr(study_v3_readme, "ready", lambda s: True)
+    monkeypatch.setattr(study_v3_readme, "headline", lambda s: "v3's table\n")
+    assert mod.readme_headline(tmp_path, v2_summary) == "v3's table\n"
+    assert mod.publish_v3(tmp_path)["readme"] is True
+    assert (tmp_path / "README.md").read_text() == "# readme\n\nv3's table\n"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rootopt_analysis.bench import study as v2
+from rootopt_analysis.bench import study_v3_readme
 from rootopt_analysis.bench.runner import RunSpec
 from rootopt_analysis.bench.stats import mean_ci
 from rootopt_analysis.bench.store import Store
@@ -881,6 +882,21 @@ def _retuned_summary(w: WalkV3) -> dict[str, Any]:
     return out
 
 
+def _retuned_comparison(w: WalkV3) -> dict[str, Any]:
+    """Per re-tuned cell, default − torch.optim.Muon at the re-tuned settings (equal steps)."""
+    final = final_arms(w)
+    if final is None:
+        return {}
+    out: dict[str, Any] = {}
+    for cell in RETUNE_CELLS:
+        mine, theirs = (
+            v2._losses((w.retuned.get((a, cell)) or {}).get("report"))
+            for a in (final[0].name, MUON.name)
+        )
+        out[cell] = v2._paired_or_none(mine, theirs)
+    return out
+
+
 def _equal_time_summary(w: WalkV3) -> dict[str, Any]:
     out: dict[str, Any] = {}
     final = final_arms(w)
@@ -983,6 +999,7 @@ def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
         "cells": cells,
         "comparisons": _comparisons(w, cells),
         "retuned": _retuned_summary(w),
+        "retuned_comparison": _retuned_comparison(w),
         "equal_time": _equal_time_summary(w),
         "real_model": _real_summary(w),
         "index": v2._index(b, store),
@@ -1056,6 +1073,11 @@ def markdown(s: dict[str, Any]) -> str:
             f"  - CNN cells beside: {_iv(q2['cnn'])}",
         ]
     lines += _after_decision_md(s)
+    lines += _mechanism_md(s)
+    claims = study_v3_readme.claims(s)
+    if claims:
+        lines += ["", "#### The README's claims, each with its interval", ""]
+        lines += [f"- {c}" for c in claims]
     lines += ["", "#### Mean final validation loss of the decision runs", ""]
     decided = [n for n in s["cells"] if n in (*LM_CELLS, *CNN_CELLS)]
     arms = sorted({a for n in decided for a in s["cells"][n]["arms"]})
@@ -1122,6 +1144,8 @@ def _after_decision_md(s: dict[str, Any]) -> list[str]:
                 f"| `{e['arm']}` | {e['cell']} | {_setting(e['start'])} | "
                 f"{_setting(to) if to else 'pending'} | {_mean(e['test_loss'])} |"
             )
+        pairs = (s.get("retuned_comparison") or {}).items()
+        lines += ["", *(f"- {c}, re-tuned, equal steps: default − Muon {_ci(d)}" for c, d in pairs)]
     et = s.get("equal_time") or {}
     if et:
         lines += ["", "Equal measured time (re-tuned settings; the slower arm's steps cut):", ""]
@@ -1156,6 +1180,34 @@ def _after_decision_md(s: dict[str, Any]) -> list[str]:
         for other, d in (real.get("default − other") or {}).items():
             lines.append(f"- default − `{other}`: {_ci(d)}")
     return lines
+
+
+def _mechanism_md(s: dict[str, Any]) -> list[str]:
+    """What the default's threshold clipped at the last evaluation of its report runs, per
+    cell (mean over seeds; docs/benchmarks.md, v3 "Mechanism")."""
+    arm = (s.get("default") or {}).get("arm")
+    rows = []
+    for cname, c in s["cells"].items():
+        t = (c["arms"].get(arm) or {}).get("momentum_tail") if arm else None
+        if not t or not t.get("clipped_share"):
+            continue
+        rows.append(
+            f"| {cname} | {100 * t['clipped_share'][-1]:.1f} % | "
+            f"{100 * t['clipped_over3rms'][-1]:.2f} % | {100 * t['clipped_over10rms'][-1]:.3f} % | "
+            f"{100 * t['clipped_norm2_share'][-1]:.2f} % | {t['q90_over_rms_median'][-1]:.2f} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        f"What the threshold clips (`{arm}`, the momentum it orthogonalizes, last evaluation, "
+        "mean over report seeds; a Gaussian's 0.9-quantile is 1.64 RMS):",
+        "",
+        "| cell | entries clipped | of them > 3× RMS | of them > 10× RMS | "
+        "clipped part of ‖M‖² | q0.9 / RMS (median matrix) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def _cost_main(arg: str) -> int:

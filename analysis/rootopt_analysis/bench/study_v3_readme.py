@@ -1,0 +1,249 @@
+"""The README's results block from the defaults study v3 (docs/benchmarks.md, v3 "Claims").
+
+Rendered from the v3 summary (docs/study_results_v3.json) alone, once every family the table
+reads has finished (:func:`ready`); until then the README keeps v2's block. One row per cell:
+the decided default, ``torch.optim.Muon`` and AdamW (mean ± half the 95 % interval over the
+report seeds) and the paired ROOT − Muon difference. The three cells whose weight decay and
+AdamW-side multiple were re-tuned show the re-tuned runs, with the same difference at equal
+measured time beside. Bold follows one rule: the paired t test, Holm-corrected over every
+difference the table shows, rejects 0 at 5 %.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+from rootopt_analysis.bench.stats import holm, mean_ci
+from rootopt_analysis.bench.study import arm_by_name
+from rootopt_analysis.bench.study_report import HEADLINE_BEGIN, HEADLINE_END
+from rootopt_analysis.bench.study_v3_real import CELL as REAL
+from rootopt_analysis.bench.study_v3_real import HF_CONFIG, REPORT_SEEDS
+
+COMPARISON = "default − torch.optim.Muon"
+MUON, ADAMW = arm_by_name("muon-bf16").name, arm_by_name("adamw").name
+# the table's order: v2's seven cells as v2's README listed them, then the horizon (read from
+# the summary's protocol), then the real-model cell
+SEVEN = ("stdlib@150", "kjv@150", "digits@200", "stdlib@600", "kjv@600", "digits@800",
+         "stdlib-large@200")  # fmt: skip
+
+
+def llama_parameters(cfg: dict[str, Any] = HF_CONFIG) -> int:
+    """Parameters of a ``transformers`` ``LlamaForCausalLM`` with ``cfg`` (no biases, untied
+    head unless ``tie_word_embeddings``): embeddings, per layer four attention projections
+    (grouped keys and values), three SwiGLU matrices and two norms, the final norm, the head."""
+    h, v, f = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    head = 0 if cfg.get("tie_word_embeddings", True) else v * h
+    return int(v * h + cfg["num_hidden_layers"] * layer + h + head)
+
+
+@dataclass(frozen=True)
+class Row:
+    cell: str
+    label: str
+    root: list[float]
+    muon: list[float]
+    diff: dict[str, Any]  # paired, with "p"
+    adamw: list[float] | None
+    retuned: bool = False
+    equal_time: dict[str, Any] | None = None  # paired, with "p" and "steps"
+
+
+def _finite(xs: Any) -> TypeGuard[list[float]]:
+    return (
+        isinstance(xs, list)
+        and len(xs) >= 2
+        and all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+    )
+
+
+def _label(cell: str) -> str:
+    task, steps = cell.split("@")
+    return f"`{task}`, {int(steps):,}"
+
+
+def rows(s: dict[str, Any]) -> list[Row] | None:
+    """The table's rows, or None while a family it reads is pending (or lost a run)."""
+    d = s.get("default")
+    if not d:
+        return None
+    arm = d["arm"]
+    comp = next((c for c in s.get("comparisons", []) if c["label"] == COMPARISON), None)
+    if comp is None:
+        return None
+    out: list[Row] = []
+    retune_cells = s["protocol"]["retune"]["cells"]
+    for cell in (*SEVEN, *s["protocol"]["horizon"]):
+        c = s["cells"].get(cell, {}).get("arms", {})
+        adamw = (c.get(ADAMW) or {}).get("test_loss")
+        if cell in retune_cells:
+            rt = s.get("retuned") or {}
+            mine = (rt.get(f"{arm}|{cell}") or {}).get("test_loss")
+            theirs = (rt.get(f"{MUON}|{cell}") or {}).get("test_loss")
+            diff = (s.get("retuned_comparison") or {}).get(cell)
+            et = (s.get("equal_time") or {}).get(cell) or {}
+            eq = et.get(COMPARISON)
+            if not (_finite(mine) and _finite(theirs) and diff and eq):
+                return None
+            eq = {**eq, "steps": et["steps"]}
+            out.append(Row(cell, _label(cell), mine, theirs, diff, adamw, True, eq))
+            continue
+        mine, theirs = ((c.get(a) or {}).get("test_loss") for a in (arm, MUON))
+        diff = comp["cells"].get(cell)
+        if not (_finite(mine) and _finite(theirs) and diff):
+            return None
+        out.append(Row(cell, _label(cell), mine, theirs, diff, adamw))
+    real = s.get("real_model") or {}
+    arms = real.get("arms") or {}
+    mine, theirs = ((arms.get(a) or {}).get("test_loss") for a in (arm, MUON))
+    diff = (real.get("default − other") or {}).get(MUON)
+    if not (_finite(mine) and _finite(theirs) and diff):
+        return None
+    adamw = (arms.get(ADAMW) or {}).get("test_loss")
+    out.append(Row(REAL, _label(REAL), mine, theirs, diff, adamw))
+    return out
+
+
+def ready(s: dict[str, Any]) -> bool:
+    return rows(s) is not None
+
+
+def _tests(rs: list[Row]) -> list[tuple[tuple[str, str], Row, dict[str, Any]]]:
+    """Every difference the table shows: ((cell, "steps" | "time"), its row, the paired test)."""
+    out = [((r.cell, "steps"), r, r.diff) for r in rs]
+    return out + [((r.cell, "time"), r, r.equal_time) for r in rs if r.equal_time]
+
+
+def adjusted_p(rs: list[Row]) -> dict[tuple[str, str], float]:
+    """Each difference's p, Holm-corrected over every difference in the table."""
+    tests = _tests(rs)
+    return {
+        key: q for (key, _, _), q in zip(tests, holm([t["p"] for _, _, t in tests]), strict=True)
+    }
+
+
+def bold(rs: list[Row]) -> set[tuple[str, str]]:
+    """The differences whose Holm-corrected t test rejects 0 at 5 %."""
+    return {key for key, q in adjusted_p(rs).items() if q <= 0.05}
+
+
+def _pm(xs: list[float]) -> str:
+    ci = mean_ci(xs)
+    return f"{ci.mean:.3f} ± {(ci.hi - ci.lo) / 2:.3f}"
+
+
+def _ci(d: dict[str, Any], strong: bool) -> str:
+    text = f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+    return f"**{text}**" if strong else text
+
+
+def _sizes(s: dict[str, Any]) -> str:
+    sizes: dict[str, int] = {}
+    for cell in SEVEN:
+        for r in s["cells"].get(cell, {}).get("arms", {}).values():
+            if r.get("param_count"):
+                sizes.setdefault(cell.split("@")[0], int(r["param_count"]))
+    return ", ".join(f"`{t}` {n:,}" for t, n in sizes.items())
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, width=95, break_long_words=False, break_on_hyphens=False)
+
+
+def headline(s: dict[str, Any]) -> str:
+    """The README's results block (v3); raises while :func:`ready` is false."""
+    rs = rows(s)
+    if rs is None:
+        raise ValueError("v3's README table has pending runs: " + ", ".join(s.get("pending", {})))
+    strong = bold(rs)
+    n_tests = sum(1 + (r.equal_time is not None) for r in rs)
+    arm = s["default"]["arm"]
+    coeffs = s["decisions"]["ns_coefficients"]["winner"]
+    dtype = s["decisions"]["ns_dtype"]["per_class"]["native"]["winner"]
+    intro = (
+        "Test loss at the end of training (lower is better; mean ± half the 95 % interval over "
+        f"{len(s['protocol']['seeds']['report'])} seeds, {len(REPORT_SEEDS)} for `llama-bpe`) from the defaults "
+        "study v3 ([docs/benchmarks.md](docs/benchmarks.md)) on a 2-core CPU "
+        f"({', '.join(s['meta'].get('cpus') or ['?'])}): byte-level Llama LMs and, for "
+        f"`digits`, a CNN (parameters: {_sizes(s)}), and a {llama_parameters() / 1e6:.1f} "
+        "M-parameter `transformers` Llama on BPE tokens of the Python standard library, trained "
+        "by `rootopt train` and scored through `rootopt export`. ROOT is the default "
+        f'(`{arm}`: `ns_coefficients="{coeffs}"`, `ns_dtype="auto"`, {dtype} on this CPU). '
+        "Tuned on other seeds: the learning rate per cell (2,400 and 800 steps from 600 and 200; "
+        "`llama-bpe` at 1,000 steps on one seed); the weight decay and AdamW-side lr of ROOT "
+        "and Muon re-tuned on the rows marked †, inherited from 150/200 steps elsewhere. "
+        "Every run clips the gradient norm at 1. ROOT − Muon: paired difference (same "
+        "initialisation and batches), 95 % interval; at equal time the slower optimizer "
+        "trains fewer steps, in proportion to the measured step times. Bold where the "
+        f"difference's t test, Holm-corrected over the table's {n_tests} differences, rejects "
+        "0 at 5 %."
+    )
+    lines = [HEADLINE_BEGIN, "", *_wrap(intro), ""]
+    lines += [
+        "| task, steps | ROOT (default) | Muon (`torch.optim.Muon`) | ROOT − Muon | "
+        "ROOT − Muon, equal time | AdamW |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        eq = _ci(r.equal_time, (r.cell, "time") in strong) if r.equal_time else "—"
+        adamw = _pm(r.adamw) if r.adamw and _finite(r.adamw) else "—"
+        lines.append(
+            f"| {r.label}{' †' if r.retuned else ''} | {_pm(r.root)} | {_pm(r.muon)} | "
+            f"{_ci(r.diff, (r.cell, 'steps') in strong)} | {eq} | {adamw} |"
+        )
+    lines += [
+        "",
+        *_wrap(
+            "On `digits` the Muon column is ROOT's float32 Muon mode (`torch.optim.Muon` takes "
+            "only 2-D matrices; the CNN's are conv kernels)."
+        ),
+        "",
+        HEADLINE_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _iv(d: dict[str, Any]) -> str:
+    return (
+        f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] (90 %: [{d['lo90']:+.4f}, "
+        f"{d['hi90']:+.4f}], {d['n']} seeds)"
+    )
+
+
+def claims(s: dict[str, Any]) -> list[str]:
+    """Each default with its pooled interval, then each difference the README's table shows
+    with its interval and Holm-adjusted p (empty parts while pending)."""
+    out: list[str] = []
+    d = s.get("decisions") or {}
+    if q1 := d.get("ns_coefficients"):
+        out.append(
+            f'`ns_coefficients="{q1["winner"]}"` ({q1["why"]}): `{q1["a"]}` − `{q1["b"]}` '
+            f"{_iv(q1['difference'])}, validation, pooled over the LM cells"
+        )
+    if q2 := d.get("ns_dtype"):
+        per = ", ".join(f"{c} {v['winner']}" for c, v in q2["per_class"].items())
+        out.append(
+            f'`ns_dtype="auto"` ({per}): `{q2["a"]}` − `{q2["b"]}` {_iv(q2["difference"])}, '
+            "validation, pooled over the LM cells; the cheaper setting per class"
+        )
+    rs = rows(s)
+    if rs is None:
+        return out
+    adjusted = adjusted_p(rs)
+    for key, r, t in _tests(rs):
+        at = "equal steps" if key[1] == "steps" else f"equal time ({_steps(t['steps'])})"
+        q = adjusted[key]
+        out.append(
+            f"ROOT − `torch.optim.Muon` on {r.cell}{' (re-tuned)' if r.retuned else ''}, {at}: "
+            f"{t['mean']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}], Holm-adjusted p {q:.3g}"
+            + (" (bold)" if q <= 0.05 else "")
+        )
+    return out
+
+
+def _steps(steps: dict[str, int]) -> str:
+    return ", ".join(f"`{a}` {n:,} steps" for a, n in steps.items())
