@@ -163,24 +163,23 @@ def headline(s: dict[str, Any]) -> str:
     n_tests = sum(1 + (r.equal_time is not None) for r in rs)
     arm = s["default"]["arm"]
     coeffs = s["decisions"]["ns_coefficients"]["winner"]
+    sizes = f" (parameters: {_sizes(s)})" if _sizes(s) else ""
     dtype = s["decisions"]["ns_dtype"]["per_class"]["native"]["winner"]
     intro = (
-        "Test loss at the end of training (lower is better; mean ± half the 95 % interval over "
-        f"{len(s['protocol']['seeds']['report'])} seeds, {len(REPORT_SEEDS)} for `llama-bpe`) from the defaults "
-        "study v3 ([docs/benchmarks.md](docs/benchmarks.md)) on a 2-core CPU "
-        f"({', '.join(s['meta'].get('cpus') or ['?'])}): byte-level Llama LMs and, for "
-        f"`digits`, a CNN (parameters: {_sizes(s)}), and a {llama_parameters() / 1e6:.1f} "
-        "M-parameter `transformers` Llama on BPE tokens of the Python standard library, trained "
-        "by `rootopt train` and scored through `rootopt export`. ROOT is the default "
-        f'(`{arm}`: `ns_coefficients="{coeffs}"`, `ns_dtype="auto"`, {dtype} on this CPU). '
-        "Tuned on other seeds: the learning rate per cell (2,400 and 800 steps from 600 and 200; "
-        "`llama-bpe` at 1,000 steps on one seed); the weight decay and AdamW-side lr of ROOT "
-        "and Muon re-tuned on the rows marked †, inherited from 150/200 steps elsewhere. "
-        "Every run clips the gradient norm at 1. ROOT − Muon: paired difference (same "
-        "initialisation and batches), 95 % interval; at equal time the slower optimizer "
-        "trains fewer steps, in proportion to the measured step times. Bold where the "
-        f"difference's t test, Holm-corrected over the table's {n_tests} differences, rejects "
-        "0 at 5 %."
+        "Test loss at the end of training (mean ± half the 95 % interval, "
+        f"{len(s['protocol']['seeds']['report'])} seeds; {len(REPORT_SEEDS)} for `llama-bpe`) "
+        "from [the defaults study v3](docs/benchmarks.md) "
+        f"on a 2-core CPU ({', '.join(s['meta'].get('cpus') or ['?'])}): byte-level Llama LMs, a "
+        f"CNN for `digits`{sizes}, and a `transformers` Llama ({llama_parameters():,} "
+        "parameters) on BPE tokens, trained by `rootopt train`. ROOT at its defaults "
+        f'(`{arm}`: `ns_coefficients="{coeffs}"`, `ns_dtype="auto"`, {dtype} here); every run '
+        "clips the gradient norm at 1. Tuned on other seeds: the learning rate per cell; the "
+        "weight decay and AdamW-side lr re-tuned for ROOT and Muon on the rows marked †, "
+        "inherited from 150/200 steps elsewhere. ROOT − Muon: paired (same initialisation and "
+        "batches), 95 % interval; at equal time the slower optimizer trains proportionally "
+        "fewer steps. Bold: its t test rejects 0 at 5 %, Holm-corrected over the table's "
+        f"{n_tests} differences. On `digits` the Muon column is ROOT's float32 Muon mode "
+        "(`torch.optim.Muon` takes only 2-D matrices)."
     )
     lines = [HEADLINE_BEGIN, "", *_wrap(intro), ""]
     lines += [
@@ -195,15 +194,7 @@ def headline(s: dict[str, Any]) -> str:
             f"| {r.label}{' †' if r.retuned else ''} | {_pm(r.root)} | {_pm(r.muon)} | "
             f"{_ci(r.diff, (r.cell, 'steps') in strong)} | {eq} | {adamw} |"
         )
-    lines += [
-        "",
-        *_wrap(
-            "On `digits` the Muon column is ROOT's float32 Muon mode (`torch.optim.Muon` takes "
-            "only 2-D matrices; the CNN's are conv kernels)."
-        ),
-        "",
-        HEADLINE_END,
-    ]
+    lines += ["", HEADLINE_END]
     return "\n".join(lines) + "\n"
 
 
