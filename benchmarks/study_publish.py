@@ -5,9 +5,8 @@
 2. ``rootopt bench study --out docs/study --finished-only`` renders the summary from the record
    alone (nothing is trained).
 3. The summary becomes docs/study_results.json; its tables replace the generated block of
-   docs/benchmarks-v2.md, v2's page (and v1's re-reading its own block of docs/benchmarks-v1.md, from
-   docs/study_results_v1.json);
-   its headline replaces the generated block of README.md; its plots go to docs/img/
+   docs/benchmarks-v2.md, v2's page (and v1's re-reading its own block of
+   docs/benchmarks-v1.md, from docs/study_results_v1.json); its plots go to docs/img/
    (study_lr.png, study_long.png, study_tail.png).
 
 Only the generated blocks between their markers are rewritten; the rest of each page is kept
@@ -15,8 +14,9 @@ as it is, and a page without its markers stops the script before anything is wri
 
 With ``--protocol v3`` the record is docs/study-v3/ (``--import DIR``: where ``rootopt bench
 study --protocol v3 --out DIR`` runs), the summary docs/study_results_v3.json and the block
-v3's of docs/benchmarks.md; README.md's block becomes v3's once every run its table reads has
-finished (``rootopt_analysis.bench.study_v3_readme``), and keeps v2's until then.
+v3's of docs/benchmarks.md. The blocks outside a study's page (:data:`SHARED`: README.md's
+results, docs/optimizer.md's threshold sentences) are v3's once every run each reads has
+finished (``rootopt_analysis.bench.study_v3_pages``), v2's until then; both protocols write them.
 
 Usage: python benchmarks/study_publish.py [--protocol v2|v3] [--import DIR]
 """
@@ -53,39 +53,66 @@ def _render(
     return summary
 
 
-def readme_headline(root: Path, v2_summary: dict[str, Any]) -> str:
-    """The README's results block: v3's once every run its table reads has finished
-    (docs/study_results_v3.json), until then v2's."""
-    from rootopt_analysis.bench import study_v3_readme
+# blocks outside a study's own page, written by whichever study is newest and has finished
+# the runs the block reads: (page, begin marker, end marker)
+SHARED = (
+    ("README.md", study_report.HEADLINE_BEGIN, study_report.HEADLINE_END),
+    ("docs/optimizer.md", study_report.THRESHOLD_BEGIN, study_report.THRESHOLD_END),
+)
 
-    v3_path = root / "docs" / "study_results_v3.json"
-    if v3_path.is_file():
-        v3 = json.loads(v3_path.read_text(encoding="utf-8"))
-        if study_v3_readme.ready(v3):
-            return study_v3_readme.headline(v3)
-    return study_report.headline(v2_summary)
+
+def _read_checked(root: Path, pages: list[tuple[str, str, str]]) -> dict[str, str]:
+    """Each page's text, after checking that it holds its block's markers once (before the
+    first byte of any page is written)."""
+    texts = {}
+    for rel, begin, end in pages:
+        doc = (root / rel).read_text(encoding="utf-8")
+        if doc.count(begin) != 1 or doc.count(end) != 1:
+            raise SystemExit(
+                f"study_publish: {Path(rel).name} must hold its generated block's markers once"
+            )
+        texts[rel] = doc
+    return texts
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def shared_blocks(v2: dict[str, Any], v3: dict[str, Any] | None) -> dict[str, str]:
+    """The README's results block and docs/optimizer.md's threshold sentences: v3's where
+    every run the block reads has finished, v2's until then."""
+    from rootopt_analysis.bench import study_v3_pages
+
+    head = (
+        study_v3_pages.headline(v3)
+        if v3 is not None and study_v3_pages.ready(v3)
+        else study_report.headline(v2)
+    )
+    text = (v3 is not None and study_v3_pages.threshold_sentences(v3)) or (
+        study_report.threshold_sentences(v2)
+        or "The defaults study has not measured what the threshold does yet."
+    )
+    wrapped = "\n".join(study_report._wrap(text))
+    threshold = f"{study_report.THRESHOLD_BEGIN}\n{wrapped}\n{study_report.THRESHOLD_END}\n"
+    return {"README.md": head, "docs/optimizer.md": threshold}
+
+
+def _write_shared(root: Path, texts: dict[str, str], v2: dict[str, Any], v3: Any) -> None:
+    blocks = shared_blocks(v2, v3)
+    for rel, begin, end in SHARED:
+        atomic_write(root / rel, study_report.splice(texts[rel], blocks[rel], begin, end).encode())
 
 
 def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
     """Publish into the repository at ``root`` (its docs/ and README.md)."""
     record, results = root / "docs" / "study", root / "docs" / "study_results.json"
-    page_path, readme_path, img = (
-        root / "docs" / "benchmarks-v2.md",
-        root / "README.md",
-        root / "docs" / "img",
-    )
-    page, readme = page_path.read_text(encoding="utf-8"), readme_path.read_text(encoding="utf-8")
-    # check both pages before the first byte is written
-    for doc, begin, end, name in (
-        (page, study_report.BEGIN, study_report.END, page_path.name),
-        (readme, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END, readme_path.name),
-    ):
-        if doc.count(begin) != 1 or doc.count(end) != 1:
-            raise SystemExit(f"study_publish: {name} must hold its generated block's markers once")
+    page_path, img = root / "docs" / "benchmarks-v2.md", root / "docs" / "img"
+    page_rel = "docs/benchmarks-v2.md"
+    texts = _read_checked(root, [(page_rel, study_report.BEGIN, study_report.END), *SHARED])
     summary = _render(record, results, import_dir, [])
     block = study_report.markdown(summary)
-    page = study_report.splice(page, block)
-    atomic_write(page_path, page.encode())
+    atomic_write(page_path, study_report.splice(texts[page_rel], block).encode())
     # v1's corrections, from v1's committed summary, on v1's own page
     v1_path = root / "docs" / "benchmarks-v1.md"
     v1_page = v1_path.read_text(encoding="utf-8") if v1_path.is_file() else ""
@@ -95,13 +122,7 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
             v1_page, study_report.v1_markdown(v1), study_report.V1_BEGIN, study_report.V1_END
         )
         atomic_write(v1_path, v1_page.encode())
-    head = readme_headline(root, summary)
-    atomic_write(
-        readme_path,
-        study_report.splice(
-            readme, head, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END
-        ).encode(),
-    )
+    _write_shared(root, texts, summary, _json(root / "docs" / "study_results_v3.json"))
     plots = []
     for name in PLOTS:
         if (record / name).is_file():
@@ -111,35 +132,29 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
 
 
 def publish_v3(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
-    """v3's record into the repository at ``root``: docs/study-v3/, its summary and block."""
-    from rootopt_analysis.bench import study_v3, study_v3_readme
+    """v3's record into the repository at ``root``: docs/study-v3/, its summary and block,
+    and the shared blocks (v3's where their runs have finished, v2's from
+    docs/study_results.json until then)."""
+    from rootopt_analysis.bench import study_v3, study_v3_pages
 
     record, results = root / "docs" / "study-v3", root / "docs" / "study_results_v3.json"
-    page_path, readme_path = root / "docs" / "benchmarks.md", root / "README.md"
-    page, readme = page_path.read_text(encoding="utf-8"), readme_path.read_text(encoding="utf-8")
-    # check both pages before the first byte is written
-    for doc, begin, end, name in (
-        (page, study_v3.BEGIN, study_v3.END, page_path.name),
-        (readme, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END, readme_path.name),
-    ):
-        if doc.count(begin) != 1 or doc.count(end) != 1:
-            raise SystemExit(f"study_publish: {name} must hold its generated block's markers once")
+    page_rel = "docs/benchmarks.md"
+    v2 = _json(root / "docs" / "study_results.json")
+    if v2 is None:
+        raise SystemExit("study_publish: docs/study_results.json (v2's summary) is missing")
+    texts = _read_checked(root, [(page_rel, study_v3.BEGIN, study_v3.END), *SHARED])
     record.mkdir(exist_ok=True)
     earlier = ["--protocol", "v3", "--earlier", str(root / "docs" / "study")]
     summary = _render(record, results, import_dir, earlier)
     block = study_v3.markdown(summary)
-    atomic_write(page_path, study_report.splice(page, block, study_v3.BEGIN, study_v3.END).encode())
-    readme_ready = study_v3_readme.ready(summary)
-    if readme_ready:  # until then the README keeps v2's block
-        head = study_v3_readme.headline(summary)
-        splice = study_report.splice(
-            readme, head, study_report.HEADLINE_BEGIN, study_report.HEADLINE_END
-        )
-        atomic_write(readme_path, splice.encode())
+    page = study_report.splice(texts[page_rel], block, study_v3.BEGIN, study_v3.END)
+    atomic_write(root / page_rel, page.encode())
+    _write_shared(root, texts, v2, summary)
     return {
         "runs": summary["index"]["runs"],
         "complete": summary["complete"],
-        "readme": readme_ready,
+        "readme": "v3" if study_v3_pages.ready(summary) else "v2",
+        "threshold": "v3" if study_v3_pages.threshold_sentences(summary) else "v2",
     }
 
 

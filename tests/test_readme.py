@@ -173,10 +173,10 @@ def test_results_table_is_the_committed_study() -> None:
     block = section[section.index(HEADLINE_BEGIN) : section.index(HEADLINE_END) + len(HEADLINE_END)]
     study = json.loads(_text(ROOT_DIR / "docs" / "study_results.json"))
     v3 = json.loads(_text(ROOT_DIR / "docs" / "study_results_v3.json"))
-    from rootopt_analysis.bench import study_v3_readme
+    from rootopt_analysis.bench import study_v3_pages
 
-    if study_v3_readme.ready(v3):  # v3's table replaces v2's once its runs are in
-        assert block + "\n" == study_v3_readme.headline(v3)
+    if study_v3_pages.ready(v3):  # v3's table replaces v2's once its runs are in
+        assert block + "\n" == study_v3_pages.headline(v3)
         params = inspect.signature(ROOT.__init__).parameters
         assert params["ns_coefficients"].default == v3["decisions"]["ns_coefficients"]["winner"]
         assert params["ns_dtype"].default == "auto"

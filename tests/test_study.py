@@ -731,7 +731,14 @@ def _publish_module() -> Any:
 
 
 def _mini_repo(root: Path, *, readme_markers: bool = True) -> None:
-    from rootopt_analysis.bench.study_report import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END
+    from rootopt_analysis.bench.study_report import (
+        BEGIN,
+        END,
+        HEADLINE_BEGIN,
+        HEADLINE_END,
+        THRESHOLD_BEGIN,
+        THRESHOLD_END,
+    )
 
     (root / "docs" / "study").mkdir(parents=True)
     (root / "docs" / "img").mkdir()
@@ -741,6 +748,9 @@ def _mini_repo(root: Path, *, readme_markers: bool = True) -> None:
     )
     markers = f"{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n" if readme_markers else "| a table |\n"
     (root / "README.md").write_text(f"# readme\n\n## Measured\n\n{markers}\nafter\n")
+    (root / "docs" / "optimizer.md").write_text(
+        f"# optimizer\n\n{THRESHOLD_BEGIN}\nold\n{THRESHOLD_END}\n\n## Use\n"
+    )
 
 
 def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
@@ -757,6 +767,9 @@ def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
     readme = (tmp_path / "README.md").read_text()
     assert readme == f"# readme\n\n## Measured\n\n{headline(summary)}\nafter\n"
     assert "Still running: stdlib@150" in readme
+    optimizer = (tmp_path / "docs" / "optimizer.md").read_text()
+    assert "\nold\n" not in optimizer and optimizer.endswith("-->\n\n## Use\n")
+    assert "has not measured what the threshold does yet" in optimizer
 
 
 def test_rendering_the_record_adds_no_session_to_its_log(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,8 +133,17 @@ def _fake_result(job: object) -> dict[str, object]:
         "initial_test_loss": 5.0,
         "diverged": False,
         "evals": {"step": [0, steps], "test_loss": [5.0, loss]},
-        "momentum_tail": {},
+        "momentum_tail": _fake_tail(steps, opts.get("outlier_quantile")),
     }
+
+
+def _fake_tail(steps: int, q: float | None) -> dict[str, list[float]]:
+    """What the runner records of the momentum: every thresholded arm clips a tenth."""
+    tail = {"step": [steps], "q90_over_rms_median": [1.6], "above10rms_share": [1e-5]}
+    if q is None:
+        return tail
+    clip = {"clipped_share": 0.1, "clipped_over3rms": 0.02, "clipped_over10rms": 1e-4}
+    return {**tail, **{k: [v] for k, v in clip.items()}, "clipped_norm2_share": [0.3]}
 
 
 def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path: Path) -> None:
@@ -192,7 +202,7 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     rows = {r["label"]: r for r in summary["comparisons"]}
     assert set(rows["default − torch.optim.Muon"]["cells"]) >= {*v3.LM_CELLS, "stdlib@2400"}
     # the README's table: every cell, the re-tuned ones at equal steps and equal time
-    from rootopt_analysis.bench import study_v3_readme as readme
+    from rootopt_analysis.bench import study_v3_pages as readme
 
     summary = json.loads(json.dumps(summary))  # as the committed JSON reads back
     got = readme.rows(summary)
@@ -211,6 +221,11 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     assert len(table) == len(got)
     assert "Holm-corrected over the table's 13 differences" in " ".join(text.split())
     assert sum("†" in ln for ln in table) == 3
+    sentences = readme.threshold_sentences(summary)
+    assert sentences is not None
+    assert "clips 10.0 % of the momentum's entries, of which 2.0 % exceed" in sentences
+    assert "at most 0.01 % 10 times; the clipped part is 30.0 % of" in sentences
+    assert "changed by +0.000 [+0.000, +0.000] nats at 150 steps" in sentences
     claims = readme.claims(summary)
     assert claims[0].startswith('`ns_coefficients="muon"`') and len(claims) == 2 + 13
     assert "The README's claims, each with its interval" in v3.markdown(summary)
@@ -236,7 +251,7 @@ def test_the_page_carries_the_block_rendered_from_the_committed_summary() -> Non
 
 
 def _row(cell: str, p: float, eq_p: float | None = None) -> object:
-    from rootopt_analysis.bench import study_v3_readme as readme
+    from rootopt_analysis.bench import study_v3_pages as readme
 
     d = {"mean": -0.01, "lo": -0.02, "hi": 0.0, "n": 5, "sd": 0.01, "p": p}
     eq = None if eq_p is None else {**d, "p": eq_p, "steps": {"a": 100}}
@@ -247,7 +262,7 @@ def test_readme_bold_is_holm_over_every_difference_the_table_shows() -> None:
     """Bold needs the Holm-adjusted p of its test, over all the table's differences (equal
     steps and equal time together), at or below 0.05: a raw p of 0.02 among 4 tests is not
     enough, 0.01 is (0.04 after Holm), and the equal-time tests count in the family."""
-    from rootopt_analysis.bench import study_v3_readme as readme
+    from rootopt_analysis.bench import study_v3_pages as readme
 
     rows = [_row("a", 0.01), _row("b", 0.02), _row("c", 0.5, eq_p=0.9)]
     adjusted = readme.adjusted_p(rows)  # type: ignore[arg-type]
@@ -267,7 +282,7 @@ def test_readme_names_the_real_models_size_as_transformers_counts_it() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rootopt_analysis.bench import study_v3_readme as readme
+    from rootopt_analysis.bench import study_v3_pages as readme
     from rootopt_analysis.bench.study_v3_real import HF_CONFIG
 
     with torch.device("meta"):
@@ -276,42 +291,78 @@ def test_readme_names_the_real_models_size_as_transformers_counts_it() -> None:
     assert set(readme.SEVEN) == {*v3.LM_CELLS, *v3.CNN_CELLS}
 
 
-def test_publish_v3_keeps_v2s_readme_block_until_v3s_table_is_ready(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """publish_v3 checks both pages' markers before writing; while a run the README's table
-    reads is pending it rewrites only the benchmarks page, and v2's publish keeps v2's block;
-    once v3 is ready both write v3's block."""
+def _publish_module() -> Any:
     import importlib.util
-    import json
-
-    from rootopt_analysis.bench import study_v3_readme
-    from rootopt_analysis.bench.study_report import HEADLINE_BEGIN, HEADLINE_END
 
     path = REPO / "benchmarks" / "study_publish.py"
     spec = importlib.util.spec_from_file_location("study_publish", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_publish_v3_writes_v2s_shared_blocks_until_v3s_runs_are_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish_v3 checks every page's markers before writing; while a run the README's table
+    or the threshold sentences read is pending those blocks are v2's (from v2's committed
+    summary); once v3's are ready they are v3's."""
+    import json
+    import shutil
+
+    from rootopt_analysis.bench import study_report, study_v3_pages
+    from rootopt_analysis.bench.study_report import (
+        HEADLINE_BEGIN,
+        HEADLINE_END,
+        THRESHOLD_BEGIN,
+        THRESHOLD_END,
+    )
+
+    mod = _publish_module()
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "study").symlink_to(REPO / "docs" / "study")  # v2's record, read only
+    shutil.copyfile(REPO / "docs" / "study_results.json", docs / "study_results.json")
     page = f"# page\n\n{v3.BEGIN}\nold\n{v3.END}\n\nkept\n"
-    readme = f"# readme\n\n{HEADLINE_BEGIN}\nv2's table\n{HEADLINE_END}\n"
+    readme = f"# readme\n\n{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n"
+    optimizer = f"# optimizer\n\n{THRESHOLD_BEGIN}\nold\n{THRESHOLD_END}\n\n## Use\n"
     (docs / "benchmarks.md").write_text(page)
-    (tmp_path / "README.md").write_text(f"# readme\n\n{HEADLINE_BEGIN}\n{HEADLINE_END}\n")
-    with pytest.raises(SystemExit, match="README.md must hold"):  # one marker: nothing written
-        (tmp_path / "README.md").write_text("# readme\n\n" + HEADLINE_BEGIN + "\n")
+    (docs / "optimizer.md").write_text(optimizer)
+    (tmp_path / "README.md").write_text("# readme\n\n" + HEADLINE_BEGIN + "\n")  # one marker
+    with pytest.raises(SystemExit, match="README.md must hold"):
         mod.publish_v3(tmp_path)
     assert (docs / "benchmarks.md").read_text() == page and not (docs / "study-v3").exists()
+    assert (docs / "optimizer.md").read_text() == optimizer
     (tmp_path / "README.md").write_text(readme)
     got = mod.publish_v3(tmp_path)
-    assert got["readme"] is False and (tmp_path / "README.md").read_text() == readme
+    assert got["readme"] == "v2" and got["threshold"] == "v2"
+    v2_summary = json.loads((docs / "study_results.json").read_text())
+    assert (tmp_path / "README.md").read_text() == (
+        "# readme\n\n" + study_report.headline(v2_summary)
+    )
     assert "\nold\n" not in (docs / "benchmarks.md").read_text()
-    v2_summary = json.loads((REPO / "docs" / "study_results.json").read_text())
-    assert mod.readme_headline(tmp_path, v2_summary) == mod.study_report.headline(v2_summary)
-    monkeypatch.setattr(study_v3_readme, "ready", lambda s: True)
-    monkeypatch.setattr(study_v3_readme, "headline", lambda s: "v3's table\n")
-    assert mod.readme_headline(tmp_path, v2_summary) == "v3's table\n"
-    assert mod.publish_v3(tmp_path)["readme"] is True
+    text = (docs / "optimizer.md").read_text()
+    assert "defaults study v2" in text and text.endswith(f"{THRESHOLD_END}\n\n## Use\n")
+    monkeypatch.setattr(study_v3_pages, "ready", lambda s: True)
+    monkeypatch.setattr(study_v3_pages, "headline", lambda s: "v3's table\n")
+    monkeypatch.setattr(study_v3_pages, "threshold_sentences", lambda s: "v3's sentences.")
+    assert mod.publish_v3(tmp_path)["readme"] == "v3"
     assert (tmp_path / "README.md").read_text() == "# readme\n\nv3's table\n"
+    assert "\nv3's sentences.\n" in (docs / "optimizer.md").read_text()
+
+
+def test_the_shared_blocks_are_the_committed_studies_rendered() -> None:
+    """README.md's results block and docs/optimizer.md's threshold sentences are what the
+    publisher renders from the committed v2 and v3 summaries."""
+    import json
+
+    from rootopt_analysis.bench.study_report import splice
+
+    mod = _publish_module()
+    v2 = json.loads((REPO / "docs" / "study_results.json").read_text(encoding="utf-8"))
+    v3_summary = json.loads((REPO / "docs" / "study_results_v3.json").read_text(encoding="utf-8"))
+    blocks = mod.shared_blocks(v2, v3_summary)
+    for rel, begin, end in mod.SHARED:
+        doc = (REPO / rel).read_text(encoding="utf-8")
+        assert splice(doc, blocks[rel], begin, end) == doc, rel

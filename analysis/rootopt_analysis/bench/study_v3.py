@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rootopt_analysis.bench import study as v2
-from rootopt_analysis.bench import study_v3_readme
+from rootopt_analysis.bench import study_v3_pages
 from rootopt_analysis.bench.runner import RunSpec
 from rootopt_analysis.bench.stats import mean_ci
 from rootopt_analysis.bench.store import Store
@@ -1074,7 +1074,7 @@ def markdown(s: dict[str, Any]) -> str:
         ]
     lines += _after_decision_md(s)
     lines += _mechanism_md(s)
-    claims = study_v3_readme.claims(s)
+    claims = study_v3_pages.claims(s)
     if claims:
         lines += ["", "#### The README's claims, each with its interval", ""]
         lines += [f"- {c}" for c in claims]

@@ -1,12 +1,16 @@
-"""The README's results block from the defaults study v3 (docs/benchmarks.md, v3 "Claims").
+"""What the defaults study v3 writes outside its own page (docs/benchmarks.md, v3 "Claims").
 
-Rendered from the v3 summary (docs/study_results_v3.json) alone, once every family the table
-reads has finished (:func:`ready`); until then the README keeps v2's block. One row per cell:
-the decided default, ``torch.optim.Muon`` and AdamW (mean ± half the 95 % interval over the
-report seeds) and the paired ROOT − Muon difference. The three cells whose weight decay and
-AdamW-side multiple were re-tuned show the re-tuned runs, with the same difference at equal
-measured time beside. Bold follows one rule: the paired t test, Holm-corrected over every
-difference the table shows, rejects 0 at 5 %.
+Rendered from the v3 summary (docs/study_results_v3.json) alone, each once every run it reads
+has finished; until then the pages keep what v2 wrote there.
+
+- The README's results block (:func:`headline`, :func:`ready`): one row per cell, the decided
+  default, ``torch.optim.Muon`` and AdamW (mean ± half the 95 % interval over the report
+  seeds) and the paired ROOT − Muon difference. The three cells whose weight decay and
+  AdamW-side multiple were re-tuned show the re-tuned runs, with the same difference at equal
+  measured time beside. Bold follows one rule: the paired t test, Holm-corrected over every
+  difference the table shows, rejects 0 at 5 %.
+- docs/optimizer.md's sentences on what the threshold does (:func:`threshold_sentences`).
+- The claims, each with its interval (:func:`claims`), listed on docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -238,3 +242,56 @@ def claims(s: dict[str, Any]) -> list[str]:
 
 def _steps(steps: dict[str, int]) -> str:
     return ", ".join(f"`{a}` {n:,} steps" for a, n in steps.items())
+
+
+QABL_AT = ("stdlib@150", "stdlib@2400")  # the q ablation's cells (docs/benchmarks.md, v3)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2g} %" if x < 0.01 else f"{100 * x:.1f} %"
+
+
+def _range(lo: str, hi: str) -> str:
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def threshold_sentences(s: dict[str, Any]) -> str | None:
+    """docs/optimizer.md's two sentences on what ``q = 0.9`` does on the study's tasks: what
+    it clips (the default's report runs on the LM cells, last evaluation, mean over seeds) and
+    the paired test-loss difference without it; None while either is pending."""
+    arm = (s.get("default") or {}).get("arm")
+    tails = [
+        t
+        for c in s["protocol"]["lm_cells"]
+        if (t := ((s["cells"].get(c, {}).get("arms", {}).get(arm) or {}).get("momentum_tail")))
+        and t.get("clipped_share")
+    ]
+    comp = next(
+        (c for c in s.get("comparisons", []) if c["label"] == "no threshold − default"), None
+    )
+    diffs = [(comp or {"cells": {}})["cells"].get(c) for c in QABL_AT]
+    if not arm or len(tails) != len(s["protocol"]["lm_cells"]) or not all(diffs):
+        return None
+
+    def span(key: str) -> tuple[float, float]:
+        xs = [t[key][-1] for t in tails]
+        return min(xs), max(xs)
+
+    share, over3, over10, mass = (
+        span(k) for k in ("clipped_share", "clipped_over3rms", "clipped_over10rms",
+                          "clipped_norm2_share")
+    )  # fmt: skip
+    q90 = span("q90_over_rms_median")
+    d150, d2400 = (f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" for d in diffs if d)
+    return (
+        "On the defaults study's language-model tasks `q = 0.9` clips "
+        f"{_range(_pct(share[0]), _pct(share[1]))} of the momentum's entries, of which "
+        f"{_range(_pct(over3[0]), _pct(over3[1]))} exceed 3 times its RMS and at most "
+        f"{_pct(over10[1])} 10 times; the clipped part is {_range(_pct(mass[0]), _pct(mass[1]))} "
+        "of the squared norm, and the 0.9-quantile sits at "
+        f"{_range(f'{q90[0]:.2f}', f'{q90[1]:.2f}')} times the RMS (a Gaussian's: 1.64), so the "
+        "threshold shrinks the largest tenth of a near-Gaussian bulk rather than removing rare outliers. "
+        f"Without it the test loss changed by {d150} nats at 150 steps and {d2400} at 2,400 "
+        f"(`stdlib`, paired over {diffs[0]['n']} seeds, gradient clipping on; "
+        "[benchmarks.md](benchmarks.md))."
+    )
