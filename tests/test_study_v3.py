@@ -221,6 +221,10 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     assert len(table) == len(got)
     assert "Holm-corrected over the table's 13 differences" in " ".join(text.split())
     assert sum("†" in ln for ln in table) == 3
+    from rootopt_analysis.bench.study_report import HEADLINE_BEGIN, HEADLINE_END, splice
+
+    front = splice((REPO / "README.md").read_text(), text, HEADLINE_BEGIN, HEADLINE_END)
+    assert len(front.splitlines()) <= 110  # the README's own limit (tests/test_readme.py)
     sentences = readme.threshold_sentences(summary)
     assert sentences is not None
     assert "clips 10.0 % of the momentum's entries, of which 2.0 % exceed" in sentences

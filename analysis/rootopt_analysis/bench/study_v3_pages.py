@@ -170,20 +170,22 @@ def headline(s: dict[str, Any]) -> str:
     sizes = f" (parameters: {_sizes(s)})" if _sizes(s) else ""
     dtype = s["decisions"]["ns_dtype"]["per_class"]["native"]["winner"]
     intro = (
-        "Test loss at the end of training (mean ± half the 95 % interval, "
-        f"{len(s['protocol']['seeds']['report'])} seeds; {len(REPORT_SEEDS)} for `llama-bpe`) "
+        "Final test loss (mean ± half the 95 % interval; "
+        f"{len(s['protocol']['seeds']['report'])} seeds, {len(REPORT_SEEDS)} for `llama-bpe`) "
         "from [the defaults study v3](docs/benchmarks.md) "
-        f"on a 2-core CPU ({', '.join(s['meta'].get('cpus') or ['?'])}): byte-level Llama LMs, a "
+        f"on a 2-core CPU, {' / '.join(s['meta'].get('cpus') or ['?'])}: byte-level Llama LMs, a "
         f"CNN for `digits`{sizes}, and a `transformers` Llama ({llama_parameters():,} "
         "parameters) on BPE tokens, trained by `rootopt train`. ROOT at its defaults "
         f'(`{arm}`: `ns_coefficients="{coeffs}"`, `ns_dtype="auto"`, {dtype} here); every run '
         "clips the gradient norm at 1. Tuned on other seeds: the learning rate per cell; the "
         "weight decay and AdamW-side lr re-tuned for ROOT and Muon on the rows marked †, "
-        "inherited from 150/200 steps elsewhere. ROOT − Muon: paired (same initialisation and "
+        "inherited from 150/200 steps on the other study cells, `rootopt train`'s defaults on "
+        "`llama-bpe`. "
+        "ROOT − Muon: paired (same initialisation and "
         "batches), 95 % interval; at equal time the slower optimizer trains proportionally "
         "fewer steps. Bold: its t test rejects 0 at 5 %, Holm-corrected over the table's "
-        f"{n_tests} differences. On `digits` the Muon column is ROOT's float32 Muon mode "
-        "(`torch.optim.Muon` takes only 2-D matrices)."
+        f"{n_tests} differences. On `digits` (conv kernels) the Muon column is ROOT's float32 "
+        "Muon mode."
     )
     lines = [HEADLINE_BEGIN, "", *_wrap(intro), ""]
     lines += [
