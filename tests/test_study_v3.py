@@ -201,6 +201,14 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     assert "default − torch.optim.Muon" in page and "Real-model cell" in page
     rows = {r["label"]: r for r in summary["comparisons"]}
     assert set(rows["default − torch.optim.Muon"]["cells"]) >= {*v3.LM_CELLS, "stdlib@2400"}
+    # the edge over the horizon runs: default − each arm at five points of the run
+    curves = summary["horizon_curves"]
+    assert set(curves) == {c.name for c in v3.HORIZON}
+    for cell, e in curves.items():
+        final = e["default − arm"]["muon-bf16"][-1]
+        assert e["steps"][-1] == int(cell.split("@")[1]) and final["mean"] == pytest.approx(0.002)
+        assert set(e["default − arm"]) >= {"muon-bf16", "adamw", "root-muon", "root-muon·bf16·noq"}
+    assert "Over the run on stdlib@2400: default − arm" in v3.markdown(summary)
     # the README's table: every cell, the re-tuned ones at equal steps and equal time
     from rootopt_analysis.bench import study_v3_pages as readme
 

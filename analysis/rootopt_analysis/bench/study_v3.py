@@ -882,6 +882,40 @@ def _retuned_summary(w: WalkV3) -> dict[str, Any]:
     return out
 
 
+CURVE_AT = (0.1, 0.25, 0.5, 0.75, 1.0)  # fractions of a horizon run's steps
+
+
+def _horizon_curves(w: WalkV3, cells: dict[str, Any]) -> dict[str, Any]:
+    """Per horizon cell, the paired test-loss difference of the default against each other
+    arm at the evaluations nearest 10 %, 25 %, 50 %, 75 % and 100 % of the run: where the
+    edge over Muon goes with the horizon."""
+    final = final_arms(w)
+    if final is None:
+        return {}
+    default = final[0].name
+    out: dict[str, Any] = {}
+    for cell in (c.name for c in HORIZON):
+        arms = (cells.get(cell) or {}).get("arms", {})
+        mine = (arms.get(default) or {}).get("curves")
+        if not mine:
+            continue
+        steps = mine[0]["steps"]
+        at = [min(range(len(steps)), key=lambda i: abs(steps[i] - f * steps[-1])) for f in CURVE_AT]
+        rows: dict[str, Any] = {}
+        for other, r in arms.items():
+            theirs = r.get("curves")
+            if other == default or not theirs or theirs[0]["steps"] != steps:
+                continue
+            rows[other] = [
+                v2._paired_or_none(
+                    [c["test_loss"][i] for c in mine], [c["test_loss"][i] for c in theirs]
+                )
+                for i in at
+            ]
+        out[cell] = {"steps": [steps[i] for i in at], "default − arm": rows}
+    return out
+
+
 def _retuned_comparison(w: WalkV3) -> dict[str, Any]:
     """Per re-tuned cell, default − torch.optim.Muon at the re-tuned settings (equal steps)."""
     final = final_arms(w)
@@ -1000,6 +1034,7 @@ def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
         "comparisons": _comparisons(w, cells),
         "retuned": _retuned_summary(w),
         "retuned_comparison": _retuned_comparison(w),
+        "horizon_curves": _horizon_curves(w, cells),
         "equal_time": _equal_time_summary(w),
         "real_model": _real_summary(w),
         "index": v2._index(b, store),
@@ -1158,6 +1193,12 @@ def _after_decision_md(s: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {cell} | {e['ratio']:.3f} | {steps} | {_ci(e.get('default − torch.optim.Muon'))} |"
             )
+    for cell, e in (s.get("horizon_curves") or {}).items():
+        steps = " | ".join(f"step {n:,}" for n in e["steps"])
+        lines += ["", f"Over the run on {cell}: default − arm, paired test loss:", ""]
+        lines += [f"| arm | {steps} |", "|---|" + "---|" * len(e["steps"])]
+        for arm, ds in e["default − arm"].items():
+            lines.append(f"| `{arm}` | " + " | ".join(_ci(d) for d in ds) + " |")
     real = s.get("real_model") or {}
     if real.get("arms"):
         lines += [
