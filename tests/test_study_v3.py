@@ -335,12 +335,16 @@ def test_publish_v3_writes_v2s_shared_blocks_until_v3s_runs_are_in(
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "study").symlink_to(REPO / "docs" / "study")  # v2's record, read only
-    shutil.copyfile(REPO / "docs" / "study_results.json", docs / "study_results.json")
     page = f"# page\n\n{v3.BEGIN}\nold\n{v3.END}\n\nkept\n"
     readme = f"# readme\n\n{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n"
     optimizer = f"# optimizer\n\n{THRESHOLD_BEGIN}\nold\n{THRESHOLD_END}\n\n## Use\n"
     (docs / "benchmarks.md").write_text(page)
     (docs / "optimizer.md").write_text(optimizer)
+    (tmp_path / "README.md").write_text(readme)
+    with pytest.raises(SystemExit, match="study_results.json"):  # v2's summary is missing
+        mod.publish_v3(tmp_path)
+    assert (docs / "benchmarks.md").read_text() == page and not (docs / "study-v3").exists()
+    shutil.copyfile(REPO / "docs" / "study_results.json", docs / "study_results.json")
     (tmp_path / "README.md").write_text("# readme\n\n" + HEADLINE_BEGIN + "\n")  # one marker
     with pytest.raises(SystemExit, match="README.md must hold"):
         mod.publish_v3(tmp_path)
