@@ -241,6 +241,18 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
     claims = readme.claims(summary)
     assert claims[0].startswith('`ns_coefficients="muon"`') and len(claims) == 2 + 13
     assert "The README's claims, each with its interval" in v3.markdown(summary)
+    # a diverged run is shown, not waited for: no interval, one test fewer in the correction
+    import copy
+
+    broken = copy.deepcopy(summary)
+    broken["cells"]["kjv@150"]["arms"]["muon-bf16"]["test_loss"][2] = math.nan
+    comp = next(c for c in broken["comparisons"] if c["label"] == "default − torch.optim.Muon")
+    del comp["cells"]["kjv@150"]  # the summary leaves out a pair with a non-finite value
+    shown = readme.headline(broken)
+    row = next(ln for ln in shown.splitlines() if ln.startswith("| `kjv`, 150"))
+    assert "1 of 5 diverged" in row and "— (a run diverged)" in row
+    assert "Holm-corrected over the table's 12 differences" in " ".join(shown.split())
+    assert any("kjv@150: ROOT" in c and "Muon 1 of 5 diverged" in c for c in readme.claims(broken))
     # with one report run of the real-model cell missing, the README keeps v2's block
     summary["real_model"]["arms"]["muon-bf16"]["test_loss"] = None
     assert readme.rows(summary) is None and len(readme.claims(summary)) == 2

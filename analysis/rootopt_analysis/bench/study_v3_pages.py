@@ -49,20 +49,22 @@ def llama_parameters(cfg: dict[str, Any] = HF_CONFIG) -> int:
 class Row:
     cell: str
     label: str
-    root: list[float]
+    root: list[float]  # a diverged run is NaN
     muon: list[float]
-    diff: dict[str, Any]  # paired, with "p"
+    diff: dict[str, Any] | None  # paired, with "p"; None where a run diverged
     adamw: list[float] | None
     retuned: bool = False
     equal_time: dict[str, Any] | None = None  # paired, with "p" and "steps"
+    equal_time_steps: dict[str, int] | None = None  # None: no equal-time runs for the cell
+
+
+def _ran(xs: Any) -> TypeGuard[list[float]]:
+    """Every report run finished (a diverged one as NaN): at least 2 of them."""
+    return isinstance(xs, list) and len(xs) >= 2 and all(isinstance(x, (int, float)) for x in xs)
 
 
 def _finite(xs: Any) -> TypeGuard[list[float]]:
-    return (
-        isinstance(xs, list)
-        and len(xs) >= 2
-        and all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
-    )
+    return _ran(xs) and all(math.isfinite(x) for x in xs)
 
 
 def _label(cell: str) -> str:
@@ -71,7 +73,8 @@ def _label(cell: str) -> str:
 
 
 def rows(s: dict[str, Any]) -> list[Row] | None:
-    """The table's rows, or None while a family it reads is pending (or lost a run)."""
+    """The table's rows, or None while a run the table reads is pending. A diverged run is
+    shown as such (its row has no difference and takes no part in the correction)."""
     d = s.get("default")
     if not d:
         return None
@@ -88,25 +91,24 @@ def rows(s: dict[str, Any]) -> list[Row] | None:
             rt = s.get("retuned") or {}
             mine = (rt.get(f"{arm}|{cell}") or {}).get("test_loss")
             theirs = (rt.get(f"{MUON}|{cell}") or {}).get("test_loss")
-            diff = (s.get("retuned_comparison") or {}).get(cell)
             et = (s.get("equal_time") or {}).get(cell) or {}
-            eq = et.get(COMPARISON)
-            if not (_finite(mine) and _finite(theirs) and diff and eq):
+            timed = (et.get("test_loss") or {}).values()
+            if not (_ran(mine) and _ran(theirs) and len(timed) == 2 and all(map(_ran, timed))):
                 return None
-            eq = {**eq, "steps": et["steps"]}
-            out.append(Row(cell, _label(cell), mine, theirs, diff, adamw, True, eq))
+            diff = (s.get("retuned_comparison") or {}).get(cell)
+            eq = et.get(COMPARISON)
+            out.append(Row(cell, _label(cell), mine, theirs, diff, adamw, True, eq, et["steps"]))
             continue
         mine, theirs = ((c.get(a) or {}).get("test_loss") for a in (arm, MUON))
-        diff = comp["cells"].get(cell)
-        if not (_finite(mine) and _finite(theirs) and diff):
+        if not (_ran(mine) and _ran(theirs)):
             return None
-        out.append(Row(cell, _label(cell), mine, theirs, diff, adamw))
+        out.append(Row(cell, _label(cell), mine, theirs, comp["cells"].get(cell), adamw))
     real = s.get("real_model") or {}
     arms = real.get("arms") or {}
     mine, theirs = ((arms.get(a) or {}).get("test_loss") for a in (arm, MUON))
-    diff = (real.get("default − other") or {}).get(MUON)
-    if not (_finite(mine) and _finite(theirs) and diff):
+    if not (_ran(mine) and _ran(theirs)):
         return None
+    diff = (real.get("default − other") or {}).get(MUON)
     adamw = (arms.get(ADAMW) or {}).get("test_loss")
     out.append(Row(REAL, _label(REAL), mine, theirs, diff, adamw))
     return out
@@ -118,7 +120,7 @@ def ready(s: dict[str, Any]) -> bool:
 
 def _tests(rs: list[Row]) -> list[tuple[tuple[str, str], Row, dict[str, Any]]]:
     """Every difference the table shows: ((cell, "steps" | "time"), its row, the paired test)."""
-    out = [((r.cell, "steps"), r, r.diff) for r in rs]
+    out = [((r.cell, "steps"), r, r.diff) for r in rs if r.diff]
     return out + [((r.cell, "time"), r, r.equal_time) for r in rs if r.equal_time]
 
 
@@ -136,11 +138,15 @@ def bold(rs: list[Row]) -> set[tuple[str, str]]:
 
 
 def _pm(xs: list[float]) -> str:
+    if not _finite(xs):
+        return f"{sum(not math.isfinite(x) for x in xs)} of {len(xs)} diverged"
     ci = mean_ci(xs)
     return f"{ci.mean:.3f} ± {(ci.hi - ci.lo) / 2:.3f}"
 
 
-def _ci(d: dict[str, Any], strong: bool) -> str:
+def _ci(d: dict[str, Any] | None, strong: bool) -> str:
+    if d is None:
+        return "— (a run diverged)"
     text = f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
     return f"**{text}**" if strong else text
 
@@ -164,7 +170,7 @@ def headline(s: dict[str, Any]) -> str:
     if rs is None:
         raise ValueError("v3's README table has pending runs: " + ", ".join(s.get("pending", {})))
     strong = bold(rs)
-    n_tests = sum(1 + (r.equal_time is not None) for r in rs)
+    n_tests = len(_tests(rs))
     arm = s["default"]["arm"]
     coeffs = s["decisions"]["ns_coefficients"]["winner"]
     sizes = f" (parameters: {_sizes(s)})" if _sizes(s) else ""
@@ -194,8 +200,9 @@ def headline(s: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rs:
-        eq = _ci(r.equal_time, (r.cell, "time") in strong) if r.equal_time else "—"
-        adamw = _pm(r.adamw) if r.adamw and _finite(r.adamw) else "—"
+        timed = r.equal_time_steps is not None
+        eq = _ci(r.equal_time, (r.cell, "time") in strong) if timed else "—"
+        adamw = _pm(r.adamw) if _ran(r.adamw) else "—"
         lines.append(
             f"| {r.label}{' †' if r.retuned else ''} | {_pm(r.root)} | {_pm(r.muon)} | "
             f"{_ci(r.diff, (r.cell, 'steps') in strong)} | {eq} | {adamw} |"
@@ -232,13 +239,22 @@ def claims(s: dict[str, Any]) -> list[str]:
         return out
     adjusted = adjusted_p(rs)
     for key, r, t in _tests(rs):
-        at = "equal steps" if key[1] == "steps" else f"equal time ({_steps(t['steps'])})"
+        at = (
+            "equal steps"
+            if key[1] == "steps"
+            else f"equal time ({_steps(r.equal_time_steps or {})})"
+        )
         q = adjusted[key]
         out.append(
             f"ROOT − `torch.optim.Muon` on {r.cell}{' (re-tuned)' if r.retuned else ''}, {at}: "
             f"{t['mean']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}], Holm-adjusted p {q:.3g}"
             + (" (bold)" if q <= 0.05 else "")
         )
+    for r in rs:  # a diverged run: no interval, said as such
+        if r.diff is None:
+            out.append(
+                f"ROOT − `torch.optim.Muon` on {r.cell}: ROOT {_pm(r.root)}, Muon {_pm(r.muon)}"
+            )
     return out
 
 
