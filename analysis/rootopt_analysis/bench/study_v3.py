@@ -1203,12 +1203,14 @@ def _after_decision_md(s: dict[str, Any]) -> list[str]:
     if real.get("arms"):
         lines += [
             "",
-            f"Real-model cell `{real['cell']}` (test loss through `rootopt export` and transformers):",
+            f"Real-model cell `{real['cell']}` (test loss through `rootopt export` and "
+            "transformers). Validation holds out blocks of the training files, the test split "
+            "whole files no run trained on, so test loss is the higher:",
             "",
         ]
         lines += [
-            "| arm | optimizer | lr (selection val losses) | test loss (mean) |",
-            "|---|---|---|---|",
+            "| arm | optimizer | lr (selection val losses) | val loss (mean) | test loss (mean) |",
+            "|---|---|---|---|---|",
         ]
         for arm, e in real["arms"].items():
             sel = ", ".join(
@@ -1216,7 +1218,8 @@ def _after_decision_md(s: dict[str, Any]) -> list[str]:
                 for lr, v in e["selection"].items()
             )
             lines.append(
-                f"| `{arm}` | {e['optimizer']} | {e['lr'] or 'pending'} ({sel}) | {_mean(e['test_loss'])} |"
+                f"| `{arm}` | {e['optimizer']} | {e['lr'] or 'pending'} ({sel}) | "
+                f"{_mean(e['val_loss'])} | {_mean(e['test_loss'])} |"
             )
         for other, d in (real.get("default − other") or {}).items():
             lines.append(f"- default − `{other}`: {_ci(d)}")
