@@ -79,29 +79,35 @@ def _json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def shared_blocks(v2: dict[str, Any], v3: dict[str, Any] | None) -> dict[str, str]:
+def shared_sources(
+    v2: dict[str, Any], v3: dict[str, Any] | None
+) -> tuple[dict[str, str], dict[str, str]]:
     """The README's results block and docs/optimizer.md's threshold sentences: v3's where
-    every run the block reads has finished, v2's until then."""
+    every run the block reads has finished, v2's until then; and which study wrote each."""
     from rootopt_analysis.bench import study_v3_pages
 
-    head = (
-        study_v3_pages.headline(v3)
-        if v3 is not None and study_v3_pages.ready(v3)
-        else study_report.headline(v2)
-    )
-    text = (v3 is not None and study_v3_pages.threshold_sentences(v3)) or (
+    v3_ready = v3 is not None and study_v3_pages.ready(v3)
+    head = study_v3_pages.headline(v3) if v3 is not None and v3_ready else study_report.headline(v2)
+    v3_text = study_v3_pages.threshold_sentences(v3) if v3 is not None else None
+    text = v3_text or (
         study_report.threshold_sentences(v2)
         or "The defaults study has not measured what the threshold does yet."
     )
     wrapped = "\n".join(study_report._wrap(text))
     threshold = f"{study_report.THRESHOLD_BEGIN}\n{wrapped}\n{study_report.THRESHOLD_END}\n"
-    return {"README.md": head, "docs/optimizer.md": threshold}
+    blocks = {"README.md": head, "docs/optimizer.md": threshold}
+    return blocks, {"readme": "v3" if v3_ready else "v2", "threshold": "v3" if v3_text else "v2"}
 
 
-def _write_shared(root: Path, texts: dict[str, str], v2: dict[str, Any], v3: Any) -> None:
-    blocks = shared_blocks(v2, v3)
+def shared_blocks(v2: dict[str, Any], v3: dict[str, Any] | None) -> dict[str, str]:
+    return shared_sources(v2, v3)[0]
+
+
+def _write_shared(root: Path, texts: dict[str, str], v2: dict[str, Any], v3: Any) -> dict[str, str]:
+    blocks, sources = shared_sources(v2, v3)
     for rel, begin, end in SHARED:
         atomic_write(root / rel, study_report.splice(texts[rel], blocks[rel], begin, end).encode())
+    return sources
 
 
 def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
@@ -135,7 +141,7 @@ def publish_v3(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, o
     """v3's record into the repository at ``root``: docs/study-v3/, its summary and block,
     and the shared blocks (v3's where their runs have finished, v2's from
     docs/study_results.json until then)."""
-    from rootopt_analysis.bench import study_v3, study_v3_pages
+    from rootopt_analysis.bench import study_v3
 
     record, results = root / "docs" / "study-v3", root / "docs" / "study_results_v3.json"
     page_rel = "docs/benchmarks.md"
@@ -149,13 +155,8 @@ def publish_v3(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, o
     block = study_v3.markdown(summary)
     page = study_report.splice(texts[page_rel], block, study_v3.BEGIN, study_v3.END)
     atomic_write(root / page_rel, page.encode())
-    _write_shared(root, texts, v2, summary)
-    return {
-        "runs": summary["index"]["runs"],
-        "complete": summary["complete"],
-        "readme": "v3" if study_v3_pages.ready(summary) else "v2",
-        "threshold": "v3" if study_v3_pages.threshold_sentences(summary) else "v2",
-    }
+    sources = _write_shared(root, texts, v2, summary)
+    return {"runs": summary["index"]["runs"], "complete": summary["complete"], **sources}
 
 
 def main() -> int:

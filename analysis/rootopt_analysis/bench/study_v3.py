@@ -1041,15 +1041,7 @@ def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _iv(d: dict[str, Any] | None) -> str:
-    if d is None:
-        return "pending"
-    if "diverged" in d:
-        return f"{d['diverged']} diverged"
-    return (
-        f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] (90 %: [{d['lo90']:+.4f}, "
-        f"{d['hi90']:+.4f}], {d['n']} seeds)"
-    )
+_iv = study_v3_pages._iv  # one format for a pooled interval on the page and in the claims
 
 
 def markdown(s: dict[str, Any]) -> str:

@@ -16,13 +16,12 @@ has finished; until then the pages keep what v2 wrote there.
 from __future__ import annotations
 
 import math
-import textwrap
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from rootopt_analysis.bench.stats import holm, mean_ci
 from rootopt_analysis.bench.study import arm_by_name
-from rootopt_analysis.bench.study_report import HEADLINE_BEGIN, HEADLINE_END
+from rootopt_analysis.bench.study_report import HEADLINE_BEGIN, HEADLINE_END, _wrap
 from rootopt_analysis.bench.study_v3_real import CELL as REAL
 from rootopt_analysis.bench.study_v3_real import HF_CONFIG, REPORT_SEEDS
 
@@ -160,10 +159,6 @@ def _sizes(s: dict[str, Any]) -> str:
     return ", ".join(f"`{t}` {n:,}" for t, n in sizes.items())
 
 
-def _wrap(text: str) -> list[str]:
-    return textwrap.wrap(text, width=95, break_long_words=False, break_on_hyphens=False)
-
-
 def headline(s: dict[str, Any]) -> str:
     """The README's results block (v3); raises while :func:`ready` is false."""
     rs = rows(s)
@@ -211,7 +206,12 @@ def headline(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _iv(d: dict[str, Any]) -> str:
+def _iv(d: dict[str, Any] | None) -> str:
+    """A pooled paired interval with its 90 % (TOST) interval, as the v3 page prints it."""
+    if d is None:
+        return "pending"
+    if "diverged" in d:
+        return f"{d['diverged']} diverged"
     return (
         f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] (90 %: [{d['lo90']:+.4f}, "
         f"{d['hi90']:+.4f}], {d['n']} seeds)"
