@@ -4,7 +4,7 @@
    DIR (where ``rootopt bench study --out DIR`` runs) that docs/study/ lacks are appended to it.
 2. ``rootopt bench study --out docs/study --finished-only`` renders the summary from the record
    alone (nothing is trained).
-3. The summary becomes docs/study_results.json; its tables replace the generated block of
+3. The summary becomes docs/study_results_v2.json; its tables replace the generated block of
    docs/benchmarks-v2.md, v2's page (and v1's re-reading its own block of
    docs/benchmarks-v1.md, from docs/study_results_v1.json); its plots go to docs/img/
    (study_lr.png, study_long.png, study_tail.png).
@@ -13,7 +13,8 @@ Only the generated blocks between their markers are rewritten; the rest of each 
 as it is, and a page without its markers stops the script before anything is written.
 
 With ``--protocol v3`` the record is docs/study-v3/ (``--import DIR``: where ``rootopt bench
-study --protocol v3 --out DIR`` runs), the summary docs/study_results_v3.json and the block
+study --protocol v3 --out DIR`` runs), the summary docs/study_results.json (the current
+protocol's; v2's moved to docs/study_results_v2.json) and the block
 v3's of docs/benchmarks.md. The blocks outside a study's page (:data:`SHARED`: README.md's
 results, docs/optimizer.md's threshold sentences) are v3's once every run each reads has
 finished (``rootopt_analysis.bench.study_v3_pages``), v2's until then; both protocols write them.
@@ -112,7 +113,7 @@ def _write_shared(root: Path, texts: dict[str, str], v2: dict[str, Any], v3: Any
 
 def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
     """Publish into the repository at ``root`` (its docs/ and README.md)."""
-    record, results = root / "docs" / "study", root / "docs" / "study_results.json"
+    record, results = root / "docs" / "study", root / "docs" / "study_results_v2.json"
     page_path, img = root / "docs" / "benchmarks-v2.md", root / "docs" / "img"
     page_rel = "docs/benchmarks-v2.md"
     texts = _read_checked(root, [(page_rel, study_report.BEGIN, study_report.END), *SHARED])
@@ -128,7 +129,7 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
             v1_page, study_report.v1_markdown(v1), study_report.V1_BEGIN, study_report.V1_END
         )
         atomic_write(v1_path, v1_page.encode())
-    _write_shared(root, texts, summary, _json(root / "docs" / "study_results_v3.json"))
+    _write_shared(root, texts, summary, _json(root / "docs" / "study_results.json"))
     plots = []
     for name in PLOTS:
         if (record / name).is_file():
@@ -140,14 +141,14 @@ def publish(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, obje
 def publish_v3(root: Path = ROOT, import_dir: Path | None = None) -> dict[str, object]:
     """v3's record into the repository at ``root``: docs/study-v3/, its summary and block,
     and the shared blocks (v3's where their runs have finished, v2's from
-    docs/study_results.json until then)."""
+    docs/study_results_v2.json until then)."""
     from rootopt_analysis.bench import study_v3
 
-    record, results = root / "docs" / "study-v3", root / "docs" / "study_results_v3.json"
+    record, results = root / "docs" / "study-v3", root / "docs" / "study_results.json"
     page_rel = "docs/benchmarks.md"
-    v2 = _json(root / "docs" / "study_results.json")
+    v2 = _json(root / "docs" / "study_results_v2.json")
     if v2 is None:
-        raise SystemExit("study_publish: docs/study_results.json (v2's summary) is missing")
+        raise SystemExit("study_publish: docs/study_results_v2.json (v2's summary) is missing")
     texts = _read_checked(root, [(page_rel, study_v3.BEGIN, study_v3.END), *SHARED])
     record.mkdir(exist_ok=True)
     earlier = ["--protocol", "v3", "--earlier", str(root / "docs" / "study")]

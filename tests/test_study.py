@@ -431,11 +431,11 @@ def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> Non
 
 
 def test_benchmarks_page_is_the_committed_study() -> None:
-    """docs/benchmarks-v2.md carries exactly the tables rendered from docs/study_results.json."""
+    """docs/benchmarks-v2.md carries exactly the tables rendered from docs/study_results_v2.json."""
     from rootopt_analysis.bench.study_report import BEGIN, END, markdown, splice
 
     docs = Path(__file__).resolve().parents[1] / "docs"
-    summary = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    summary = json.loads((docs / "study_results_v2.json").read_text(encoding="utf-8"))
     page = (docs / "benchmarks-v2.md").read_text(encoding="utf-8")
     assert page.count(BEGIN) == 1 and page.count(END) == 1
     block = markdown(summary)
@@ -703,12 +703,12 @@ def test_bf16_autocast_runs_train_under_autocast(tmp_path: Path) -> None:
 
 
 def test_committed_summary_is_rendered_from_the_committed_record() -> None:
-    """docs/study_results.json is what the committed record (docs/study/: one line per run)
+    """docs/study_results_v2.json is what the committed record (docs/study/: one line per run)
     gives, rendered again here: every number, decision and index row, nothing trained."""
     from rootopt_analysis.bench.study_report import provenance, read_sessions
 
     docs = Path(__file__).resolve().parents[1] / "docs"
-    committed = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    committed = json.loads((docs / "study_results_v2.json").read_text(encoding="utf-8"))
     record = docs / "study"
     store = study.open_store(record)
     assert len(store.runs) == committed["index"]["runs"]
@@ -760,7 +760,7 @@ def test_publish_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
     _mini_repo(tmp_path)
     got = mod.publish(tmp_path)
     assert got["runs"] == 0 and got["complete"] is False
-    summary = json.loads((tmp_path / "docs" / "study_results.json").read_text())
+    summary = json.loads((tmp_path / "docs" / "study_results_v2.json").read_text())
     page = (tmp_path / "docs" / "benchmarks-v2.md").read_text()
     assert page.startswith("# page\n\nkept\n\n") and page.endswith("\n\nkept too\n")
     assert markdown(summary).rstrip("\n") in page and "\nold\n" not in page
@@ -895,7 +895,7 @@ def test_headline_shows_the_shipped_setting_until_the_defaults_equal_the_decisio
     from rootopt_analysis.bench.study_report import headline
 
     docs = Path(__file__).resolve().parents[1] / "docs"
-    s = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    s = json.loads((docs / "study_results_v2.json").read_text(encoding="utf-8"))
     s = copy.deepcopy(s)
     c = next(c for c in s["cells"].values() if c["arms"].get("muon-bf16"))
     c["arms"]["decided-arm"] = {"test_loss_ci": {"mean": 9.0, "lo": 8.9, "hi": 9.1}}
@@ -929,7 +929,7 @@ def test_headline_of_a_finished_study_reports_the_cells_without_the_default_arm(
     )
 
     docs = Path(__file__).resolve().parents[1] / "docs"
-    s = json.loads((docs / "study_results.json").read_text(encoding="utf-8"))
+    s = json.loads((docs / "study_results_v2.json").read_text(encoding="utf-8"))
     # the decided arm stands in the README's column here, so the cells without it are
     # those the earlier setting ran alone
     s["default"]["shipped"] = s["default"]["arm"]

@@ -261,13 +261,13 @@ def test_after_the_decision_every_family_is_asked_for_and_the_walk_ends(tmp_path
 
 
 def test_the_page_carries_the_block_rendered_from_the_committed_summary() -> None:
-    """docs/benchmarks.md's v3 block is docs/study_results_v3.json rendered, and that summary
+    """docs/benchmarks.md's v3 block is docs/study_results.json rendered, and that summary
     names the CPU and instruction set of every record."""
     import json
 
     from rootopt_analysis.bench.study_report import splice
 
-    summary = json.loads((REPO / "docs" / "study_results_v3.json").read_text(encoding="utf-8"))
+    summary = json.loads((REPO / "docs" / "study_results.json").read_text(encoding="utf-8"))
     page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     assert splice(page, v3.markdown(summary), v3.BEGIN, v3.END) == page
     assert summary["meta"]["cpus"] and all("(" in c for c in summary["meta"]["cpus"])
@@ -353,10 +353,10 @@ def test_publish_v3_writes_v2s_shared_blocks_until_v3s_runs_are_in(
     (docs / "benchmarks.md").write_text(page)
     (docs / "optimizer.md").write_text(optimizer)
     (tmp_path / "README.md").write_text(readme)
-    with pytest.raises(SystemExit, match="study_results.json"):  # v2's summary is missing
+    with pytest.raises(SystemExit, match="study_results_v2.json"):  # v2's summary is missing
         mod.publish_v3(tmp_path)
     assert (docs / "benchmarks.md").read_text() == page and not (docs / "study-v3").exists()
-    shutil.copyfile(REPO / "docs" / "study_results.json", docs / "study_results.json")
+    shutil.copyfile(REPO / "docs" / "study_results_v2.json", docs / "study_results_v2.json")
     (tmp_path / "README.md").write_text("# readme\n\n" + HEADLINE_BEGIN + "\n")  # one marker
     with pytest.raises(SystemExit, match="README.md must hold"):
         mod.publish_v3(tmp_path)
@@ -365,7 +365,7 @@ def test_publish_v3_writes_v2s_shared_blocks_until_v3s_runs_are_in(
     (tmp_path / "README.md").write_text(readme)
     got = mod.publish_v3(tmp_path)
     assert got["readme"] == "v2" and got["threshold"] == "v2"
-    v2_summary = json.loads((docs / "study_results.json").read_text())
+    v2_summary = json.loads((docs / "study_results_v2.json").read_text())
     assert (tmp_path / "README.md").read_text() == (
         "# readme\n\n" + study_report.headline(v2_summary)
     )
@@ -388,8 +388,8 @@ def test_the_shared_blocks_are_the_committed_studies_rendered() -> None:
     from rootopt_analysis.bench.study_report import splice
 
     mod = _publish_module()
-    v2 = json.loads((REPO / "docs" / "study_results.json").read_text(encoding="utf-8"))
-    v3_summary = json.loads((REPO / "docs" / "study_results_v3.json").read_text(encoding="utf-8"))
+    v2 = json.loads((REPO / "docs" / "study_results_v2.json").read_text(encoding="utf-8"))
+    v3_summary = json.loads((REPO / "docs" / "study_results.json").read_text(encoding="utf-8"))
     blocks = mod.shared_blocks(v2, v3_summary)
     for rel, begin, end in mod.SHARED:
         doc = (REPO / rel).read_text(encoding="utf-8")

@@ -2,7 +2,7 @@
 
 ``markdown(summary)`` renders the tables that docs/benchmarks-v2.md (v2's page) carries between its
 ``<!-- study:begin -->`` and ``<!-- study:end -->`` markers; a test renders the committed
-``docs/study_results.json`` again and compares, so the doc cannot drift from the data.
+``docs/study_results_v2.json`` again and compares, so the doc cannot drift from the data.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def markdown(s: dict[str, Any]) -> str:
         "before their end or still running",
         f"- run index: {idx['runs']} runs in `docs/study/runs.jsonl`, {idx['superseded']} of "
         "them not used by the protocol as it stands (superseded); listed in "
-        "`docs/study_results.json` (`index`)",
+        "`docs/study_results_v2.json` (`index`)",
         "- status: " + _status(s),
         "",
     ]

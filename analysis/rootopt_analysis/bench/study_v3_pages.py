@@ -1,6 +1,6 @@
 """What the defaults study v3 writes outside its own page (docs/benchmarks.md, v3 "Claims").
 
-Rendered from the v3 summary (docs/study_results_v3.json) alone, each once every run it reads
+Rendered from the v3 summary (docs/study_results.json) alone, each once every run it reads
 has finished; until then the pages keep what v2 wrote there.
 
 - The README's results block (:func:`headline`, :func:`ready`): one row per cell, the decided
