@@ -649,6 +649,38 @@ def test_index_lists_runs_the_protocol_no_longer_uses(tmp_path: Path) -> None:
     assert row["started (UTC)"] == "1970-01-01 00:00:00"
 
 
+def test_index_names_the_commit_of_the_session_that_started_a_run_recorded_without_one(
+    tmp_path: Path,
+) -> None:
+    """A worker's result file imported by the next session has no commit (its session stopped
+    between the file and the log's line): the index names the commit of the session running
+    when it started; a record's own commit wins; before any session, none."""
+    p = Protocol.quick()
+    log = tmp_path / "study-log.jsonl"
+    sessions = [
+        {"session": "1", "start": 100.0, "end": None, "commit": "c1", "dirty": False},
+        {"session": "2", "start": 200.0, "end": None, "commit": "c2", "dirty": True},
+        {"session": "2", "start": 200.0, "end": 300.0, "commit": "c2", "dirty": True},
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in sessions))
+    store = study.open_store(tmp_path)
+    base = {"format": 2, "final_val_loss": 1.0, "final_test_loss": 1.1, "diverged": False,
+            "ended": 1.0, "smoothness": 0.0}  # fmt: skip
+    want = {}
+    cases = [(150.0, None, "c1"), (199.0, None, "c1"), (250.0, None, "c2+dirty"),
+             (250.0, "mine", "mine"), (50.0, None, None)]  # fmt: skip
+    for i, (started, commit, expect) in enumerate(cases):
+        spec = RunSpec(suite="study-report-v2", task="digits", optimizer="adamw", lr=0.01,
+                       seed=i, steps=6, weight_decay=0.1)  # fmt: skip
+        store.add_runs([{**base, "run_id": spec.run_id, "spec": spec.to_dict(),
+                         "started": started}], commit=commit)  # fmt: skip
+        want[spec.run_id] = expect
+    w = study.walk(p, lambda s: store.runs.get(s.run_id), store.timing.get)
+    idx = study._index(w, store)
+    got = {row[0]: row[idx["columns"].index("commit")] for row in idx["rows"]}
+    assert got == want
+
+
 def test_momentum_tail_sees_what_root_thresholds() -> None:
     import torch
 

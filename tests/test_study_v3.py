@@ -274,6 +274,31 @@ def test_the_page_carries_the_block_rendered_from_the_committed_summary() -> Non
     assert summary["index"]["runs"] > 0
 
 
+def test_the_committed_summary_is_the_committed_record_rendered_again() -> None:
+    """docs/study_results.json is what docs/study-v3/ (with v2's record for the reused
+    selection runs) gives, rendered again here with nothing trained; its run index names the
+    commit and the machine (CPU and instruction set) of every run, as the run's record does."""
+    import json
+
+    from rootopt_analysis.bench.study_report import provenance, read_sessions
+
+    record = REPO / "docs" / "study-v3"
+    committed = json.loads((REPO / "docs" / "study_results.json").read_text(encoding="utf-8"))
+    store = v3.open_store(record)
+    lookup = v3.reused_lookup(store, [v3.v2.open_store(REPO / "docs" / "study")])
+    w = v3.walk(lookup, store.timing.get)
+    meta = provenance(read_sessions(record / "study-log.jsonl"), store)
+    again = json.loads(json.dumps(v3.summarize(w, store, meta)))
+    assert json.dumps(again, sort_keys=True) == json.dumps(committed, sort_keys=True)
+    idx = committed["index"]
+    col = {c: i for i, c in enumerate(idx["columns"])}
+    assert len(idx["rows"]) == len(store.runs) == committed["index"]["runs"]
+    for row in idx["rows"]:
+        m = store.runs[row[col["run_id"]]]["machine"]
+        assert row[col["machine"]].startswith(f"{m['cpu']} ({m['isa']}")
+        assert len(row[col["commit"]]) == 40
+
+
 def _row(cell: str, p: float, eq_p: float | None = None) -> object:
     from rootopt_analysis.bench import study_v3_pages as readme
 

@@ -93,6 +93,44 @@ def _append(path: Path, records: Iterable[Result]) -> None:
         os.fsync(f.fileno())
 
 
+def read_sessions(log_path: Path) -> list[dict[str, Any]]:
+    """The study's sessions from its log, one per session: an entry written at the start and
+    one at the end; a session with no end entry was stopped (its ``end`` is None). Torn or
+    foreign lines are skipped."""
+    if not log_path.is_file():  # no session has run jobs here (only renders)
+        return []
+    sessions: dict[str, dict[str, Any]] = {}
+    for line in log_path.read_text(encoding="utf-8").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(e, dict) or "start" not in e:
+            continue
+        key = str(e.get("session", e["start"]))
+        if e.get("end") is not None or key not in sessions:
+            sessions[key] = e
+    return list(sessions.values())
+
+
+def commit_of(run: Result, sessions: list[dict[str, Any]]) -> str | None:
+    """The commit of the code that ran ``run``: the one its record names, else that of the
+    session that started it (the last one logged before its start). One session appends to
+    a study directory at a time (its lock), so a run's start lies in the session that ran it;
+    a record lacks its commit when that session stopped between the worker's file and the
+    log's line, and the next session imported the file."""
+    if run.get("commit"):
+        return str(run["commit"])
+    started = run.get("started")
+    if not isinstance(started, int | float):
+        return None
+    before = [s for s in sessions if s.get("commit") and s["start"] <= started]
+    if not before:
+        return None
+    s = max(before, key=lambda s: s["start"])
+    return f"{s['commit']}{'+dirty' if s.get('dirty') else ''}"
+
+
 class Store:
     """The finished runs and timings of one study directory."""
 

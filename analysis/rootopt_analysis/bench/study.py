@@ -33,7 +33,7 @@ from typing import Protocol as Interface
 
 from rootopt_analysis.bench.runner import Corruption, RunSpec
 from rootopt_analysis.bench.stats import holm, mean_ci, paired_ci, paired_p
-from rootopt_analysis.bench.store import Store
+from rootopt_analysis.bench.store import Store, commit_of, read_sessions
 
 Result = dict[str, Any]
 Lookup = Callable[[RunSpec], Result | None]
@@ -1663,6 +1663,7 @@ def _index(w: Walk, store: Store) -> dict[str, Any]:
         "used",
     ]
     rows = []
+    sessions = read_sessions(store.out / "study-log.jsonl")
     for rid, r in sorted(store.runs.items(), key=lambda kv: (kv[1].get("started") or 0, kv[0])):
         spec = RunSpec.from_dict(r["spec"])
         uses = sorted(w.uses.get(rid, ()))
@@ -1691,7 +1692,7 @@ def _index(w: Walk, store: Store) -> dict[str, Any]:
                 cell,
                 spec.seed,
                 setting,
-                r.get("commit"),
+                commit_of(r, sessions),
                 _utc_s(r.get("started")),
                 _utc_s(r.get("ended")),
                 fin(r.get("final_val_loss")),

@@ -1037,8 +1037,26 @@ def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
         "horizon_curves": _horizon_curves(w, cells),
         "equal_time": _equal_time_summary(w),
         "real_model": _real_summary(w),
-        "index": v2._index(b, store),
+        "index": _index(b, store),
     }
+
+
+def _machine_label(m: Any) -> str | None:
+    """``CPU (instruction set)`` of one record, with oneDNN's cap where a run set one."""
+    if not isinstance(m, dict):
+        return None
+    cap = f"; oneDNN capped at {m['onednn_max_cpu_isa']}" if m.get("onednn_max_cpu_isa") else ""
+    return f"{m.get('cpu')} ({m.get('isa')}{cap})"
+
+
+def _index(b: v2.Walk, store: Store) -> dict[str, Any]:
+    """v2's run index with the machine each run ran on (CPU and instruction set: the protocol's
+    "every run and timing record names the CPU"; the timing records carry theirs in ``costs``
+    and ``equal_time``)."""
+    idx = v2._index(b, store)
+    idx["columns"] = [*idx["columns"], "machine"]
+    idx["rows"] = [[*row, _machine_label(store.runs[row[0]].get("machine"))] for row in idx["rows"]]
+    return idx
 
 
 _iv = study_v3_pages._iv  # one format for a pooled interval on the page and in the claims
