@@ -661,6 +661,7 @@ def test_index_names_the_commit_of_the_session_that_started_a_run_recorded_witho
         {"session": "1", "start": 100.0, "end": None, "commit": "c1", "dirty": False},
         {"session": "2", "start": 200.0, "end": None, "commit": "c2", "dirty": True},
         {"session": "2", "start": 200.0, "end": 300.0, "commit": "c2", "dirty": True},
+        {"session": "3", "start": "soon", "end": None, "commit": "c3"},  # a hand-edited line
     ]
     log.write_text("".join(json.dumps(e) + "\n" for e in sessions))
     store = study.open_store(tmp_path)

@@ -124,7 +124,11 @@ def commit_of(run: Result, sessions: list[dict[str, Any]]) -> str | None:
     started = run.get("started")
     if not isinstance(started, int | float):
         return None
-    before = [s for s in sessions if s.get("commit") and s["start"] <= started]
+    before = [
+        s
+        for s in sessions
+        if s.get("commit") and isinstance(s.get("start"), int | float) and s["start"] <= started
+    ]
     if not before:
         return None
     s = max(before, key=lambda s: s["start"])
