@@ -400,7 +400,8 @@ def test_selection_runs_evaluate_only_at_the_end_with_the_same_losses(tmp_path: 
 def test_a_session_stopped_before_its_end_stays_on_record(tmp_path: Path) -> None:
     """A session logs at its start, so a kill (or a reboot) leaves its commit and command on
     record; its end is the end of the last run it finished before the next session started."""
-    from rootopt_analysis.bench.study_report import provenance, read_sessions
+    from rootopt_analysis.bench.store import read_sessions
+    from rootopt_analysis.bench.study_report import provenance
 
     out = tmp_path / "study"
     out.mkdir()
@@ -738,7 +739,8 @@ def test_bf16_autocast_runs_train_under_autocast(tmp_path: Path) -> None:
 def test_committed_summary_is_rendered_from_the_committed_record() -> None:
     """docs/study_results_v2.json is what the committed record (docs/study/: one line per run)
     gives, rendered again here: every number, decision and index row, nothing trained."""
-    from rootopt_analysis.bench.study_report import provenance, read_sessions
+    from rootopt_analysis.bench.store import read_sessions
+    from rootopt_analysis.bench.study_report import provenance
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     committed = json.loads((docs / "study_results_v2.json").read_text(encoding="utf-8"))

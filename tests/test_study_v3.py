@@ -280,7 +280,8 @@ def test_the_committed_summary_is_the_committed_record_rendered_again() -> None:
     commit and the machine (CPU and instruction set) of every run, as the run's record does."""
     import json
 
-    from rootopt_analysis.bench.study_report import provenance, read_sessions
+    from rootopt_analysis.bench.store import read_sessions
+    from rootopt_analysis.bench.study_report import provenance
 
     record = REPO / "docs" / "study-v3"
     committed = json.loads((REPO / "docs" / "study_results.json").read_text(encoding="utf-8"))

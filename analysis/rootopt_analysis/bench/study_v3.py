@@ -998,7 +998,7 @@ def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
     final = final_arms(w)
     machines = sorted(
         {
-            f"{m['cpu']} ({m['isa']})"
+            _cpu_label(m)
             for r in (*store.runs.values(), *store.timing.values())
             if isinstance(m := r.get("machine"), dict) and not m.get("onednn_max_cpu_isa")
         }
@@ -1041,12 +1041,14 @@ def summarize(w: WalkV3, store: Store, meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _machine_label(m: Any) -> str | None:
-    """``CPU (instruction set)`` of one record, with oneDNN's cap where a run set one."""
-    if not isinstance(m, dict):
-        return None
+def _cpu_label(m: dict[str, Any]) -> str:
+    """``CPU (instruction set)`` of one record's machine, with oneDNN's cap where a run set one."""
     cap = f"; oneDNN capped at {m['onednn_max_cpu_isa']}" if m.get("onednn_max_cpu_isa") else ""
     return f"{m.get('cpu')} ({m.get('isa')}{cap})"
+
+
+def _machine_label(m: Any) -> str | None:
+    return _cpu_label(m) if isinstance(m, dict) else None
 
 
 def _index(b: v2.Walk, store: Store) -> dict[str, Any]:

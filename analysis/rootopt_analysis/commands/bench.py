@@ -281,6 +281,7 @@ def _study_session(args: argparse.Namespace, argv: list[str], out: Path, src: Pa
     """The study's work in ``out`` (the caller validated it and holds its lock if needed)."""
     from rootopt._atomic import atomic_write, open_append
     from rootopt_analysis.bench import study, study_report
+    from rootopt_analysis.bench.store import read_sessions
 
     proto = study.Protocol.quick() if args.quick else study.Protocol.full()
     log_path = out / "study-log.jsonl"
@@ -332,7 +333,7 @@ def _study_session(args: argparse.Namespace, argv: list[str], out: Path, src: Pa
         commit=commit,
     )
     log({**entry, "end": time.time()})
-    meta = study_report.provenance(study_report.read_sessions(log_path), store)
+    meta = study_report.provenance(read_sessions(log_path), store)
     summary = study.summarize(w, store, meta)
     atomic_write(out / "study.json", study_report.dump_summary(summary).encode())
     atomic_write(out / "study.md", study_report.markdown(summary).encode())
@@ -350,6 +351,7 @@ def _study_v3(
 ) -> int:
     from rootopt._atomic import atomic_write
     from rootopt_analysis.bench import study_report, study_v3
+    from rootopt_analysis.bench.store import read_sessions
 
     earlier = Path(args.earlier)
     if not (earlier / "runs.jsonl").is_file():
@@ -363,7 +365,7 @@ def _study_v3(
         commit=commit,
     )
     log_end()
-    meta = study_report.provenance(study_report.read_sessions(out / "study-log.jsonl"), store)
+    meta = study_report.provenance(read_sessions(out / "study-log.jsonl"), store)
     summary = study_v3.summarize(w, store, meta)
     atomic_write(out / "study.json", study_report.dump_summary(summary).encode())
     atomic_write(out / "study.md", study_v3.markdown(summary).encode())
