@@ -77,7 +77,16 @@ def _read_checked(root: Path, pages: list[tuple[str, str, str]]) -> dict[str, st
 
 
 def _json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    """A committed summary, None where there is none; one line naming a file that is not one."""
+    if not path.is_file():
+        return None
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # also a file that is not UTF-8
+        raise SystemExit(f"study_publish: {path.name} is not a study summary ({exc})") from None
+    if not isinstance(got, dict):
+        raise SystemExit(f"study_publish: {path.name} is not a study summary (not an object)")
+    return got
 
 
 def shared_sources(

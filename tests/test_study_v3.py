@@ -352,6 +352,34 @@ def _publish_module() -> Any:
     return mod
 
 
+@pytest.mark.parametrize("broken", ['{"broken', "[1, 2]", "\udcff"])
+def test_publish_v3_refuses_a_summary_that_is_not_one(tmp_path: Path, broken: str) -> None:
+    """A committed summary that is not a JSON object (torn, hand-edited, not UTF-8) stops the
+    publisher with one line naming the file, before any page is written."""
+    from rootopt_analysis.bench.study_report import (
+        HEADLINE_BEGIN,
+        HEADLINE_END,
+        THRESHOLD_BEGIN,
+        THRESHOLD_END,
+    )
+
+    mod = _publish_module()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    pages = {
+        docs / "benchmarks.md": f"# page\n\n{v3.BEGIN}\nold\n{v3.END}\n",
+        tmp_path / "README.md": f"# readme\n\n{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n",
+        docs / "optimizer.md": f"# o\n\n{THRESHOLD_BEGIN}\nold\n{THRESHOLD_END}\n",
+    }
+    for path, text in pages.items():
+        path.write_text(text)
+    (docs / "study_results_v2.json").write_bytes(broken.encode("utf-8", "surrogateescape"))
+    with pytest.raises(SystemExit, match=r"^study_publish: study_results_v2.json is not a study"):
+        mod.publish_v3(tmp_path)
+    assert all(path.read_text() == text for path, text in pages.items())
+    assert not (docs / "study-v3").exists() and not (docs / "study_results.json").exists()
+
+
 def test_publish_v3_writes_v2s_shared_blocks_until_v3s_runs_are_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
