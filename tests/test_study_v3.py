@@ -352,10 +352,8 @@ def _publish_module() -> Any:
     return mod
 
 
-@pytest.mark.parametrize("broken", ['{"broken', "[1, 2]", "\udcff"])
-def test_publish_v3_refuses_a_summary_that_is_not_one(tmp_path: Path, broken: str) -> None:
-    """A committed summary that is not a JSON object (torn, hand-edited, not UTF-8) stops the
-    publisher with one line naming the file, before any page is written."""
+def _v3_pages(root: Path) -> dict[Path, str]:
+    """The three pages publish_v3 writes, each with its markers, in a repository at ``root``."""
     from rootopt_analysis.bench.study_report import (
         HEADLINE_BEGIN,
         HEADLINE_END,
@@ -363,16 +361,26 @@ def test_publish_v3_refuses_a_summary_that_is_not_one(tmp_path: Path, broken: st
         THRESHOLD_END,
     )
 
-    mod = _publish_module()
-    docs = tmp_path / "docs"
-    docs.mkdir()
+    (root / "docs").mkdir()
     pages = {
-        docs / "benchmarks.md": f"# page\n\n{v3.BEGIN}\nold\n{v3.END}\n",
-        tmp_path / "README.md": f"# readme\n\n{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n",
-        docs / "optimizer.md": f"# o\n\n{THRESHOLD_BEGIN}\nold\n{THRESHOLD_END}\n",
+        root / "docs" / "benchmarks.md": f"# page\n\n{v3.BEGIN}\nold\n{v3.END}\n\nkept\n",
+        root / "README.md": f"# readme\n\n{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n",
+        root / "docs" / "optimizer.md": (
+            f"# optimizer\n\n{THRESHOLD_BEGIN}\nold\n{THRESHOLD_END}\n\n## Use\n"
+        ),
     }
     for path, text in pages.items():
         path.write_text(text)
+    return pages
+
+
+@pytest.mark.parametrize("broken", ['{"broken', "[1, 2]", "\udcff"])
+def test_publish_v3_refuses_a_summary_that_is_not_one(tmp_path: Path, broken: str) -> None:
+    """A committed summary that is not a JSON object (torn, hand-edited, not UTF-8) stops the
+    publisher with one line naming the file, before any page is written."""
+    mod = _publish_module()
+    pages = _v3_pages(tmp_path)
+    docs = tmp_path / "docs"
     (docs / "study_results_v2.json").write_bytes(broken.encode("utf-8", "surrogateescape"))
     with pytest.raises(SystemExit, match=r"^study_publish: study_results_v2.json is not a study"):
         mod.publish_v3(tmp_path)
@@ -390,23 +398,12 @@ def test_publish_v3_writes_v2s_shared_blocks_until_v3s_runs_are_in(
     import shutil
 
     from rootopt_analysis.bench import study_report, study_v3_pages
-    from rootopt_analysis.bench.study_report import (
-        HEADLINE_BEGIN,
-        HEADLINE_END,
-        THRESHOLD_BEGIN,
-        THRESHOLD_END,
-    )
+    from rootopt_analysis.bench.study_report import HEADLINE_BEGIN, THRESHOLD_END
 
     mod = _publish_module()
+    page, readme, optimizer = _v3_pages(tmp_path).values()
     docs = tmp_path / "docs"
-    docs.mkdir()
     (docs / "study").symlink_to(REPO / "docs" / "study")  # v2's record, read only
-    page = f"# page\n\n{v3.BEGIN}\nold\n{v3.END}\n\nkept\n"
-    readme = f"# readme\n\n{HEADLINE_BEGIN}\nold\n{HEADLINE_END}\n"
-    optimizer = f"# optimizer\n\n{THRESHOLD_BEGIN}\nold\n{THRESHOLD_END}\n\n## Use\n"
-    (docs / "benchmarks.md").write_text(page)
-    (docs / "optimizer.md").write_text(optimizer)
-    (tmp_path / "README.md").write_text(readme)
     with pytest.raises(SystemExit, match="study_results_v2.json"):  # v2's summary is missing
         mod.publish_v3(tmp_path)
     assert (docs / "benchmarks.md").read_text() == page and not (docs / "study-v3").exists()
